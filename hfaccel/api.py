@@ -143,7 +143,9 @@ def _per_prompt_configs(
         return [generation_config] * count
     configs = list(generation_config)
     if len(configs) != count:
-        raise ValueError(f"generation_config has {len(configs)} entries for {count} prompts; give one per prompt")
+        raise ValueError(
+            f"generation_config has {len(configs)} entries for {count} prompts; give one per prompt"
+        )
     return configs
 
 
@@ -190,7 +192,7 @@ def _plan(
         eos = prepared.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         return _Fallback(ids, new, "stop" if new and new[-1] in eos_ids else "length")
-    model._prepare_special_tokens(prepared, False, device=device)
+    model._prepare_special_tokens(prepared, True, device=device)  # one unpadded row: no mask needed
     stopping, processors = row_rules(model, prepared, input_ids, has_default_max, has_default_min)
     if stopping.max_new_tokens <= 0:
         return _Fallback(ids, [], "length")

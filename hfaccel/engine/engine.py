@@ -40,9 +40,14 @@ class Engine:
         self.num_blocks = self._num_blocks(kv_bytes_per_token(model, kv_dtype) * block_size)
         self.block_manager = BlockManager(self.num_blocks, block_size)
         self.scheduler = Scheduler(
-            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, self.max_model_len
+            self.block_manager,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            self.max_model_len,
         )
-        self.runner = ModelRunner(model, get_backend(self.config.backend), self.num_blocks, block_size, kv_dtype)
+        self.runner = ModelRunner(
+            model, get_backend(self.config.backend), self.num_blocks, block_size, kv_dtype
+        )
         self.num_steps = 0
         self.num_generated_tokens = 0
         self._next_id = 0

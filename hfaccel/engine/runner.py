@@ -13,7 +13,11 @@ class ModelRunner:
     """Owns the KV cache (one ``[num_blocks, block_size, Hkv, D]`` pair per layer) and the forward call."""
 
     def __init__(
-        self, model: torch.nn.Module, backend: AttentionBackend, num_blocks: int, block_size: int,
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
         kv_dtype: torch.dtype,
     ) -> None:
         register_attention()
@@ -25,8 +29,10 @@ class ModelRunner:
         # Zeroed, not empty: masked-out slots are still read by SDPA, and NaN garbage would leak through.
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=kv_dtype, device=self.device),
-             torch.zeros(shape, dtype=kv_dtype, device=self.device))
+            (
+                torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=kv_dtype, device=self.device),
+            )
             for _ in range(num_layers)
         ]
 

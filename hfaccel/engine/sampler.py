@@ -14,7 +14,7 @@ def greedy_sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     EOS is masked while a request is below its ``min_new_tokens`` (done here, batched, because every
     benchmark request uses it), then each request's own HF ``LogitsProcessorList`` runs on its row.
     """
-    scores = logits.float()
+    scores = logits.to(dtype=torch.float32, copy=True)
     rows, cols = [], []
     for i, request in enumerate(requests):
         if len(request.output_token_ids) < request.stopping.min_new_tokens:

@@ -53,13 +53,23 @@ class AttentionBackend(Protocol):
         """Derive per-step state (shared by every layer) into ``meta.backend_state``."""
 
     def write_kv(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         meta: AttentionMetadata,
     ) -> None:
         """Store this step's ``key``/``value`` ``[T, Hkv, D]`` at ``meta.slot_mapping``."""
 
     def attend(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-        v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
     ) -> torch.Tensor:
         """Causal attention of ``query`` ``[T, Hq, D]`` over each sequence's context; returns ``[T, Hq, D]``."""

@@ -15,7 +15,9 @@ def check_model(model: torch.nn.Module) -> None:
     if config is None or not hasattr(model, "generate"):
         raise ValueError("hfaccel.patch expects a transformers causal-LM model (with .config and .generate)")
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{type(model).__name__} is an encoder-decoder model; hfaccel serves decoder-only models")
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model; hfaccel serves decoder-only models"
+        )
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
     if can_set is not None and not can_set():
         raise ValueError(

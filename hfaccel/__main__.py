@@ -1,0 +1,3 @@
+from hfaccel.cli import main
+
+main()

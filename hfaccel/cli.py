@@ -1,0 +1,47 @@
+"""`python -m hfaccel demo|bench`."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(prog="hfaccel", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="answer chat prompts with SmolLM2 through hfaccel, and compare speed")
+    demo.add_argument("--dtype", choices=_DTYPES, default="float32")
+    demo.add_argument("--max-new-tokens", type=int, default=64)
+    bench = sub.add_parser("bench", help="offline throughput: HF static, HF generate_batch, hfaccel")
+    bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
+    bench.add_argument("--num-requests", type=int, default=32)
+    bench.add_argument("--min-len", type=int, default=8)
+    bench.add_argument("--max-len", type=int, default=256)
+    bench.add_argument("--static-batch-size", type=int, default=8)
+    bench.add_argument("--systems", default="hf_static,hf_generate_batch,hfaccel")
+    bench.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from hfaccel.bench.demo import run_demo
+
+        run_demo(dtype=_DTYPES[args.dtype], max_new_tokens=args.max_new_tokens)
+    else:
+        from hfaccel.bench.offline import run_offline_benchmark
+
+        run_offline_benchmark(
+            dtype=_DTYPES[args.dtype],
+            num_requests=args.num_requests,
+            min_len=args.min_len,
+            max_len=args.max_len,
+            static_batch_size=args.static_batch_size,
+            systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
+            json_path=args.json,
+        )
+
+
+if __name__ == "__main__":
+    main()

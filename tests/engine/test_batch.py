@@ -1,0 +1,58 @@
+import pytest
+import torch
+
+from hfaccel.engine.batch import Batch, ScheduledStep, pack_step
+from hfaccel.engine.request import Request, StoppingParams
+
+
+def req(rid, prompt, out=(), computed=0, blocks=()):
+    r = Request(rid, list(prompt), StoppingParams(max_new_tokens=10))
+    r.output_token_ids = list(out)
+    r.num_computed_tokens = computed
+    r.block_ids = list(blocks)
+    return r
+
+
+def test_merge_appends_in_order_and_rejects_duplicates():
+    a, b, c = req("a", [5]), req("b", [6]), req("c", [7])
+    batch = Batch([a]).merge([b, c])
+    assert [r.request_id for r in batch] == ["a", "b", "c"]
+    with pytest.raises(ValueError, match="request 'b' is already in the batch"):
+        batch.merge([b])
+    assert len(batch) == 3
+
+
+def test_filter_keeps_order_and_returns_removed():
+    a, b, c, d = (req(x, [5]) for x in "abcd")
+    batch = Batch([a, b, c, d])
+    removed = batch.filter(lambda r: r.request_id in ("a", "c"))
+    assert [r.request_id for r in batch] == ["a", "c"]
+    assert [r.request_id for r in removed] == ["b", "d"]
+    assert b not in batch and a in batch
+
+
+def test_pack_step_refuses_one_token_entries_after_longer_ones():
+    decode = req("d", [10, 11, 12, 13, 14], out=[15, 16], computed=6, blocks=[7, 2])
+    fresh = req("f", [20, 21, 22], blocks=[5])
+    with pytest.raises(AssertionError, match="one-token sequences must come first"):
+        pack_step(ScheduledStep([fresh, decode], [3, 1]), block_size=4, device=torch.device("cpu"))
+
+
+def test_pack_step_tokens_positions_slots_and_sampling():
+    decode = req("d", [10, 11, 12, 13, 14], out=[15, 16], computed=6, blocks=[7, 2])
+    fresh = req("f", [20, 21, 22], blocks=[5])
+    chunk = req("c", [30, 31, 32, 33, 34, 35], computed=2, blocks=[1, 3])
+    inputs = pack_step(
+        ScheduledStep([decode, fresh, chunk], [1, 3, 2]), block_size=4, device=torch.device("cpu")
+    )
+    assert inputs.input_ids.tolist() == [[16, 20, 21, 22, 32, 33]]
+    assert inputs.position_ids.tolist() == [[6, 0, 1, 2, 2, 3]]
+    meta = inputs.metadata
+    assert meta.slot_mapping.tolist() == [2 * 4 + 2, 20, 21, 22, 1 * 4 + 2, 1 * 4 + 3]
+    assert meta.query_start_loc == [0, 1, 4, 6]
+    assert meta.seq_lens == [7, 3, 4]
+    assert meta.num_decodes == 1
+    assert meta.block_tables.tolist() == [[7, 2], [5, 0], [1, 3]]
+    # The chunk stops before the prompt's end: no logits for it this step.
+    assert inputs.logits_indices.tolist() == [0, 3]
+    assert [r.request_id for r in inputs.sampled_requests] == ["d", "f"]

@@ -1,0 +1,115 @@
+import pytest
+import torch
+
+from hfaccel import EngineConfig
+from hfaccel.engine.engine import Engine
+from hfaccel.engine.request import StoppingParams
+from tests.helpers import EOS, assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def run(engine, prompts, max_new=12):
+    stop = StoppingParams(max_new_tokens=max_new, eos_token_ids=frozenset({EOS}))
+    requests = [engine.make_request(p, stop) for p in prompts]
+    engine.run(requests)
+    return requests
+
+
+def test_greedy_parity_with_hf(model):
+    engine = Engine(model, EngineConfig(block_size=8, max_num_batched_tokens=64, kv_cache_memory=2_000_000))
+    prompts = varied_prompts(16)
+    for prompt, request in zip(prompts, run(engine, prompts)):
+        assert_same_or_near_tie(model, prompt, request.output_token_ids, hf_greedy(model, prompt, 12))
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_more_prompts_than_the_cache_holds_all_complete_identically(model):
+    # 12 blocks of 8 tokens (~96 tokens) for 16 prompts of up to 71 tokens: admission waits and
+    # running requests get preempted, and the outputs do not change.
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 8
+    small = Engine(
+        model, EngineConfig(block_size=8, max_num_batched_tokens=64, kv_cache_memory=12 * bytes_per_block)
+    )
+    assert small.num_blocks == 12
+    big = Engine(model, EngineConfig(block_size=8, max_num_batched_tokens=64, kv_cache_memory=4_000_000))
+    prompts = varied_prompts(16, seed=3)
+    tight, roomy = run(small, prompts, 20), run(big, prompts, 20)
+    assert small.scheduler.num_preemptions > 0
+    assert [r.output_token_ids for r in tight] == [r.output_token_ids for r in roomy]
+    assert small.block_manager.num_free_blocks == small.num_blocks
+
+
+def test_bad_prompts_are_refused_before_anything_runs(model):
+    engine = Engine(model, EngineConfig(kv_cache_memory=1_000_000, max_model_len=64))
+    stop = StoppingParams(max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request([], stop)
+    with pytest.raises(
+        ValueError, match=r"prompt has 64 tokens, but the model's context \(max_model_len\) is 64"
+    ):
+        engine.add_request([5] * 64, stop)
+    with pytest.raises(ValueError, match=r"prompt token ids \[999\] are outside the vocabulary \[0, 256\)"):
+        engine.add_request([5, 999], stop)
+    assert not engine.has_unfinished_requests()
+    assert run(engine, [[5, 6, 7]], 4)[0].finish_reason == "length"
+
+
+def test_too_small_kv_budget_names_the_minimum(model):
+    with pytest.raises(ValueError, match=r"less than one KV block \(8192 bytes\); the minimum is 8192 bytes"):
+        Engine(model, EngineConfig(kv_cache_memory=100))
+
+
+def test_error_midway_aborts_and_frees_every_block(model, monkeypatch):
+    engine = Engine(model, EngineConfig(block_size=8, kv_cache_memory=2_000_000))
+    calls = {"n": 0}
+    real_run = engine.runner.run
+
+    def flaky(inputs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_run(inputs)
+
+    monkeypatch.setattr(engine.runner, "run", flaky)
+    requests = [engine.make_request(p, StoppingParams(max_new_tokens=10)) for p in varied_prompts(4)]
+    with pytest.raises(KeyboardInterrupt):
+        engine.run(requests)
+    assert all(r.finish_reason == "abort" for r in requests)
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert not engine.has_unfinished_requests()
+    monkeypatch.setattr(engine.runner, "run", real_run)
+    again = run(engine, [varied_prompts(4)[0]], 10)[0]
+    assert again.output_token_ids == hf_greedy(model, varied_prompts(4)[0], 10)
+
+
+def test_eos_and_min_new_tokens(model):
+    engine = Engine(model, EngineConfig(kv_cache_memory=1_000_000))
+    prompt = varied_prompts(4)[2]
+    free_run = hf_greedy(model, prompt, 8, eos_token_id=None)
+    eos = free_run[2]  # pretend the third generated token is EOS
+    stopped = engine.make_request(prompt, StoppingParams(max_new_tokens=8, eos_token_ids=frozenset({eos})))
+    held = engine.make_request(
+        prompt, StoppingParams(max_new_tokens=8, min_new_tokens=8, eos_token_ids=frozenset({eos}))
+    )
+    engine.run([stopped, held])
+    assert stopped.output_token_ids == free_run[:3] and stopped.finish_reason == "stop"
+    assert len(held.output_token_ids) == 8 and eos not in held.output_token_ids
+    ref = hf_greedy(model, prompt, 8, min_new_tokens=8, eos_token_id=eos)
+    assert held.output_token_ids == ref
+
+
+def test_repr_shows_state(model):
+    engine = Engine(model, EngineConfig(kv_cache_memory=1_000_000))
+    text = repr(engine)
+    assert "backend='torch'" in text and "running=0" in text and f"/{engine.num_blocks}x16" in text
+
+
+def test_kv_cache_is_gqa_sized(model):
+    engine = Engine(model, EngineConfig(block_size=8, kv_cache_memory=1_000_000))
+    k_cache, v_cache = engine.runner.kv_caches[0]
+    assert k_cache.shape == (engine.num_blocks, 8, 2, 16)  # 2 KV heads, not the 4 query heads
+    assert len(engine.runner.kv_caches) == 2 and k_cache.dtype == torch.float32

@@ -1,0 +1,132 @@
+"""The patched `model.generate` against unpatched HF generate, on padded batches."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import hfaccel
+from tests.helpers import FAMILIES, PAD, assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
+
+
+def left_padded(prompts):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.fixture
+def patched():
+    model = hfaccel.patch(tiny_model("llama"), block_size=8, kv_cache_memory=4_000_000)
+    yield model
+    hfaccel.unpatch(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_padded_batch_matches_hf_per_prompt(family):
+    model = tiny_model(family)
+    prompts = varied_prompts(16)
+    refs = [hf_greedy(model, p, 10) for p in prompts]
+    hfaccel.patch(model, block_size=8, kv_cache_memory=4_000_000)
+    ids, mask = left_padded(prompts)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    width = ids.shape[1]
+    assert torch.equal(out[:, :width], ids), "the left-padded prompt must come back untouched"
+    for i, (prompt, ref) in enumerate(zip(prompts, refs)):
+        row = out[i, width:].tolist()
+        ours = row[: len(ref)] if len(ref) < 10 else row
+        assert_same_or_near_tie(model, prompt, ours, ref)
+        assert all(t == PAD for t in row[len(ref) :]), "finished rows are right-padded with pad_token_id"
+    assert out.shape[1] == width + max(len(r) for r in refs)
+
+
+def test_same_tensor_as_unpatched_hf_on_a_padded_batch(patched):
+    prompts = varied_prompts(8, seed=5)
+    ids, mask = left_padded(prompts)
+    ref = type(patched).generate(
+        patched, input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False
+    )
+    out = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    assert out.shape == ref.shape
+    for i, prompt in enumerate(prompts):
+        assert_same_or_near_tie(
+            patched, prompt, out[i, ids.shape[1] :].tolist(), ref[i, ids.shape[1] :].tolist()
+        )
+
+
+def test_max_length_and_min_new_tokens_follow_hf_rules(patched):
+    prompts = varied_prompts(4, seed=7)
+    ids, mask = left_padded(prompts)
+    unpatched = type(patched).generate
+    for kwargs in ({"max_length": ids.shape[1] + 5}, {"max_new_tokens": 6, "min_new_tokens": 6}, {}):
+        ref = unpatched(patched, input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
+        out = patched.generate(input_ids=ids, attention_mask=mask, do_sample=False, **kwargs)
+        assert out.shape == ref.shape, kwargs
+
+
+def test_generation_config_object_and_return_dict(patched):
+    ids, mask = left_padded(varied_prompts(3))
+    config = GenerationConfig(max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    out = patched.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    ref = type(patched).generate(patched, input_ids=ids, attention_mask=mask, generation_config=config)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_positional_inputs_without_mask(patched):
+    prompt = varied_prompts(3)[2]
+    out = patched.generate(torch.tensor([prompt]), max_new_tokens=6)
+    assert out[0, len(prompt) :].tolist() == hf_greedy(patched, prompt, 6)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"num_beams": 2}, "generation mode 'beam_search'"),
+        ({"do_sample": True}, r"sampling \(do_sample=True\)"),
+        ({"output_scores": True, "return_dict_in_generate": True}, "output_scores=True"),
+        ({"num_return_sequences": 2, "num_beams": 2}, "generation mode 'beam_search'"),
+    ],
+)
+def test_unsupported_options_fall_back_with_one_warning(patched, kwargs, reason):
+    ids, mask = left_padded(varied_prompts(2))
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=reason):
+        out = patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, **kwargs)
+    torch.manual_seed(0)
+    ref = type(patched).generate(patched, input_ids=ids, attention_mask=mask, max_new_tokens=4, **kwargs)
+    sequences = out.sequences if hasattr(out, "sequences") else out
+    ref_sequences = ref.sequences if hasattr(ref, "sequences") else ref
+    assert torch.equal(sequences, ref_sequences)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same reason does not warn twice
+        patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, **kwargs)
+
+
+def test_bad_input_raises_and_model_still_generates(patched):
+    prompt = varied_prompts(3)[2]
+    with pytest.raises(ValueError, match="max_length"):
+        patched.generate(torch.tensor([prompt]), max_length=len(prompt))
+    with pytest.raises(
+        ValueError, match=r"prompt has 600 tokens, but the model's context \(max_model_len\) is 512"
+    ):
+        patched.generate(torch.tensor([[5] * 600]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        patched.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, 2, dtype=torch.long))
+    engine = patched._hfaccel.engine
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert patched.generate(torch.tensor([prompt]), max_new_tokens=6)[0, len(prompt) :].tolist() == hf_greedy(
+        patched, prompt, 6
+    )
+
+
+def test_plain_forward_keeps_the_models_own_attention(patched):
+    ids, mask = left_padded(varied_prompts(3))
+    with torch.no_grad():
+        before = patched(input_ids=ids, attention_mask=mask).logits
+    patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
+    with torch.no_grad():
+        after = patched(input_ids=ids, attention_mask=mask).logits
+    assert patched.config._attn_implementation != "hfaccel"
+    torch.testing.assert_close(before, after)

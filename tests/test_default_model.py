@@ -1,0 +1,67 @@
+"""The real SmolLM2-135M-Instruct: patched generate, hfaccel.generate and pipelines against HF."""
+
+import pytest
+import torch
+from transformers import pipeline
+
+import hfaccel
+from hfaccel.bench.workloads import QUESTIONS
+from tests.helpers import assert_same_or_near_tie
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 24
+
+
+def chat_ids(tokenizer, question):
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+    )
+    return list(rendered["input_ids"])
+
+
+def test_patched_generate_matches_hf_on_chat_prompts(smollm2):
+    model, tokenizer = smollm2
+    prompts = [chat_ids(tokenizer, q) for q in QUESTIONS]  # 16 prompts, several longer than a block
+    prompts.append(prompts[0][:])  # an identical prompt
+    prompts.append([tokenizer.bos_token_id or 1])  # a one-token prompt
+    generate = type(model).generate
+    with torch.no_grad():
+        refs = [
+            generate(model, torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False)[0, len(p) :].tolist()
+            for p in prompts
+        ]
+    hfaccel.patch(model)
+    try:
+        tokenizer.padding_side = "left"
+        batch = tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
+        out = model.generate(**batch, max_new_tokens=MAX_NEW, do_sample=False)
+        width = batch["input_ids"].shape[1]
+        completions = hfaccel.generate(
+            model, prompts, max_new_tokens=MAX_NEW, tokenizer=tokenizer, progress=False
+        )
+        for i, (prompt, ref) in enumerate(zip(prompts, refs)):
+            assert_same_or_near_tie(model, prompt, out[i, width : width + len(ref)].tolist(), ref, eps=1e-3)
+            assert_same_or_near_tie(model, prompt, completions[i].token_ids, ref, eps=1e-3)
+        assert "Paris" in completions[0].text
+    finally:
+        hfaccel.unpatch(model)
+
+
+def test_pipeline_gives_the_unpatched_greedy_text(smollm2):
+    model, tokenizer = smollm2
+    tokenizer.padding_side = "left"
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[:4]]
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    ref = [pipe(c, max_new_tokens=16, do_sample=False)[0]["generated_text"][-1]["content"] for c in chats]
+    hfaccel.patch(model)
+    try:
+        pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+        ours = [
+            pipe(c, max_new_tokens=16, do_sample=False)[0]["generated_text"][-1]["content"] for c in chats
+        ]
+        batched = pipe(chats, max_new_tokens=16, do_sample=False, batch_size=4)
+        assert ours == ref
+        assert [b[0]["generated_text"][-1]["content"] for b in batched] == ref
+        assert model._hfaccel.engine.num_steps > 0, "the pipeline ran on the engine"
+    finally:
+        hfaccel.unpatch(model)
