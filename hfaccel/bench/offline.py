@@ -56,7 +56,7 @@ def print_table(results: list[SystemResult]) -> None:
     """Tokens/s of each system and the ratio of the last one (hfaccel) to each."""
     ours = results[-1]
     reference = results[0].outputs
-    print(f"\n{'system':<40} {'seconds':>8} {'out tok/s':>10} {'hfaccel x':>10} {'same tokens':>12}")
+    print(f"\n{'system':<40} {'seconds':>8} {'out tok/s':>10} {'hfaccel x':>10} {'= HF static':>12}")
     for r in results:
         same = sum(a == b for a, b in zip(r.outputs, reference))
         print(
