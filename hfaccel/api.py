@@ -37,8 +37,10 @@ class Completion:
         token_ids: generated token ids only (an EOS that ended it included, as HF returns it).
         text: the generated text (special tokens skipped), when a tokenizer is known.
         finish_reason: ``"stop"`` (an EOS token) or ``"length"`` (max_new_tokens / max_length / context).
-        metrics: seconds: ``ttft_s`` (time to first token), ``e2e_s`` (arrival to finish), ``queue_s``
-            (arrival to first scheduled); and ``num_preemptions``.
+        metrics: seconds: ``queue_s`` (arrival to first scheduled), ``ttft_s`` (time to first token),
+            ``tpot_s`` (mean time per output token after the first), ``itl_max_s`` (longest gap between
+            two tokens), ``e2e_s`` (arrival to finish); and ``num_cached_prompt_tokens`` (prefix-cache
+            hits), ``num_preemptions``.
     """
 
     prompt_token_ids: list[int]
@@ -204,11 +206,9 @@ def _completion(plan: Request | _Fallback, tokenizer: Any) -> Completion:
         prompt, tokens, reason, metrics = plan.prompt_token_ids, plan.token_ids, plan.finish_reason, {}
     else:
         prompt, tokens, reason = plan.prompt_token_ids, plan.output_token_ids, plan.finish_reason
-        m = plan.metrics
         metrics = {
-            "ttft_s": m.ttft_s,
-            "e2e_s": m.e2e_s,
-            "queue_s": (m.first_scheduled_time or m.arrival_time) - m.arrival_time,
+            **plan.metrics.as_dict(),
+            "num_cached_prompt_tokens": plan.num_cached_prompt_tokens,
             "num_preemptions": plan.num_preemptions,
         }
     text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None

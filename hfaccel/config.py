@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 BACKENDS = ("auto", "torch")
+SCHEDULING_POLICIES = ("mixed", "prefill_first", "decode_first")
+BATCHING_STRATEGIES = ("continuous", "dynamic", "static")
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -28,6 +30,24 @@ class EngineConfig:
             ``"bfloat16"``, or a ``torch.dtype``).
         max_model_len: longest sequence (prompt plus generated tokens); ``None`` takes the model's
             ``max_position_embeddings``.
+        enable_prefix_caching: share the KV blocks of prompt prefixes already computed (hash-chained
+            full blocks, LRU eviction).
+        chunked_prefill: split prompts longer than the step's remaining budget over several steps. Off,
+            a prompt is computed in one step and must fit ``max_num_batched_tokens``.
+        long_prefill_token_threshold: most prompt tokens one request computes in one step (``None``:
+            bounded by the budget only); small chunks keep the running decodes flowing.
+        scheduling_policy: ``"mixed"`` (decodes first, then prefill chunks in the same step),
+            ``"prefill_first"`` (a step holds prefills only while any can run: lowest TTFT) or
+            ``"decode_first"`` (a step holds decodes only while any request decodes: smoothest
+            inter-token latency, new prompts wait for the batch to drain).
+        batching: ``"continuous"`` (requests join and leave at every step), ``"dynamic"`` (a batch is
+            formed from up to ``max_batch_size`` waiting requests once that many wait or the oldest has
+            waited ``max_delay_ms``, and runs to completion before the next) or ``"static"`` (batches of
+            exactly ``max_batch_size`` in arrival order, run to completion).
+        max_batch_size: batch size of the dynamic and static strategies (``None``: ``max_num_seqs``).
+        max_delay_ms: longest wait of the dynamic strategy before it runs a partial batch.
+        group_by_length: admit waiting prompts of similar length together (shortest first within a
+            window of ``max_num_seqs`` waiting requests).
     """
 
     block_size: int = 16
@@ -37,6 +57,14 @@ class EngineConfig:
     backend: str = "auto"
     dtype: str | torch.dtype = "auto"
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None
+    scheduling_policy: str = "mixed"
+    batching: str = "continuous"
+    max_batch_size: int | None = None
+    max_delay_ms: float = 50.0
+    group_by_length: bool = False
 
     def __post_init__(self) -> None:
         _require_positive_int("block_size", self.block_size)
@@ -60,6 +88,29 @@ class EngineConfig:
             raise ValueError(f"dtype must be a torch.dtype or one of {tuple(_DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None:
             _require_positive_int("max_model_len", self.max_model_len)
+        if self.long_prefill_token_threshold is not None:
+            _require_positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold)
+        if self.max_batch_size is not None:
+            _require_positive_int("max_batch_size", self.max_batch_size)
+            if self.max_batch_size > self.max_num_seqs:
+                raise ValueError(
+                    f"max_batch_size ({self.max_batch_size}) cannot exceed max_num_seqs ({self.max_num_seqs})"
+                )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
+        if self.batching not in BATCHING_STRATEGIES:
+            raise ValueError(f"batching must be one of {BATCHING_STRATEGIES}, got {self.batching!r}")
+        if (
+            isinstance(self.max_delay_ms, bool)
+            or not isinstance(self.max_delay_ms, (int, float))
+            or (self.max_delay_ms < 0)
+        ):
+            raise ValueError(f"max_delay_ms must be a number >= 0, got {self.max_delay_ms!r}")
+        for name in ("enable_prefix_caching", "chunked_prefill", "group_by_length"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """Return a copy with some fields replaced (validated again); unknown names raise ValueError."""
@@ -68,6 +119,11 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown EngineConfig field(s) {unknown}; known fields: {sorted(known)}")
         return dataclasses.replace(self, **overrides)
+
+    @property
+    def batch_size(self) -> int:
+        """Seats of one dynamic or static batch."""
+        return self.max_batch_size or self.max_num_seqs
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype the KV cache is stored in."""

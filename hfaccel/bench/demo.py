@@ -73,6 +73,8 @@ def run_demo(dtype: torch.dtype = torch.float32, max_new_tokens: int = 64) -> No
         print(f"{name:<36} {seconds:>8.2f} {count:>11} {rates[name]:>8.1f}")
     same = torch.equal(reference, ours)
     names = list(rates)
-    print(f"\nhfaccel / HF: {rates[names[1]] / rates[names[0]]:.2f}x tokens/s; identical output tensors: {same}")
+    print(
+        f"\nhfaccel / HF: {rates[names[1]] / rates[names[0]]:.2f}x tokens/s; identical output tensors: {same}"
+    )
     print(f"engine: {model._hfaccel.engine!r}")
     print("Full benchmark (32 requests, 8-256 tokens each, HF generate_batch too): make bench")

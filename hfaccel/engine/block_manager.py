@@ -1,8 +1,16 @@
-"""KV-cache blocks: who holds which block, and which blocks are free."""
+"""KV-cache blocks: who holds which block, which are free, and which hold a cached prefix.
+
+Automatic prefix caching (as in vLLM v1): every full block of a sequence is named by a hash chained over
+its parent block's hash and its own tokens. When a request is admitted, the longest run of its leading
+full blocks already in the cache is shared by reference count instead of recomputed. A freed block keeps
+its contents and its hash while it waits in the free queue, least recently used first, so a later request
+can still hit it; it is forgotten only when the queue hands it out again.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
 
 from hfaccel.engine.request import Request
 
@@ -12,20 +20,41 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache, and how many were found there."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    def record(self, queried: int, hit: int) -> None:
+        self.queried_tokens += queried
+        self.hit_tokens += hit
+
+
 class BlockManager:
     """Hands out fixed-size KV blocks to requests and takes them back.
 
-    Every block has a reference count; a block is free exactly when its count is zero. Requests grow
-    their block table one step at a time, all or nothing, so a failed allocation changes nothing.
+    A block is free exactly when its reference count is zero; only free blocks are ever handed out (and
+    so overwritten). Requests grow their block table all or nothing: a failed allocation changes nothing.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
+        # Free blocks in eviction order (least recently freed first); a dict for O(1) removal on a hit.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._block_key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
+        self._cached: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent hash, tokens) -> block id
+        self.stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
@@ -35,8 +64,15 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self._free
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Extra blocks `request` needs to compute `num_new_tokens` more tokens."""
@@ -50,18 +86,75 @@ class BlockManager:
         if needed > len(self._free):
             return False
         for _ in range(needed):
-            block_id = self._free.popleft()
+            block_id, _ = self._free.popitem(last=False)
+            self._forget(block_id)
             self._ref_counts[block_id] = 1
             request.block_ids.append(block_id)
         return True
 
+    def match_prefix(self, request: Request) -> int:
+        """Share the cached blocks of `request`'s leading full blocks; returns the tokens they cover.
+
+        Call on a request that holds no blocks. At least one token is always left to compute, so the
+        step that admits the request produces logits for its last position.
+        """
+        if not self.enable_prefix_caching or request.block_ids:
+            return 0
+        tokens = request.all_token_ids
+        limit = (len(tokens) - 1) // self.block_size
+        parent = 0
+        for index in range(limit):
+            key = self._key(parent, tokens, index)
+            block_id = self._cached.get(key)
+            if block_id is None:
+                break
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
+            request.block_ids.append(block_id)
+            parent = hash(key)
+        request.num_hashed_blocks, request.prefix_hash = len(request.block_ids), parent
+        return len(request.block_ids) * self.block_size
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register `request`'s blocks that are now full of computed tokens, so later requests can share
+        them. Incremental: the request carries how far its hash chain got."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if full <= request.num_hashed_blocks:
+            return
+        tokens = request.all_token_ids
+        parent = request.prefix_hash
+        for index in range(request.num_hashed_blocks, full):
+            block_id = request.block_ids[index]
+            key = self._key(parent, tokens, index)
+            if key not in self._cached:  # the same content may sit in another block already
+                self._cached[key] = block_id
+                self._block_key[block_id] = key
+            parent = hash(key)
+        request.num_hashed_blocks, request.prefix_hash = full, parent
+
     def free(self, request: Request) -> None:
-        """Release every block `request` holds."""
+        """Release every block `request` holds (cached ones stay findable until they are reused)."""
+        # Tail blocks first: under LRU eviction they go before the prefix blocks others may share.
         for block_id in reversed(request.block_ids):
             count = self._ref_counts[block_id] - 1
             if count < 0:
                 raise AssertionError(f"block {block_id} freed more often than allocated")
             self._ref_counts[block_id] = count
             if count == 0:
-                self._free.append(block_id)
+                self._free[block_id] = None
         request.block_ids = []
+        request.num_hashed_blocks, request.prefix_hash = 0, 0
+
+    def _key(self, parent: int, tokens: list[int], index: int) -> tuple[int, tuple[int, ...]]:
+        # The tokens themselves are part of the key, so two different blocks can never collide.
+        return parent, tuple(tokens[index * self.block_size : (index + 1) * self.block_size])
+
+    def _forget(self, block_id: int) -> None:
+        key = self._block_key[block_id]
+        if key is not None:
+            self._block_key[block_id] = None
+            if self._cached.get(key) == block_id:
+                del self._cached[key]

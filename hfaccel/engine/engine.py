@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ from tqdm.auto import tqdm
 from hfaccel.config import EngineConfig
 from hfaccel.engine.batch import pack_step
 from hfaccel.engine.block_manager import BlockManager, blocks_for
+from hfaccel.engine.metrics import StepStats
 from hfaccel.engine.request import Request, StoppingParams
 from hfaccel.engine.runner import ModelRunner, kv_bytes_per_token
 from hfaccel.engine.sampler import greedy_sample
@@ -38,18 +40,14 @@ class Engine:
         kv_dtype = self.config.kv_dtype(self.model_dtype)
         block_size = self.config.block_size
         self.num_blocks = self._num_blocks(kv_bytes_per_token(model, kv_dtype) * block_size)
-        self.block_manager = BlockManager(self.num_blocks, block_size)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            self.config.max_num_seqs,
-            self.config.max_num_batched_tokens,
-            self.max_model_len,
-        )
+        self.block_manager = BlockManager(self.num_blocks, block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, self.config, self.max_model_len)
         self.runner = ModelRunner(
             model, get_backend(self.config.backend), self.num_blocks, block_size, kv_dtype
         )
         self.num_steps = 0
         self.num_generated_tokens = 0
+        self.step_stats: deque[StepStats] = deque(maxlen=100_000)
         self._next_id = 0
 
     def _num_blocks(self, bytes_per_block: int) -> int:
@@ -71,9 +69,16 @@ class Engine:
         stopping: StoppingParams,
         logits_processor: Any = None,
         request_id: Any = None,
+        arrival_time: float | None = None,
     ) -> Request:
-        """Validate and queue one prompt; returns its `Request` (raises ValueError, queueing nothing)."""
+        """Validate and queue one prompt (at any time, also between steps); returns its `Request`.
+
+        Raises ValueError and queues nothing for a bad prompt. `arrival_time` (``time.perf_counter()``
+        seconds) backdates the request's arrival for latency metrics; by default it arrives now.
+        """
         request = self.make_request(prompt_token_ids, stopping, logits_processor, request_id)
+        if arrival_time is not None:
+            request.metrics.arrival_time = arrival_time
         self.scheduler.add(request)
         return request
 
@@ -104,23 +109,56 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[Request]:
-        """Run one iteration; returns the requests that finished in it."""
-        step = self.scheduler.schedule()
+    def step(self, draining: bool = False) -> list[Request]:
+        """Run one iteration; returns the requests that finished in it.
+
+        `draining` tells the scheduler no more requests are coming (static batching then runs its last,
+        partial batch).
+        """
+        start = time.perf_counter()
+        preemptions_before = self.scheduler.num_preemptions
+        hits_before = self.block_manager.stats.hit_tokens
+        step = self.scheduler.schedule(draining)
         if not step.requests:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_unfinished() and (draining or self.config.batching == "continuous"):
                 raise RuntimeError(f"the scheduler could not make progress: {self!r}")
             return []
-        now = time.perf_counter()
         for request in step.requests:
             if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
+                request.metrics.first_scheduled_time = start
         inputs = pack_step(step, self.config.block_size, self.device)
         logits = self.runner.run(inputs)
         tokens = greedy_sample(logits, inputs.sampled_requests)
+        finished = self.scheduler.update(step, inputs.sampled_requests, tokens)
+        num_decode = sum(1 for n in step.num_tokens if n == 1)
+        self.step_stats.append(
+            StepStats(
+                step=self.num_steps,
+                start_s=start,
+                duration_s=time.perf_counter() - start,
+                num_seqs=len(step),
+                num_decode_tokens=num_decode,
+                num_prefill_tokens=step.total_tokens - num_decode,
+                kv_blocks_used=self.block_manager.num_used_blocks,
+                prefix_hit_tokens=self.block_manager.stats.hit_tokens - hits_before,
+                num_preemptions=self.scheduler.num_preemptions - preemptions_before,
+            )
+        )
         self.num_steps += 1
         self.num_generated_tokens += len(tokens)
-        return self.scheduler.update(step, inputs.sampled_requests, tokens)
+        return finished
+
+    def stream(self, request: Request) -> Iterator[int]:
+        """Yield `request`'s tokens as they are generated, stepping the engine (and so every other
+        request) as needed. Several streams can be consumed in turn; each step serves them all."""
+        sent = 0
+        while True:
+            while sent < len(request.output_token_ids):
+                yield request.output_token_ids[sent]
+                sent += 1
+            if request.is_finished:
+                return
+            self.step()
 
     def abort(self, request: Request) -> None:
         """Cancel a request and free its KV blocks at once."""
@@ -139,7 +177,7 @@ class Engine:
         tokens_before = self.num_generated_tokens
         try:
             while remaining:
-                for request in self.step():
+                for request in self.step(draining=True):
                     if id(request) in remaining:
                         remaining.discard(id(request))
                         bar.update(1)
@@ -153,13 +191,28 @@ class Engine:
         finally:
             bar.close()
 
+    def stats(self) -> dict[str, Any]:
+        """Engine-wide counters as plain data."""
+        cache = self.block_manager.stats
+        return {
+            "steps": self.num_steps,
+            "generated_tokens": self.num_generated_tokens,
+            "preemptions": self.scheduler.num_preemptions,
+            "kv_blocks": self.num_blocks,
+            "kv_blocks_used": self.block_manager.num_used_blocks,
+            "prefix_cache_queried_tokens": cache.queried_tokens,
+            "prefix_cache_hit_tokens": cache.hit_tokens,
+            "prefix_cache_hit_rate": cache.hit_rate,
+        }
+
     def __repr__(self) -> str:
         s = self.scheduler
         return (
             f"Engine(model={type(self.model).__name__}, backend={self.runner.backend.name!r}, "
             f"blocks={self.block_manager.num_used_blocks}/{self.num_blocks}x{self.config.block_size}, "
-            f"running={len(s.running)}, waiting={len(s.waiting)}, steps={self.num_steps}, "
-            f"generated_tokens={self.num_generated_tokens}, preemptions={s.num_preemptions})"
+            f"running={len(s.running)}, waiting={len(s.waiting) + len(s.forming)}, steps={self.num_steps}, "
+            f"generated_tokens={self.num_generated_tokens}, preemptions={s.num_preemptions}, "
+            f"prefix_hit_rate={self.block_manager.stats.hit_rate:.2f})"
         )
 
 

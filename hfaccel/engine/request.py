@@ -37,6 +37,12 @@ class RequestMetrics:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output token was produced
+
+    @property
+    def queue_s(self) -> float | None:
+        """Arrival to first scheduled step."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
 
     @property
     def ttft_s(self) -> float | None:
@@ -47,6 +53,29 @@ class RequestMetrics:
     def e2e_s(self) -> float | None:
         """Arrival to finish."""
         return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    @property
+    def itl_s(self) -> list[float]:
+        """Inter-token latencies: the gaps between consecutive output tokens."""
+        times = self.token_times
+        return [b - a for a, b in zip(times, times[1:])]
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        times = self.token_times
+        return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+    def as_dict(self) -> dict[str, float | None]:
+        """Plain-data summary (seconds)."""
+        itl = self.itl_s
+        return {
+            "queue_s": self.queue_s,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "itl_max_s": max(itl) if itl else None,
+            "e2e_s": self.e2e_s,
+        }
 
 
 @dataclass(eq=False)
@@ -65,6 +94,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    prefix_hash: int = 0  # hash chain value after those blocks
+    num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     finish_reason: str | None = None
     num_preemptions: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -91,10 +123,11 @@ class Request:
             return self.prompt_token_ids[position]
         return self.output_token_ids[position - prompt_len]
 
-    def append_token(self, token_id: int, max_model_len: int) -> None:
+    def append_token(self, token_id: int, max_model_len: int, now: float | None = None) -> None:
         """Record a generated token and finish the request if a stopping rule fires."""
         self.output_token_ids.append(token_id)
-        now = time.perf_counter()
+        now = time.perf_counter() if now is None else now
+        self.metrics.token_times.append(now)
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         num_new = len(self.output_token_ids)

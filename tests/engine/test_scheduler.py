@@ -1,88 +1,182 @@
 import pytest
 
+from hfaccel import EngineConfig
 from hfaccel.engine.block_manager import BlockManager
 from hfaccel.engine.request import Request, StoppingParams
 from hfaccel.engine.scheduler import Scheduler
 
 
-def make(rid, prompt_len, max_new=4):
-    return Request(rid, [5] * prompt_len, StoppingParams(max_new_tokens=max_new))
+def make(rid, prompt_len, max_new=4, token=5):
+    return Request(rid, [token] * prompt_len, StoppingParams(max_new_tokens=max_new))
 
 
-def simulate(scheduler, requests, max_steps=500):
+def scheduler(num_blocks=64, block_size=4, max_model_len=256, prefix=False, **config):
+    config.setdefault("max_num_batched_tokens", max(block_size, 32))
+    engine_config = EngineConfig(block_size=block_size, enable_prefix_caching=prefix, **config)
+    return Scheduler(BlockManager(num_blocks, block_size, prefix), engine_config, max_model_len)
+
+
+def run_step(sched, draining=True):
+    step = sched.schedule(draining)
+    sampled = [r for r, n in zip(step.requests, step.num_tokens) if r.num_computed_tokens + n == r.num_tokens]
+    sched.update(step, sampled, [7] * len(sampled))
+    return step
+
+
+def simulate(sched, requests, max_steps=500):
     """Drive the scheduler as the engine would, sampling token 7; check invariants at every step."""
     for r in requests:
-        scheduler.add(r)
+        sched.add(r)
     steps = []
-    while scheduler.has_unfinished():
-        step = scheduler.schedule()
+    while sched.has_unfinished():
+        step = run_step(sched)
         assert step.requests, "no progress"
-        assert step.total_tokens <= scheduler.max_num_batched_tokens
-        assert len(step) <= scheduler.max_num_seqs
+        assert step.total_tokens <= sched.max_num_batched_tokens
+        assert len(step) <= sched.max_num_seqs
         assert all(n >= 1 for n in step.num_tokens)
-        sampled = [
-            r for r, n in zip(step.requests, step.num_tokens) if r.num_computed_tokens + n == r.num_tokens
-        ]
-        scheduler.update(step, sampled, [7] * len(sampled))
         steps.append(step)
         assert len(steps) < max_steps
-    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
     return steps
 
 
 def test_decodes_and_new_prefills_share_a_step():
-    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=32, max_model_len=256)
+    sched = scheduler(max_num_batched_tokens=32)
     a = make("a", 3, max_new=5)
-    scheduler.add(a)
-    first = scheduler.schedule()
-    scheduler.update(first, [a], [7])
-    scheduler.add(make("b", 6))
-    step = scheduler.schedule()
+    sched.add(a)
+    run_step(sched)
+    sched.add(make("b", 6))
+    step = sched.schedule()
     assert [r.request_id for r in step.requests] == ["a", "b"]
     assert step.num_tokens == [1, 6]
 
 
 def test_long_prompt_is_chunked_under_the_budget():
-    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=8, max_model_len=256)
+    sched = scheduler(max_num_batched_tokens=8)
     long = make("long", 20, max_new=2)
-    steps = simulate(scheduler, [long])
+    steps = simulate(sched, [long])
     assert [s.num_tokens for s in steps[:3]] == [[8], [8], [4]]
     assert long.output_token_ids == [7, 7] and long.finish_reason == "length"
 
 
+def test_long_prefill_threshold_caps_chunks_and_decodes_keep_flowing():
+    sched = scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=6)
+    chat = make("chat", 3, max_new=6)
+    sched.add(chat)
+    run_step(sched)
+    sched.add(make("long", 20, max_new=1))
+    sizes = []
+    while not chat.is_finished:
+        step = run_step(sched)
+        assert chat in step.requests, "a long prompt never stalls a running decode"
+        sizes.append(dict(zip((r.request_id for r in step.requests), step.num_tokens)).get("long"))
+    assert sizes[:4] == [6, 6, 6, 2]
+
+
+def test_without_chunking_a_prompt_runs_whole_or_waits():
+    sched = scheduler(max_num_batched_tokens=16, chunked_prefill=False)
+    steps = simulate(sched, [make("a", 10, max_new=2), make("b", 10, max_new=2)])
+    assert steps[0].num_tokens == [10]  # b does not fit next to a: it waits, unsplit
+    assert 10 in steps[1].num_tokens
+    with pytest.raises(ValueError, match=r"more than max_num_batched_tokens \(16\); enable chunked_prefill"):
+        sched.add(make("too-long", 15, max_new=4))
+
+
+@pytest.mark.parametrize("policy", ["prefill_first", "decode_first"])
+def test_separated_policies_never_mix_kinds(policy):
+    sched = scheduler(max_num_batched_tokens=32, scheduling_policy=policy)
+    first = make("first", 3, max_new=6)
+    sched.add(first)
+    run_step(sched)
+    sched.add(make("second", 5, max_new=2))
+    step = run_step(sched)
+    kinds = {n == 1 for n in step.num_tokens}
+    assert len(kinds) == 1
+    if policy == "prefill_first":
+        assert [r.request_id for r in step.requests] == ["second"]
+    else:
+        assert [r.request_id for r in step.requests] == ["first"]
+    simulate(sched, [])
+
+
 def test_max_num_seqs_caps_the_running_batch():
-    scheduler = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256)
-    steps = simulate(scheduler, [make(i, 3) for i in range(5)])
+    sched = scheduler(max_num_seqs=2)
+    steps = simulate(sched, [make(i, 3) for i in range(5)])
     assert max(len(s) for s in steps) == 2
+
+
+@pytest.mark.parametrize("batching", ["static", "dynamic"])
+def test_batch_strategies_run_each_batch_to_completion(batching):
+    sched = scheduler(batching=batching, max_num_seqs=8, max_batch_size=2, max_delay_ms=1e9)
+    lengths = [2, 6, 3, 3, 5]
+    requests = [make(i, 3, max_new=n) for i, n in enumerate(lengths)]
+    steps = simulate(sched, requests)
+    admitted = [[r.request_id for r, n in zip(s.requests, s.num_tokens) if n > 1] for s in steps]
+    admitted = [a for a in admitted if a]
+    assert admitted == [[0, 1], [2, 3], [4]]
+    # The second batch starts only after the slower request of the first (6 tokens) is done.
+    second = next(i for i, s in enumerate(steps) if any(r.request_id == 2 for r in s.requests))
+    assert second == 6
+
+
+def test_static_waits_for_a_full_batch_unless_draining():
+    sched = scheduler(batching="static", max_batch_size=3)
+    sched.add(make("a", 3))
+    assert not sched.schedule(draining=False).requests
+    assert sched.schedule(draining=True).num_tokens == [3]
+
+
+def test_dynamic_runs_a_partial_batch_after_the_delay():
+    sched = scheduler(batching="dynamic", max_batch_size=3, max_delay_ms=0.0)
+    sched.add(make("a", 3))
+    assert sched.schedule(draining=False).num_tokens == [3]
 
 
 def test_preemption_when_blocks_run_out_loses_nothing():
     # 6 blocks of 4 tokens; four requests of 5 + 8 tokens cannot all be resident.
-    scheduler = Scheduler(BlockManager(6, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    sched = scheduler(num_blocks=6)
     requests = [make(i, 5, max_new=8) for i in range(4)]
-    simulate(scheduler, requests)
-    assert scheduler.num_preemptions > 0
+    simulate(sched, requests)
+    assert sched.num_preemptions > 0
     assert all(r.output_token_ids == [7] * 8 and r.finish_reason == "length" for r in requests)
 
 
+def test_prefix_cache_is_shared_at_admission_and_kept_after_free():
+    sched = scheduler(prefix=True)
+    first = Request("first", list(range(10, 23)), StoppingParams(max_new_tokens=1))
+    simulate(sched, [first])
+    assert sched.block_manager.num_cached_blocks == 3  # 13 prompt tokens: 3 full blocks of 4
+    second = Request("second", list(range(10, 22)) + [99, 98], StoppingParams(max_new_tokens=1))
+    sched.add(second)
+    step = sched.schedule()
+    assert second.num_cached_prompt_tokens == 12
+    assert step.num_tokens == [2]
+    assert sched.block_manager.stats.hit_tokens == 12
+    # A prompt that is all cached still computes its last token.
+    third = Request("third", list(range(10, 22)), StoppingParams(max_new_tokens=1))
+    sched.add(third)
+    step = sched.schedule()
+    assert third.num_cached_prompt_tokens == 8 and dict(zip(step.requests, step.num_tokens))[third] == 4
+
+
 def test_request_larger_than_the_cache_is_refused_with_the_need():
-    scheduler = Scheduler(BlockManager(2, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    sched = scheduler(num_blocks=2)
     with pytest.raises(
         ValueError, match=r"holds 2 blocks of 4 tokens, but request 'big' needs 3 blocks \(12 tokens\)"
     ):
-        scheduler.add(make("big", 8, max_new=4))
-    assert not scheduler.has_unfinished()
+        sched.add(make("big", 8, max_new=4))
+    assert not sched.has_unfinished()
 
 
 def test_abort_frees_blocks_at_once():
-    scheduler = Scheduler(BlockManager(8, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    sched = scheduler(num_blocks=8)
     a, b = make("a", 6), make("b", 3)
-    scheduler.add(a)
-    scheduler.add(b)
-    scheduler.schedule()
-    assert scheduler.block_manager.num_used_blocks == 3
-    scheduler.abort(a)
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()
+    assert sched.block_manager.num_used_blocks == 3
+    sched.abort(a)
     assert a.finish_reason == "abort" and a.block_ids == []
-    assert scheduler.block_manager.num_used_blocks == 1
-    scheduler.abort(b)
-    assert scheduler.block_manager.num_free_blocks == 8 and not scheduler.has_unfinished()
+    assert sched.block_manager.num_used_blocks == 1
+    sched.abort(b)
+    assert sched.block_manager.num_free_blocks == 8 and not sched.has_unfinished()
