@@ -16,7 +16,13 @@ def main(argv: list[str] | None = None) -> None:
     demo = sub.add_parser("demo", help="answer chat prompts with SmolLM2 through hfaccel, and compare speed")
     demo.add_argument("--dtype", choices=_DTYPES, default="float32")
     demo.add_argument("--max-new-tokens", type=int, default=64)
-    bench = sub.add_parser("bench", help="offline throughput: HF static, HF generate_batch, hfaccel")
+    bench = sub.add_parser("bench", help="offline throughput vs HF, then the scheduler benchmarks")
+    bench.add_argument(
+        "--suites",
+        default="offline,prefix,chunked,batching",
+        help="comma-separated: offline (vs HF), prefix (caching on/off), chunked (prefill chunking on/off), "
+        "batching (static/dynamic/continuous)",
+    )
     bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
     bench.add_argument("--num-requests", type=int, default=32)
     bench.add_argument("--min-len", type=int, default=8)
@@ -30,10 +36,25 @@ def main(argv: list[str] | None = None) -> None:
 
         run_demo(dtype=_DTYPES[args.dtype], max_new_tokens=args.max_new_tokens)
     else:
-        from hfaccel.bench.offline import run_offline_benchmark
+        run_bench(args)
 
+
+def run_bench(args: argparse.Namespace) -> None:
+    """Load SmolLM2 once and run the requested benchmark suites on it."""
+    from hfaccel.bench.offline import run_offline_benchmark
+    from hfaccel.bench.serving import run_serving_benchmarks
+    from hfaccel.default_model import load_default_model
+
+    suites = [s.strip() for s in args.suites.split(",") if s.strip()]
+    unknown = sorted(set(suites) - {"offline", "prefix", "chunked", "batching"})
+    if unknown:
+        raise SystemExit(f"unknown suite(s) {unknown}; choose from offline, prefix, chunked, batching")
+    dtype = _DTYPES[args.dtype]
+    model, tokenizer = load_default_model(dtype)
+    if "offline" in suites:
         run_offline_benchmark(
-            dtype=_DTYPES[args.dtype],
+            model,
+            tokenizer,
             num_requests=args.num_requests,
             min_len=args.min_len,
             max_len=args.max_len,
@@ -41,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
             systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
             json_path=args.json,
         )
+    serving = tuple(s for s in suites if s != "offline")
+    if serving:
+        run_serving_benchmarks(model, serving, dtype)
 
 
 if __name__ == "__main__":

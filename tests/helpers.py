@@ -66,7 +66,7 @@ def varied_prompts(count: int = 16, seed: int = 0) -> list[list[int]]:
     prompts.append(list(prompts[2]))  # identical to an earlier one
     while len(prompts) < count:
         prompts.append(rand(int(torch.randint(2, 60, (1,), generator=g))))
-    return prompts
+    return prompts[:count]
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:

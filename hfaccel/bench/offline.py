@@ -10,13 +10,13 @@ import torch
 
 from hfaccel.bench.systems import SystemResult, run_hf_generate_batch, run_hf_static, run_hfaccel
 from hfaccel.bench.workloads import Workload, chat_workload
-from hfaccel.default_model import load_default_model
 
 SYSTEMS = ("hf_static", "hf_generate_batch", "hfaccel")
 
 
 def run_offline_benchmark(
-    dtype: torch.dtype = torch.bfloat16,
+    model: Any,
+    tokenizer: Any,
     num_requests: int = 32,
     min_len: int = 8,
     max_len: int = 256,
@@ -26,7 +26,7 @@ def run_offline_benchmark(
 ) -> list[SystemResult]:
     """Run the workload through `systems`, print a table with ratios, optionally save JSON."""
     torch.manual_seed(0)
-    model, tokenizer = load_default_model(dtype)
+    dtype = next(model.parameters()).dtype
     workload = chat_workload(tokenizer, num_requests, min_len, max_len)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     warmup = Workload("warmup", workload.prompts[:2], [4, 4])
