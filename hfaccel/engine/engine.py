@@ -104,7 +104,9 @@ class Engine:
         if request_id is None:
             request_id = self._next_id
             self._next_id += 1
-        return Request(request_id, ids, stopping, logits_processor=logits_processor)
+        request = Request(request_id, ids, stopping, logits_processor=logits_processor)
+        self.scheduler.check(request)
+        return request
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -39,7 +39,13 @@ class Scheduler:
     # ----------------------------------------------------------------- requests in and out
 
     def add(self, request: Request) -> None:
-        """Queue a request; raise ValueError if it could never be served on its own."""
+        """Queue a request; raise ValueError (queueing nothing) if it could never be served."""
+        self.check(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def check(self, request: Request) -> None:
+        """Raise ValueError if `request` could never be served on its own by this cache and budget."""
         longest = min(len(request.prompt_token_ids) + request.stopping.max_new_tokens, self.max_model_len)
         needed = blocks_for(longest, self.block_manager.block_size)
         if needed > self.block_manager.num_blocks:
@@ -54,8 +60,6 @@ class Scheduler:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}); enable chunked_prefill or raise "
                 "max_num_batched_tokens"
             )
-        request.status = RequestStatus.WAITING
-        self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or bool(self.forming) or len(self.running) > 0

@@ -113,3 +113,15 @@ def test_kv_cache_is_gqa_sized(model):
     k_cache, v_cache = engine.runner.kv_caches[0]
     assert k_cache.shape == (engine.num_blocks, 8, 2, 16)  # 2 KV heads, not the 4 query heads
     assert len(engine.runner.kv_caches) == 2 and k_cache.dtype == torch.float32
+
+
+def test_request_too_large_for_the_cache_is_refused_when_made(model):
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 8
+    engine = Engine(model, EngineConfig(block_size=8, kv_cache_memory=4 * bytes_per_block))
+    ok = engine.make_request([5, 6], StoppingParams(max_new_tokens=4))
+    with pytest.raises(
+        ValueError, match=r"holds 4 blocks of 8 tokens, but request .* needs 5 blocks \(40 tokens\)"
+    ):
+        engine.make_request([5] * 30, StoppingParams(max_new_tokens=10))
+    engine.run([ok])
+    assert ok.is_finished and engine.block_manager.num_free_blocks == 4
