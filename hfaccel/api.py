@@ -1,10 +1,11 @@
-"""The public entry points: `patch`, `unpatch` and offline `generate`."""
+"""The public entry points: `patch`, `unpatch`, offline `generate`, and `stream`."""
 
 from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,33 +15,30 @@ from transformers import GenerationConfig
 from hfaccel.config import EngineConfig
 from hfaccel.engine.request import Request
 from hfaccel.patches.attention import register_attention
-from hfaccel.patches.generate import (
-    PatchState,
-    has_default_lengths,
-    patched_generate,
-    prepare_config,
-    row_rules,
-    unsupported_reason,
-    warn_fallback,
-)
+from hfaccel.patches.generate import PatchState, fall_back, patched_generate
 from hfaccel.patches.models import check_model
+from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
 
 @dataclass
 class Completion:
-    """One prompt's result from `hfaccel.generate`.
+    """One sequence's result from `hfaccel.generate`.
 
     Attributes:
         prompt_token_ids: the prompt as token ids.
         token_ids: generated token ids only (an EOS that ended it included, as HF returns it).
         text: the generated text (special tokens skipped), when a tokenizer is known.
-        finish_reason: ``"stop"`` (an EOS token) or ``"length"`` (max_new_tokens / max_length / context).
+        finish_reason: ``"stop"`` (EOS or a stop string), ``"length"`` (max_new_tokens / max_length /
+            context), or ``"error"`` (the request was refused; see `error`).
         metrics: seconds: ``queue_s`` (arrival to first scheduled), ``ttft_s`` (time to first token),
             ``tpot_s`` (mean time per output token after the first), ``itl_max_s`` (longest gap between
             two tokens), ``e2e_s`` (arrival to finish); and ``num_cached_prompt_tokens`` (prefix-cache
             hits), ``num_preemptions``.
+        logprobs: log-probability of each generated token under the processed distribution, when
+            ``logprobs=True`` was asked.
+        error: why the request was refused, for ``finish_reason == "error"``.
     """
 
     prompt_token_ids: list[int]
@@ -48,28 +46,65 @@ class Completion:
     text: str | None
     finish_reason: str
     metrics: dict[str, float] = field(default_factory=dict)
+    logprobs: list[float] | None = None
+    error: str | None = None
 
 
-def patch(model: Any, config: EngineConfig | None = None, **overrides: Any) -> Any:
+class RequestError(ValueError):
+    """Some requests of an `hfaccel.generate` call were refused; the others completed.
+
+    `completions` holds every result in prompt order; refused ones have ``finish_reason == "error"``.
+    """
+
+    def __init__(self, message: str, completions: list[Completion]) -> None:
+        super().__init__(message)
+        self.completions = completions
+
+
+@dataclass
+class StreamEvent:
+    """A new token of one request in `hfaccel.stream`."""
+
+    index: int  # the request's position in the prompts given (times num_return_sequences)
+    token_id: int
+    text: str | None  # the text this token adds, when a tokenizer is known
+    finished: bool
+    finish_reason: str | None
+
+
+def patch(
+    model: Any,
+    config: EngineConfig | None = None,
+    *,
+    strict: bool = False,
+    progress: bool = False,
+    **overrides: Any,
+) -> Any:
     """Make `model.generate` run on the hfaccel engine; returns the same model object.
 
     Registers the "hfaccel" attention function with transformers' ``AttentionInterface`` and binds a
     drop-in ``generate`` on this instance (other instances of the class are untouched). Ordinary
-    ``model(...)`` forward calls keep the model's own attention. Calling it again on a patched model
-    only updates the engine config (given fields). Unknown or invalid config values raise ValueError.
+    ``model(...)`` forward calls keep the model's own attention. Options the engine does not serve fall
+    back to the original ``generate`` with one warning, or raise ValueError with ``strict=True``.
+    ``progress=True`` shows a progress bar inside ``model.generate``. Calling it again on a patched
+    model updates what is given. Unknown or invalid config values raise ValueError.
     """
     state: PatchState | None = getattr(model, "_hfaccel", None)
     if state is not None:
         if config is not None or overrides:
             state.config = (config or state.config).with_overrides(**overrides)
             state.engine = None
+        state.strict, state.progress = strict, progress
         return model
     check_model(model)
     engine_config = (config or EngineConfig()).with_overrides(**overrides)
     register_attention()
-    instance_generate = model.__dict__.get("generate")
     model._hfaccel = PatchState(
-        config=engine_config, original_generate=model.generate, instance_generate=instance_generate
+        config=engine_config,
+        original_generate=model.generate,
+        instance_generate=model.__dict__.get("generate"),
+        strict=strict,
+        progress=progress,
     )
     model.generate = types.MethodType(patched_generate, model)
     return model
@@ -100,6 +135,8 @@ def generate(
     tokenizer: Any = None,
     generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
     progress: bool = True,
+    logprobs: bool = False,
+    errors: str = "raise",
     **generate_kwargs: Any,
 ) -> list[Completion]:
     """Complete many prompts in one continuous batch; results come back in prompt order.
@@ -108,34 +145,96 @@ def generate(
         model: a transformers causal LM, patched or not (an unpatched one is patched for this call only).
         prompts: strings (need `tokenizer`), token-id lists, or chat message lists (need `tokenizer`,
             rendered with its chat template and the generation prompt).
-        tokenizer: used to encode string/chat prompts and to decode `Completion.text`.
+        tokenizer: encodes string/chat prompts, decodes `Completion.text`, and checks stop strings.
         generation_config: one config for all prompts, or a list with one per prompt.
-        progress: show a progress bar over requests.
-        **generate_kwargs: generation arguments applied to every prompt (e.g. ``max_new_tokens=64``).
+        progress: show a progress bar over requests and generated tokens.
+        logprobs: also return each generated token's log-probability.
+        errors: a refused prompt (empty, longer than the context, an invalid generation argument) never
+            stops the others; they complete, then ``"raise"`` raises `RequestError` (a ValueError that
+            names every refused prompt and carries all completions), ``"return"`` returns them with
+            ``finish_reason="error"``.
+        **generate_kwargs: generation arguments for every prompt (``max_new_tokens=64``, ``do_sample=True``...).
 
-    Every prompt is checked before any runs: an empty prompt, one longer than the model's context, or
-    a bad generation argument raises ValueError and nothing is queued.
+    With ``num_return_sequences=n`` each prompt gives n consecutive completions (HF's order).
     """
-    if isinstance(prompts, (str, torch.Tensor)):
-        raise ValueError("prompts must be a list (of strings, token-id lists or chat message lists)")
-    if not prompts:
-        return []
-    configs = _per_prompt_configs(generation_config, len(prompts))
-    if was_patched := is_patched(model):
-        state: PatchState = model._hfaccel
-    else:
-        patch(model)
-        state = model._hfaccel
+    if errors not in ("raise", "return"):
+        raise ValueError(f"errors must be 'raise' or 'return', got {errors!r}")
+    with _patched(model) as state:
+        plans = _plan_all(model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs)
+        runnable = [plan for plan in plans if isinstance(plan, Request)]
+        if runnable:
+            state.get_engine(model).run(runnable, progress=progress)
+    completions = [_completion(plan, tokenizer) for plan in plans]
+    failed = [(i, c.error) for i, c in enumerate(completions) if c.finish_reason == "error"]
+    if failed and errors == "raise":
+        details = "; ".join(f"prompts[{i}]: {error}" for i, error in failed[:5])
+        more = f" (and {len(failed) - 5} more)" if len(failed) > 5 else ""
+        raise RequestError(
+            f"{len(failed)} of {len(completions)} requests refused, the others completed "
+            f"(see .completions): {details}{more}",
+            completions,
+        )
+    return completions
+
+
+def stream(
+    model: Any,
+    prompts: Sequence[Prompt],
+    *,
+    tokenizer: Any = None,
+    generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+    **generate_kwargs: Any,
+) -> Iterator[StreamEvent]:
+    """Like `generate`, but yield every token of every request as soon as its step ends.
+
+    All prompts run in one continuous batch; events interleave across requests. A refused prompt
+    raises ValueError before anything runs. Closing the iterator early cancels what is left (freeing
+    its KV blocks).
+    """
+    with _patched(model) as state:
+        plans = _plan_all(model, state, prompts, tokenizer, generation_config, generate_kwargs, False)
+        refused = [(i, p.error) for i, p in enumerate(plans) if isinstance(p, _Done) and p.error]
+        if refused:
+            raise ValueError("; ".join(f"prompts[{i}]: {e}" for i, e in refused))
+        engine = state.get_engine(model)
+        live = {i: plan for i, plan in enumerate(plans) if isinstance(plan, Request)}
+        for request in live.values():
+            engine.add(request)
+        sent = dict.fromkeys(live, 0)
+        texts = dict.fromkeys(live, "")
+        try:
+            while any(sent[i] < len(r.output_token_ids) or not r.is_finished for i, r in live.items()):
+                for i, request in live.items():
+                    while sent[i] < len(request.output_token_ids):
+                        token = request.output_token_ids[sent[i]]
+                        sent[i] += 1
+                        done = request.is_finished and sent[i] == len(request.output_token_ids)
+                        delta = None
+                        if tokenizer is not None:
+                            text = tokenizer.decode(
+                                request.output_token_ids[: sent[i]], skip_special_tokens=True
+                            )
+                            delta, texts[i] = text[len(texts[i]) :], text
+                        yield StreamEvent(i, token, delta, done, request.finish_reason if done else None)
+                if engine.has_unfinished_requests() and any(not r.is_finished for r in live.values()):
+                    engine.step(draining=True)
+        finally:
+            for request in live.values():
+                if not request.is_finished:
+                    engine.abort(request)
+
+
+@contextmanager
+def _patched(model: Any) -> Iterator[PatchState]:
+    """The model's patch state; an unpatched model is patched for the block and restored after."""
+    if is_patched(model):
+        yield model._hfaccel
+        return
+    patch(model)
     try:
-        encoded = [_encode(p, tokenizer, i) for i, p in enumerate(prompts)]
-        plans = [_plan(model, state, ids, cfg, generate_kwargs) for ids, cfg in zip(encoded, configs)]
-        engine_rows = [plan for plan in plans if isinstance(plan, Request)]
-        if engine_rows:
-            state.get_engine(model).run(engine_rows, progress=progress)
-        return [_completion(plan, tokenizer) for plan in plans]
+        yield model._hfaccel
     finally:
-        if not was_patched:
-            unpatch(model)
+        unpatch(model)
 
 
 def _per_prompt_configs(
@@ -151,65 +250,103 @@ def _per_prompt_configs(
     return configs
 
 
-def _encode(prompt: Prompt, tokenizer: Any, index: int) -> list[int]:
+def _encode(prompt: Prompt, tokenizer: Any) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError(f"prompts[{index}] is a string: pass tokenizer= to encode it")
+            raise ValueError("a string prompt needs tokenizer= to encode it")
         return list(tokenizer(prompt)["input_ids"])
     items = list(prompt)
     if items and isinstance(items[0], dict):
         if tokenizer is None:
-            raise ValueError(f"prompts[{index}] is a chat: pass tokenizer= to apply its chat template")
+            raise ValueError("a chat prompt needs tokenizer= to apply its chat template")
         rendered = tokenizer.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
-        ids = rendered["input_ids"] if isinstance(rendered, dict) or hasattr(rendered, "keys") else rendered
+        ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
         return [int(t) for t in ids]
     if not all(isinstance(t, int) or (isinstance(t, torch.Tensor) and t.numel() == 1) for t in items):
-        raise ValueError(f"prompts[{index}] must be a string, a list of token ids or a list of chat messages")
+        raise ValueError("a prompt must be a string, a list of token ids or a list of chat messages")
     if not items:
-        raise ValueError(f"prompts[{index}] is empty: a prompt needs at least one token")
+        raise ValueError("the prompt is empty: a prompt needs at least one token")
     return [int(t) for t in items]
 
 
 @dataclass
-class _Fallback:
-    """A prompt the engine cannot serve, completed by transformers' own generate."""
+class _Done:
+    """A prompt completed without the engine: refused, given no room to generate, or run by HF."""
 
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    error: str | None = None
+
+
+def _plan_all(
+    model: Any,
+    state: PatchState,
+    prompts: Sequence[Prompt],
+    tokenizer: Any,
+    generation_config: Any,
+    kwargs: dict[str, Any],
+    logprobs: bool,
+) -> list[Request | _Done]:
+    """Every prompt turned into engine requests (n per prompt for num_return_sequences) or a `_Done`."""
+    if isinstance(prompts, (str, torch.Tensor)):
+        raise ValueError("prompts must be a list (of strings, token-id lists or chat message lists)")
+    configs = _per_prompt_configs(generation_config, len(prompts))
+    plans: list[Request | _Done] = []
+    for prompt, config in zip(prompts, configs):
+        try:
+            plans.extend(_plan(model, state, _encode(prompt, tokenizer), config, kwargs, tokenizer, logprobs))
+        except ValueError as error:
+            plans.append(_Done([], finish_reason="error", error=str(error)))
+    return plans
 
 
 def _plan(
-    model: Any, state: PatchState, ids: list[int], config: GenerationConfig | None, kwargs: dict[str, Any]
-) -> Request | _Fallback:
+    model: Any,
+    state: PatchState,
+    ids: list[int],
+    config: GenerationConfig | None,
+    kwargs: dict[str, Any],
+    tokenizer: Any,
+    logprobs: bool,
+) -> list[Request | _Done]:
     has_default_max, has_default_min = has_default_lengths(model, config, kwargs)
     prepared, _ = prepare_config(model, config, dict(kwargs))
+    copies = prepared.num_return_sequences or 1
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     reason = unsupported_reason(prepared)
     if reason is not None:
-        warn_fallback(state, reason)
-        output = state.original_generate(input_ids, generation_config=copy.deepcopy(prepared))
-        new = output[0, len(ids) :].tolist()
+        fall_back(state, reason)
+        output = state.original_generate(
+            input_ids, generation_config=copy.deepcopy(prepared), tokenizer=tokenizer
+        )
         eos = prepared.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        return _Fallback(ids, new, "stop" if new and new[-1] in eos_ids else "length")
+        rows = [row[len(ids) :].tolist() for row in output]
+        return [_Done(ids, new, "stop" if new and new[-1] in eos_ids else "length") for new in rows]
     model._prepare_special_tokens(prepared, True, device=device)  # one unpadded row: no mask needed
-    stopping, processors = row_rules(model, prepared, input_ids, has_default_max, has_default_min)
+    stopping, sampling = request_params(
+        model, prepared, input_ids, has_default_max, has_default_min, tokenizer, output_logprobs=logprobs
+    )
     if stopping.max_new_tokens <= 0:
-        return _Fallback(ids, [], "length")
-    return state.get_engine(model).make_request(ids, stopping, processors)
+        return [_Done(ids) for _ in range(copies)]
+    engine = state.get_engine(model)
+    return [engine.make_request(ids, stopping, sampling) for _ in range(copies)]
 
 
-def _completion(plan: Request | _Fallback, tokenizer: Any) -> Completion:
-    if isinstance(plan, _Fallback):
-        prompt, tokens, reason, metrics = plan.prompt_token_ids, plan.token_ids, plan.finish_reason, {}
-    else:
-        prompt, tokens, reason = plan.prompt_token_ids, plan.output_token_ids, plan.finish_reason
-        metrics = {
-            **plan.metrics.as_dict(),
-            "num_cached_prompt_tokens": plan.num_cached_prompt_tokens,
-            "num_preemptions": plan.num_preemptions,
-        }
+def _completion(plan: Request | _Done, tokenizer: Any) -> Completion:
+    if isinstance(plan, _Done):
+        text = tokenizer.decode(plan.token_ids, skip_special_tokens=True) if tokenizer is not None else None
+        return Completion(plan.prompt_token_ids, plan.token_ids, text, plan.finish_reason, error=plan.error)
+    metrics = {
+        **plan.metrics.as_dict(),
+        "num_cached_prompt_tokens": plan.num_cached_prompt_tokens,
+        "num_preemptions": plan.num_preemptions,
+    }
+    tokens = list(plan.output_token_ids)
     text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
-    return Completion(list(prompt), list(tokens), text, reason or "length", metrics)
+    logprobs = list(plan.logprobs) if plan.sampling.output_logprobs else None
+    return Completion(
+        list(plan.prompt_token_ids), tokens, text, plan.finish_reason or "length", metrics, logprobs
+    )

@@ -10,7 +10,16 @@ from tests.helpers import EOS, assert_same_or_near_tie, hf_greedy, tiny_model, v
 
 
 def test_public_names():
-    assert sorted(hfaccel.__all__) == ["Completion", "EngineConfig", "generate", "patch", "unpatch"]
+    assert sorted(hfaccel.__all__) == [
+        "Completion",
+        "EngineConfig",
+        "RequestError",
+        "StreamEvent",
+        "generate",
+        "patch",
+        "stream",
+        "unpatch",
+    ]
 
 
 def test_patch_is_idempotent_and_unpatch_restores_exactly():
@@ -60,28 +69,71 @@ def test_generate_on_a_patched_model_keeps_it_patched_and_its_config():
     assert len(out[0].token_ids) <= 3 and model._hfaccel.engine.config.block_size == 4
 
 
-def test_bad_input():
+def test_call_level_errors_raise_before_anything_runs():
     model = tiny_model()
     assert hfaccel.generate(model, []) == []
-    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
-        hfaccel.generate(model, [[5, 6], []], progress=False)
-    with pytest.raises(ValueError, match=r"prompts\[0\] is a string: pass tokenizer="):
-        hfaccel.generate(model, ["hello"], progress=False)
     with pytest.raises(ValueError, match="prompts must be a list"):
         hfaccel.generate(model, "hello", progress=False)
     with pytest.raises(ValueError, match="generation_config has 1 entries for 2 prompts"):
         hfaccel.generate(model, [[5], [6]], generation_config=[GenerationConfig()], progress=False)
-    with pytest.raises(ValueError, match="max_model_len"):
-        hfaccel.generate(model, [[5, 6], [5] * 600], max_new_tokens=2, progress=False)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        hfaccel.generate(model, [[5, 6]], max_new_tokens=-1, progress=False)
+    with pytest.raises(ValueError, match="errors must be 'raise' or 'return'"):
+        hfaccel.generate(model, [[5]], errors="ignore")
     assert not hasattr(model, "_hfaccel")
-    ok = hfaccel.generate(model, [[5, 6, 7]], max_new_tokens=4, progress=False)[0]
-    assert ok.token_ids == hf_greedy(model, [5, 6, 7], 4)
 
 
-def test_sampling_falls_back_to_hf_with_a_warning():
+BAD = [
+    ([], {}, "the prompt is empty"),
+    ("hello", {}, "a string prompt needs tokenizer="),
+    ([5] * 600, {}, r"max_model_len"),
+    ([5, 6], {"max_new_tokens": -1}, "max_new_tokens"),
+    ([5, 6], {"do_sample": True, "temperature": -0.5}, "temperature must be a strictly positive float"),
+    ([5, 6], {"do_sample": True, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ([5, 6], {"do_sample": True, "top_k": -3}, "top_k must be >= 0"),
+    ([5, 6], {"do_sample": True, "num_return_sequences": 0}, "num_return_sequences must be >= 1"),
+]
+
+
+@pytest.mark.parametrize(("prompt", "kwargs", "message"), BAD, ids=[b[2][:30] for b in BAD])
+def test_a_bad_request_fails_alone_and_the_others_complete(prompt, kwargs, message):
     model = tiny_model()
-    with pytest.warns(UserWarning, match=r"sampling \(do_sample=True\)"):
-        out = hfaccel.generate(model, [[5, 6, 7]], do_sample=True, max_new_tokens=4, progress=False)
-    assert len(out[0].token_ids) <= 4
+    good = [[5, 6, 7], [9, 10]]
+    bad_config = GenerationConfig(max_new_tokens=4)
+    for name, value in kwargs.items():  # set after construction: GenerationConfig() refuses some at once
+        setattr(bad_config, name, value)
+    configs = [GenerationConfig(max_new_tokens=4), bad_config, GenerationConfig(max_new_tokens=4)]
+    with pytest.raises(
+        hfaccel.RequestError, match=r"1 of 3 requests refused.*prompts\[1\]: .*" + message
+    ) as info:
+        hfaccel.generate(model, [good[0], prompt, good[1]], generation_config=configs, progress=False)
+    assert isinstance(info.value, ValueError)
+    results = info.value.completions
+    assert results[1].finish_reason == "error" and results[1].token_ids == []
+    assert results[0].token_ids == hf_greedy(model, good[0], 4)
+    assert results[2].token_ids == hf_greedy(model, good[1], 4)
+    returned = hfaccel.generate(
+        model, [good[0], prompt, good[1]], generation_config=configs, progress=False, errors="return"
+    )
+    assert [c.finish_reason == "error" for c in returned] == [False, True, False]
+    assert not hasattr(model, "_hfaccel")
+
+
+def test_stream_yields_every_token_of_every_request():
+    model = tiny_model()
+    prompts = varied_prompts(5, seed=9)
+    events = list(hfaccel.stream(model, prompts, max_new_tokens=6))
+    for index, prompt in enumerate(prompts):
+        tokens = [e.token_id for e in events if e.index == index]
+        assert tokens == hf_greedy(model, prompt, 6)
+        finals = [e for e in events if e.index == index and e.finished]
+        assert len(finals) == 1 and finals[0].token_id == tokens[-1]
+    assert len({e.index for e in events[:5]}) > 1, "requests interleave: one batch, not one after another"
+
+
+def test_closing_a_stream_early_cancels_the_rest():
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=1_000_000)
+    iterator = hfaccel.stream(model, varied_prompts(4), max_new_tokens=50, min_new_tokens=50)
+    next(iterator)
+    iterator.close()
+    engine = model._hfaccel.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_free_blocks == engine.num_blocks

@@ -116,6 +116,13 @@ class BlockManager:
         request.num_hashed_blocks, request.prefix_hash = len(request.block_ids), parent
         return len(request.block_ids) * self.block_size
 
+    def first_block_key(self, request: Request) -> tuple[int, tuple[int, ...]] | None:
+        """The cache key of `request`'s first block, if that block could ever be shared."""
+        tokens = request.all_token_ids
+        if not self.enable_prefix_caching or (len(tokens) - 1) // self.block_size < 1:
+            return None
+        return self._key(0, tokens, 0)
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register `request`'s blocks that are now full of computed tokens, so later requests can share
         them. Incremental: the request carries how far its hash chain got."""

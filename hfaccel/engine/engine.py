@@ -14,9 +14,9 @@ from hfaccel.config import EngineConfig
 from hfaccel.engine.batch import pack_step
 from hfaccel.engine.block_manager import BlockManager, blocks_for
 from hfaccel.engine.metrics import StepStats
-from hfaccel.engine.request import Request, StoppingParams
+from hfaccel.engine.request import GREEDY, Request, SamplingParams, StoppingParams
 from hfaccel.engine.runner import ModelRunner, kv_bytes_per_token
-from hfaccel.engine.sampler import greedy_sample
+from hfaccel.engine.sampler import sample
 from hfaccel.engine.scheduler import Scheduler
 from hfaccel.kernels import get_backend
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
@@ -67,7 +67,7 @@ class Engine:
         self,
         prompt_token_ids: Sequence[int],
         stopping: StoppingParams,
-        logits_processor: Any = None,
+        sampling: SamplingParams = GREEDY,
         request_id: Any = None,
         arrival_time: float | None = None,
     ) -> Request:
@@ -76,7 +76,7 @@ class Engine:
         Raises ValueError and queues nothing for a bad prompt. `arrival_time` (``time.perf_counter()``
         seconds) backdates the request's arrival for latency metrics; by default it arrives now.
         """
-        request = self.make_request(prompt_token_ids, stopping, logits_processor, request_id)
+        request = self.make_request(prompt_token_ids, stopping, sampling, request_id)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         self.scheduler.add(request)
@@ -86,7 +86,7 @@ class Engine:
         self,
         prompt_token_ids: Sequence[int],
         stopping: StoppingParams,
-        logits_processor: Any = None,
+        sampling: SamplingParams = GREEDY,
         request_id: Any = None,
     ) -> Request:
         """Build a validated `Request` without queueing it."""
@@ -104,9 +104,13 @@ class Engine:
         if request_id is None:
             request_id = self._next_id
             self._next_id += 1
-        request = Request(request_id, ids, stopping, logits_processor=logits_processor)
+        request = Request(request_id, ids, stopping, sampling=sampling)
         self.scheduler.check(request)
         return request
+
+    def add(self, request: Request) -> None:
+        """Queue a request built by `make_request`."""
+        self.scheduler.add(request)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -130,7 +134,7 @@ class Engine:
                 request.metrics.first_scheduled_time = start
         inputs = pack_step(step, self.config.block_size, self.device)
         logits = self.runner.run(inputs)
-        tokens = greedy_sample(logits, inputs.sampled_requests)
+        tokens = sample(logits, inputs.sampled_requests)
         finished = self.scheduler.update(step, inputs.sampled_requests, tokens)
         num_decode = sum(1 for n in step.num_tokens if n == 1)
         self.step_stats.append(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,17 +17,40 @@ class RequestStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class StoppingParams:
-    """When a request stops: ``max_new_tokens``, EOS ids (never before ``min_new_tokens``)."""
+    """When a request stops: ``max_new_tokens``, EOS ids (never before ``min_new_tokens``), or when
+    `stop_check` (given the generated ids) says a stop string has appeared."""
 
     max_new_tokens: int
     min_new_tokens: int = 0
     eos_token_ids: frozenset[int] = frozenset()
+    stop_check: Callable[[list[int]], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+
+
+@dataclass(eq=False)
+class SamplingParams:
+    """How a request's next token is chosen from its logits; shared by the requests of one call.
+
+    `processors` need the request's token ids and run per row; `warpers` look at scores only and run
+    once on all the rows that share this object (HF builds both from a GenerationConfig). Greedy
+    takes the argmax; sampling draws from the softmax with torch's global generator, so a seed plus
+    the same batch composition reproduces a run.
+    """
+
+    do_sample: bool = False
+    processors: Any = None  # an HF LogitsProcessorList, or None
+    warpers: Any = None  # an HF LogitsProcessorList of score-only processors, or None
+    output_scores: bool = False  # keep each step's processed scores
+    output_logits: bool = False  # keep each step's raw logits
+    output_logprobs: bool = False  # keep the log-probability of each chosen token
+
+
+GREEDY = SamplingParams()
 
 
 @dataclass
@@ -89,8 +113,11 @@ class Request:
     request_id: Any
     prompt_token_ids: list[int]
     stopping: StoppingParams
-    logits_processor: Any = None  # an HF LogitsProcessorList applied to this row, or None
+    sampling: SamplingParams = GREEDY
     output_token_ids: list[int] = field(default_factory=list)
+    scores: list[Any] = field(default_factory=list)  # per token, when sampling.output_scores
+    logits: list[Any] = field(default_factory=list)  # per token, when sampling.output_logits
+    logprobs: list[float] = field(default_factory=list)  # per token, when sampling.output_logprobs
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -131,9 +158,14 @@ class Request:
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         num_new = len(self.output_token_ids)
-        if token_id in self.stopping.eos_token_ids and num_new >= self.stopping.min_new_tokens:
+        stopping = self.stopping
+        may_stop = num_new >= stopping.min_new_tokens
+        if may_stop and (
+            token_id in stopping.eos_token_ids
+            or (stopping.stop_check is not None and stopping.stop_check(self.output_token_ids))
+        ):
             self.finish("stop")
-        elif num_new >= self.stopping.max_new_tokens or self.num_tokens >= max_model_len:
+        elif num_new >= stopping.max_new_tokens or self.num_tokens >= max_model_len:
             self.finish("length")
 
     def finish(self, reason: str) -> None:

@@ -1,20 +1,49 @@
-"""Turns each sequence's last logits into its next token."""
+"""Turns each sequence's last logits into its next token: greedy or sampled, per request, in one batch."""
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 
 from hfaccel.engine.request import Request
 
 
-def greedy_sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """Greedy next tokens, after each request's logits processing.
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """Next tokens for ``[N, V]`` `logits`, one row per request, each with its own `SamplingParams`.
 
-    `logits` is ``[N, V]``, one row per request. As in HF ``generate``, scores are processed in float32;
-    EOS is masked while a request is below its ``min_new_tokens`` (done here, batched, because every
-    benchmark request uses it), then each request's own HF ``LogitsProcessorList`` runs on its row.
+    As in HF ``generate``: scores are processed in float32; EOS is masked while a request is below its
+    ``min_new_tokens`` (batched here, since every benchmark request uses it); each request's
+    id-dependent processors run on its row; score-only warpers run once per group of rows sharing them;
+    then greedy rows take the argmax and sampled rows draw from the softmax in one multinomial call.
     """
     scores = logits.to(dtype=torch.float32, copy=True)
+    _mask_eos_below_min_tokens(scores, requests)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, request in enumerate(requests):
+        params = request.sampling
+        if params.processors:
+            ids = torch.tensor([request.all_token_ids], dtype=torch.long, device=scores.device)
+            scores[i : i + 1] = params.processors(ids, scores[i : i + 1])
+        if params.warpers:
+            groups[id(params)].append(i)
+    for rows in groups.values():
+        warpers = requests[rows[0]].sampling.warpers
+        index = torch.tensor(rows, device=scores.device)
+        dummy_ids = torch.zeros((len(rows), 1), dtype=torch.long, device=scores.device)
+        scores[index] = warpers(dummy_ids, scores[index])
+    tokens = scores.argmax(dim=-1)
+    sampled_rows = [i for i, r in enumerate(requests) if r.sampling.do_sample]
+    if sampled_rows:
+        index = torch.tensor(sampled_rows, device=scores.device)
+        probs = torch.softmax(scores[index], dim=-1)
+        tokens[index] = torch.multinomial(probs, num_samples=1).squeeze(1)
+    chosen = tokens.tolist()
+    _record_outputs(logits, scores, chosen, requests)
+    return chosen
+
+
+def _mask_eos_below_min_tokens(scores: torch.Tensor, requests: list[Request]) -> None:
     rows, cols = [], []
     for i, request in enumerate(requests):
         if len(request.output_token_ids) < request.stopping.min_new_tokens:
@@ -24,8 +53,23 @@ def greedy_sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
                     cols.append(eos)
     if rows:
         scores[rows, cols] = -float("inf")
+
+
+def _record_outputs(
+    logits: torch.Tensor, scores: torch.Tensor, chosen: list[int], requests: list[Request]
+) -> None:
+    if not any(
+        r.sampling.output_scores or r.sampling.output_logits or r.sampling.output_logprobs for r in requests
+    ):
+        return
+    logprobs = None
     for i, request in enumerate(requests):
-        if request.logits_processor:
-            ids = torch.tensor([request.all_token_ids], dtype=torch.long, device=scores.device)
-            scores[i : i + 1] = request.logits_processor(ids, scores[i : i + 1])
-    return scores.argmax(dim=-1).tolist()
+        params = request.sampling
+        if params.output_scores:
+            request.scores.append(scores[i].to(device="cpu", copy=True))
+        if params.output_logits:
+            request.logits.append(logits[i].to(dtype=torch.float32, device="cpu", copy=True))
+        if params.output_logprobs:
+            if logprobs is None:
+                logprobs = torch.log_softmax(scores, dim=-1)
+            request.logprobs.append(float(logprobs[i, chosen[i]]))

@@ -203,15 +203,23 @@ class Scheduler:
 
     def _admit(self, budget: int, chosen: list[tuple[Request, int]], draining: bool) -> None:
         queue = self._admission_queue(draining)
+        computing: set = set()  # first blocks of prompts admitted uncached in this step
         while queue and budget > 0 and len(self.running) < self.max_num_seqs:
             request = queue[0]
             cached = self.block_manager.match_prefix(request)
+            first = self.block_manager.first_block_key(request) if cached == 0 else None
+            if first is not None and first in computing:
+                # Its prefix is being computed right now: admitted next step, it shares those blocks
+                # (copies of one prompt, num_return_sequences) instead of computing them again.
+                break
             request.num_computed_tokens = cached
             count = self._chunk(request, budget)
             if count == 0 or not self.block_manager.allocate(request, count):
                 self.block_manager.free(request)  # give the matched prefix back: nothing changed
                 request.num_computed_tokens = 0
                 break
+            if first is not None:
+                computing.add(first)
             self.block_manager.stats.record(request.num_tokens, cached)
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = cached

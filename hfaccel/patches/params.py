@@ -1,0 +1,187 @@
+"""HF generation arguments -> engine request parameters, through HF's own helpers.
+
+`_prepare_generation_config`, `_prepare_generated_length` and `_get_logits_processor` decide what a
+call means, so merging a request's arguments with the model's generation config follows HF's rules
+exactly; this module only reshapes the result into `StoppingParams` and `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+from transformers.generation import logits_process
+from transformers.generation.configuration_utils import GenerationMode
+
+from hfaccel.engine.request import SamplingParams, StoppingParams
+
+_UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
+_SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+# Processors that read only the scores (not the token ids): safe to run on many rows at once.
+_SCORE_ONLY = tuple(
+    getattr(logits_process, name)
+    for name in (
+        "TemperatureLogitsWarper",
+        "TopKLogitsWarper",
+        "TopPLogitsWarper",
+        "MinPLogitsWarper",
+        "TopHLogitsWarper",
+        "TypicalLogitsWarper",
+        "EpsilonLogitsWarper",
+        "EtaLogitsWarper",
+        "LogitNormalization",
+    )
+    if hasattr(logits_process, name)
+)
+
+
+def prepare_config(
+    model: torch.nn.Module, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
+) -> tuple[GenerationConfig, dict[str, Any]]:
+    """HF's merge of call arguments, `generation_config` and the model's defaults; validated."""
+    generation_config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    generation_config.validate()
+    validate_values(generation_config)
+    return generation_config, model_kwargs
+
+
+def validate_values(config: GenerationConfig) -> None:
+    """Raise ValueError naming the parameter for values HF would only reject late (or never)."""
+    if config.num_return_sequences is not None and config.num_return_sequences < 1:
+        raise ValueError(f"num_return_sequences must be >= 1, got {config.num_return_sequences}")
+    if config.max_new_tokens is not None and config.max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {config.max_new_tokens}")
+    if config.do_sample:
+        if config.temperature is not None and not config.temperature > 0:
+            raise ValueError(f"temperature must be a strictly positive float, got {config.temperature}")
+        if config.top_p is not None and not 0 < config.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {config.top_p}")
+        if config.top_k is not None and config.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {config.top_k}")
+        if config.min_p is not None and not 0 <= config.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {config.min_p}")
+    if config.repetition_penalty is not None and not config.repetition_penalty > 0:
+        raise ValueError(
+            f"repetition_penalty must be a strictly positive float, got {config.repetition_penalty}"
+        )
+
+
+def unsupported_reason(config: GenerationConfig) -> str | None:
+    """Why the engine cannot serve this (prepared) generation config, or None if it can."""
+    mode = config.get_generation_mode()
+    if mode not in _SERVED_MODES:
+        return f"generation mode {mode.value!r}"
+    for name in _UNSUPPORTED_OUTPUTS:
+        if getattr(config, name, False):
+            return f"{name}=True"
+    if config.max_time is not None:
+        return "max_time"
+    if config.cache_implementation not in (None, "dynamic"):
+        return f"cache_implementation={config.cache_implementation!r}"
+    if getattr(config, "token_healing", False):
+        return "token_healing"
+    if (config.guidance_scale or 1) != 1:
+        return "guidance_scale"
+    if getattr(config, "watermarking_config", None) is not None:
+        return "watermarking_config"
+    return None
+
+
+def has_default_lengths(
+    model: torch.nn.Module, generation_config: GenerationConfig | None, kwargs: dict[str, Any]
+) -> tuple[bool, bool]:
+    """HF's test of whether max_length / min_length come from nobody (so its defaults apply)."""
+    flags = []
+    for name in ("max_length", "min_length"):
+        flags.append(
+            kwargs.get(name) is None
+            and (generation_config is None or getattr(generation_config, name) is None)
+            and getattr(model.generation_config, name) is None
+        )
+    return flags[0], flags[1]
+
+
+def request_params(
+    model: torch.nn.Module,
+    config: GenerationConfig,
+    input_ids: torch.Tensor,
+    has_default_max: bool,
+    has_default_min: bool,
+    tokenizer: Any = None,
+    output_logprobs: bool = False,
+) -> tuple[StoppingParams, SamplingParams]:
+    """Stopping and sampling parameters for the rows of a ``[B, L]`` (possibly left-padded) input.
+
+    HF counts max/min length on the padded width, so every row gets ``max_length - L`` new tokens at
+    most and ``min_length - L`` at least: the same numbers, given to each unpadded row.
+    """
+    config = copy.deepcopy(config)
+    width = input_ids.shape[1]
+    config = model._prepare_generated_length(
+        generation_config=config,
+        has_default_max_length=has_default_max,
+        has_default_min_length=has_default_min,
+        model_input_name="input_ids",
+        input_ids_length=width,
+        inputs_tensor=input_ids,
+    )
+    model._validate_generated_length(config, width, has_default_max)
+    eos = config._eos_token_tensor
+    stop_check = None
+    if config.stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer: pass tokenizer= to generate")
+        strings = [config.stop_strings] if isinstance(config.stop_strings, str) else list(config.stop_strings)
+        stop_check = stop_string_check(tokenizer, strings)
+    stopping = StoppingParams(
+        max_new_tokens=config.max_length - width,
+        min_new_tokens=max(0, (config.min_length or 0) - width),
+        eos_token_ids=frozenset(eos.flatten().tolist()) if eos is not None else frozenset(),
+        stop_check=stop_check,
+    )
+    # Min length is applied by the sampler, batched; every other processor HF would build is kept.
+    config.min_length, config.min_new_tokens = 0, None
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=width,
+        encoder_input_ids=input_ids,
+        logits_processor=LogitsProcessorList(),
+        device=input_ids.device,
+    )
+    per_row, score_only = split_score_only(processors)
+    sampling = SamplingParams(
+        do_sample=bool(config.do_sample),
+        processors=per_row or None,
+        warpers=score_only or None,
+        output_scores=bool(config.output_scores),
+        output_logits=bool(config.output_logits),
+        output_logprobs=output_logprobs,
+    )
+    return stopping, sampling
+
+
+def split_score_only(processors: LogitsProcessorList) -> tuple[LogitsProcessorList, LogitsProcessorList]:
+    """Split off the trailing processors that read scores only (HF puts the sampling warpers last)."""
+    cut = len(processors)
+    while cut > 0 and isinstance(processors[cut - 1], _SCORE_ONLY):
+        cut -= 1
+    return LogitsProcessorList(processors[:cut]), LogitsProcessorList(processors[cut:])
+
+
+def stop_string_check(tokenizer: Any, stop_strings: list[str]) -> Callable[[list[int]], bool]:
+    """A check that fires when a stop string ends inside the newest token (overhang allowed, as HF's
+    StopStringCriteria)."""
+    if not stop_strings or any(not isinstance(s, str) or not s for s in stop_strings):
+        raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
+    window = max(map(len, stop_strings)) + 2  # every token decodes to at least one character, nearly always
+
+    def check(generated: list[int]) -> bool:
+        tail = generated[-window:]
+        text = tokenizer.decode(tail)
+        before = len(tokenizer.decode(tail[:-1])) if len(tail) > 1 else 0
+        return any((pos := text.rfind(s)) != -1 and pos + len(s) > before for s in stop_strings)
+
+    return check
