@@ -7,14 +7,17 @@ hfaccel.generate(model, prompts, tokenizer=tok, max_new_tokens=64)   # many prom
 
 from hfaccel.api import Completion, RequestError, StreamEvent, generate, patch, stream, unpatch
 from hfaccel.config import EngineConfig
+from hfaccel.notebook import engine_state, plot_run
 
 __all__ = [
     "Completion",
     "EngineConfig",
     "RequestError",
     "StreamEvent",
+    "engine_state",
     "generate",
     "patch",
+    "plot_run",
     "stream",
     "unpatch",
 ]

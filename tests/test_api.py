@@ -15,8 +15,10 @@ def test_public_names():
         "EngineConfig",
         "RequestError",
         "StreamEvent",
+        "engine_state",
         "generate",
         "patch",
+        "plot_run",
         "stream",
         "unpatch",
     ]

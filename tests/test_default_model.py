@@ -65,3 +65,53 @@ def test_pipeline_gives_the_unpatched_greedy_text(smollm2):
         assert model._hfaccel.engine.num_steps > 0, "the pipeline ran on the engine"
     finally:
         hfaccel.unpatch(model)
+
+
+def test_pipeline_options_match_the_unpatched_pipeline(smollm2):
+    model, tokenizer = smollm2
+    tokenizer.padding_side = "left"
+    prompts = ["The capital of France is", "My favourite fruit is", "Water boils at"]
+    kwargs = {"max_new_tokens": 12, "do_sample": False, "return_full_text": False}
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    ref = pipe(prompts, **kwargs)
+    hfaccel.patch(model)
+    try:
+        pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+        assert pipe(prompts, **kwargs) == ref
+        assert pipe(prompts, batch_size=3, **kwargs) == ref
+        full = pipe(prompts[0], max_new_tokens=12, do_sample=False)
+        assert full[0]["generated_text"] == prompts[0] + ref[0][0]["generated_text"]
+        sampling = {"max_new_tokens": 12, "do_sample": True, "temperature": 0.8, "top_p": 0.9}
+        torch.manual_seed(3)
+        first = pipe(prompts, batch_size=3, **sampling)
+        torch.manual_seed(3)
+        assert pipe(prompts, batch_size=3, **sampling) == first
+    finally:
+        hfaccel.unpatch(model)
+
+
+def test_stop_strings_and_text_streamer_match_hf(smollm2):
+    from threading import Thread
+
+    from transformers import TextIteratorStreamer
+
+    model, tokenizer = smollm2
+    ids = torch.tensor([chat_ids(tokenizer, "List three fruits, one per line.")])
+    kwargs = {"max_new_tokens": 40, "do_sample": False, "stop_strings": ["\n"], "tokenizer": tokenizer}
+    ref = type(model).generate(model, ids, **kwargs)
+    hfaccel.patch(model)
+    try:
+        out = model.generate(ids, **kwargs)
+        assert torch.equal(out, ref)
+        assert out.shape[1] < ids.shape[1] + 40, "the stop string ended generation early"
+        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        thread = Thread(
+            target=model.generate, kwargs={"inputs": ids, "max_new_tokens": 20, "streamer": streamer}
+        )
+        thread.start()
+        streamed = "".join(streamer)
+        thread.join()
+        expected = type(model).generate(model, ids, max_new_tokens=20, do_sample=False)
+        assert streamed == tokenizer.decode(expected[0, ids.shape[1] :], skip_special_tokens=True)
+    finally:
+        hfaccel.unpatch(model)

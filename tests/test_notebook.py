@@ -1,0 +1,52 @@
+"""Notebook helpers on a tiny model, and the example notebook end to end on SmolLM2."""
+
+import pathlib
+
+import matplotlib
+import pytest
+
+import hfaccel
+from tests.helpers import tiny_model, varied_prompts
+
+matplotlib.use("Agg")
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_plot_run_and_engine_state(tmp_path):
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=1_000_000)
+    state = hfaccel.engine_state(model)
+    assert "not built yet" in repr(state)
+    with pytest.raises(ValueError, match="has run no step yet"):
+        hfaccel.plot_run(model)
+    completions = hfaccel.generate(model, varied_prompts(6), max_new_tokens=5, progress=False)
+    assert "steps=" in repr(state) and "backend='torch'" in repr(state)
+    figure = hfaccel.plot_run(model, completions, path=str(tmp_path / "run.png"))
+    occupancy, latency = figure.axes[:2]
+    assert (
+        occupancy.get_title().startswith("batch occupancy") and latency.get_title() == "latency of 6 requests"
+    )
+    assert (tmp_path / "run.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="not patched"):
+        hfaccel.engine_state(tiny_model())
+
+
+@pytest.mark.slow
+def test_example_notebook_runs_end_to_end():
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(EXAMPLES / "notebook.ipynb", as_version=4)
+    NotebookClient(
+        notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(EXAMPLES)}}
+    ).execute()
+    outputs = "".join(
+        out.get("text", "") + str(out.get("data", {}).get("text/plain", ""))
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for out in cell.get("outputs", [])
+    )
+    assert "Paris" in outputs
+    assert "engine: Engine(" in outputs
+    assert any(
+        "image/png" in out.get("data", {}) for cell in notebook.cells for out in cell.get("outputs", [])
+    )
