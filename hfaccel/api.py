@@ -76,8 +76,8 @@ def patch(
     model: Any,
     config: EngineConfig | None = None,
     *,
-    strict: bool = False,
-    progress: bool = False,
+    strict: bool | None = None,
+    progress: bool | None = None,
     **overrides: Any,
 ) -> Any:
     """Make `model.generate` run on the hfaccel engine; returns the same model object.
@@ -87,14 +87,15 @@ def patch(
     ``model(...)`` forward calls keep the model's own attention. Options the engine does not serve fall
     back to the original ``generate`` with one warning, or raise ValueError with ``strict=True``.
     ``progress=True`` shows a progress bar inside ``model.generate``. Calling it again on a patched
-    model updates what is given. Unknown or invalid config values raise ValueError.
+    model updates only what is given. Unknown or invalid config values raise ValueError.
     """
     state: PatchState | None = getattr(model, "_hfaccel", None)
     if state is not None:
         if config is not None or overrides:
             state.config = (config or state.config).with_overrides(**overrides)
             state.engine = None
-        state.strict, state.progress = strict, progress
+        state.strict = state.strict if strict is None else strict
+        state.progress = state.progress if progress is None else progress
         return model
     check_model(model)
     engine_config = (config or EngineConfig()).with_overrides(**overrides)
@@ -103,8 +104,8 @@ def patch(
         config=engine_config,
         original_generate=model.generate,
         instance_generate=model.__dict__.get("generate"),
-        strict=strict,
-        progress=progress,
+        strict=bool(strict),
+        progress=bool(progress),
     )
     model.generate = types.MethodType(patched_generate, model)
     return model

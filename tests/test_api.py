@@ -31,8 +31,9 @@ def test_patch_is_idempotent_and_unpatch_restores_exactly():
     assert hfaccel.patch(model) is model
     bound = model.generate
     assert hfaccel.patch(model) is model and model.generate is bound
-    hfaccel.patch(model, block_size=32)
-    assert model._hfaccel.config.block_size == 32
+    hfaccel.patch(model, block_size=32, strict=True)
+    hfaccel.patch(model)  # keeps what was set
+    assert model._hfaccel.config.block_size == 32 and model._hfaccel.strict
     hfaccel.unpatch(model)
     assert "generate" not in model.__dict__ and not hasattr(model, "_hfaccel")
     assert model.generate.__func__ is type(model).generate
