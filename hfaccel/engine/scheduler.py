@@ -147,7 +147,7 @@ class Scheduler:
         for request in list(self.running):
             if budget <= 0:
                 break
-            if id(request) in scheduled or request not in self.running:  # done already, or preempted
+            if id(request) in scheduled or request.status is not RequestStatus.RUNNING:  # done, or preempted
                 continue
             if (request.num_uncomputed_tokens == 1) != (kind == "decode"):
                 continue
