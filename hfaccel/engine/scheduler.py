@@ -84,16 +84,14 @@ class Scheduler:
         last, partial batch.
         """
         policy = self.config.scheduling_policy
-        decoding = any(r.num_uncomputed_tokens == 1 for r in self.running)
-        prefilling = any(r.num_uncomputed_tokens > 1 for r in self.running) or self._can_admit(draining)
-        if policy == "prefill_first" and prefilling:
-            kinds = {"prefill"}
-        elif policy == "decode_first" and decoding:
-            kinds = {"decode"}
-        elif policy == "decode_first" or policy == "prefill_first":
-            kinds = {"prefill"} if prefilling else {"decode"}
-        else:
-            kinds = {"decode", "prefill"}
+        kinds = {"decode", "prefill"}
+        if policy != "mixed":  # a step of one kind: the preferred one if it has work, else the other
+            has_work = {
+                "decode": any(r.num_uncomputed_tokens == 1 for r in self.running),
+                "prefill": any(r.num_uncomputed_tokens > 1 for r in self.running) or self._can_admit(draining),
+            }
+            preferred, other = ("prefill", "decode") if policy == "prefill_first" else ("decode", "prefill")
+            kinds = {preferred} if has_work[preferred] else {other}
         step = self._fill(kinds, draining)
         if not step.requests and kinds != {"decode", "prefill"}:
             step = self._fill({"decode", "prefill"} - kinds, draining)  # the preferred kind could not run
