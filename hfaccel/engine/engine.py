@@ -164,7 +164,7 @@ class Engine:
                 sent += 1
             if request.is_finished:
                 return
-            self.step()
+            self.step(draining=True)  # nothing can arrive while we wait here
 
     def abort(self, request: Request) -> None:
         """Cancel a request and free its KV blocks at once."""
