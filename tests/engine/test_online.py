@@ -67,7 +67,9 @@ def test_metrics_are_plain_data():
 
 
 def test_stream_under_static_batching_runs_a_partial_batch():
-    e = Engine(MODEL, EngineConfig(block_size=8, kv_cache_memory=2_000_000, batching="static", max_batch_size=4))
+    e = Engine(
+        MODEL, EngineConfig(block_size=8, kv_cache_memory=2_000_000, batching="static", max_batch_size=4)
+    )
     prompt = varied_prompts(3)[2]
     request = e.add_request(prompt, STOP)
     assert list(e.stream(request)) == hf_greedy(MODEL, prompt, 10)

@@ -1,0 +1,51 @@
+"""Each supported family through hfaccel.generate, and the model checks."""
+
+import pytest
+import torch
+
+import hfaccel
+from hfaccel.patches.models import max_model_len
+from tests.helpers import FAMILIES, assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_offline_generate_matches_hf(family):
+    model = tiny_model(family, seed=2)
+    prompts = varied_prompts(16, seed=8)
+    completions = hfaccel.generate(model, prompts, max_new_tokens=9, progress=False)
+    for prompt, completion in zip(prompts, completions):
+        assert_same_or_near_tie(model, prompt, completion.token_ids, hf_greedy(model, prompt, 9))
+
+
+def test_sliding_window_caps_the_served_length():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=128,
+    )
+    model = MistralForCausalLM(config)
+    assert max_model_len(model, None) == 128
+    with pytest.raises(ValueError, match=r"max_model_len \(256\) exceeds what the model supports \(128\)"):
+        max_model_len(model, 256)
+
+
+def test_untested_families_warn_and_encoder_decoders_are_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.warns(UserWarning, match="model_type 'gpt2'"):
+        hfaccel.patch(gpt2)
+    hfaccel.unpatch(gpt2)
+    t5 = T5ForConditionalGeneration(
+        T5Config(num_layers=1, d_model=16, d_ff=32, num_heads=2, d_kv=8, vocab_size=64)
+    )
+    with pytest.raises(ValueError, match="encoder-decoder model"):
+        hfaccel.patch(t5)
+    assert torch.is_tensor(next(t5.parameters()))
