@@ -176,12 +176,12 @@ class Engine:
         If anything goes wrong midway (or the user interrupts), the unfinished ones are aborted so no
         KV block stays held, and the error propagates.
         """
-        for request in requests:
-            self.scheduler.add(request)
         remaining = {id(r) for r in requests}
         bar = tqdm(total=len(requests), desc="hfaccel", unit="req", disable=not progress, leave=False)
         tokens_before = self.num_generated_tokens
         try:
+            for request in requests:  # inside the try: a refusal midway must not strand the ones queued
+                self.scheduler.add(request)
             while remaining:
                 for request in self.step(draining=True):
                     if id(request) in remaining:

@@ -88,7 +88,8 @@ class Scheduler:
         if policy != "mixed":  # a step of one kind: the preferred one if it has work, else the other
             has_work = {
                 "decode": any(r.num_uncomputed_tokens == 1 for r in self.running),
-                "prefill": any(r.num_uncomputed_tokens > 1 for r in self.running) or self._can_admit(draining),
+                "prefill": any(r.num_uncomputed_tokens > 1 for r in self.running)
+                or self._can_admit(draining),
             }
             preferred, other = ("prefill", "decode") if policy == "prefill_first" else ("decode", "prefill")
             kinds = {preferred} if has_work[preferred] else {other}

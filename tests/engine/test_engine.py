@@ -125,3 +125,15 @@ def test_request_too_large_for_the_cache_is_refused_when_made(model):
         engine.make_request([5] * 30, StoppingParams(max_new_tokens=10))
     engine.run([ok])
     assert ok.is_finished and engine.block_manager.num_free_blocks == 4
+
+
+def test_run_refusing_a_request_midway_leaves_nothing_queued(model):
+    bytes_per_block = 2 * 2 * 2 * 16 * 4 * 8
+    engine = Engine(model, EngineConfig(block_size=8, kv_cache_memory=4 * bytes_per_block))
+    roomy = Engine(model, EngineConfig(block_size=8, kv_cache_memory=2_000_000))
+    ok = engine.make_request([5, 6], StoppingParams(max_new_tokens=4))
+    too_big = roomy.make_request([5] * 30, StoppingParams(max_new_tokens=10))  # fine there, not here
+    with pytest.raises(ValueError, match=r"holds 4 blocks of 8 tokens, but request .* needs 5 blocks"):
+        engine.run([ok, too_big])
+    assert not engine.has_unfinished_requests() and ok.finish_reason == "abort"
+    assert engine.block_manager.num_free_blocks == 4
