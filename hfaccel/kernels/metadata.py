@@ -1,39 +1,58 @@
-"""What one engine step tells the attention backend, and the interface every backend implements."""
+"""What one engine step tells an attention backend, and the interface every backend implements.
+
+The engine describes a step on the host as a `StepLayout` (plain Python ints). A backend's
+`MetadataBuilder`, made once per engine, copies that layout into persistent buffers (a pinned host
+mirror plus a device copy, filled in place every step: no per-step allocation of index tensors) and
+returns the backend's typed metadata. Padding is one sentinel everywhere: a padded token has
+``slot_mapping == -1`` (it writes no K/V) and a padded sequence has ``seq_len == 0`` (it reads
+nothing); their outputs are ignored. That is what fixed grids and CUDA graphs need.
+"""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import ClassVar
 
 import torch
 
+PAD_SLOT = -1
 
-@dataclass
-class AttentionMetadata:
-    """Layout of one packed step: B sequences, T tokens in all, sequences with one query token first.
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can serve, declared as data.
 
     Attributes:
-        slot_mapping: ``[T]`` cache slot (``block * block_size + offset``) each new token's K/V goes to.
-        query_start_loc: ``B + 1`` offsets of each sequence's tokens in the packed step (cu_seqlens_q).
-        seq_lens: ``B`` context lengths, this step's tokens included.
-        block_tables: ``[B, max_blocks]`` block ids of each sequence, padded with 0.
-        num_decodes: how many leading sequences have exactly one query token.
-        block_size: tokens per block.
-        kv_caches: per layer, ``(k_cache, v_cache)`` of shape ``[num_blocks, block_size, Hkv, D]``.
-        backend: the backend that serves this step.
-        backend_state: what the backend derives once per step in ``prepare`` (gather indices, masks, plans).
+        dtypes: query/KV dtypes it computes in.
+        head_dims: supported head dimensions (``None``: any).
+        devices: device types it runs on (``"cpu"``, ``"cuda"``).
+        cuda_graph_decode: whether a pure-decode step can be captured in a CUDA graph.
+        decode_query_len: the largest query length per sequence it serves on its decode path (1 for
+            plain decoding; 1 + k lets speculative verification rows ride the decode path).
     """
 
-    slot_mapping: torch.Tensor
-    query_start_loc: list[int]
+    dtypes: frozenset[torch.dtype]
+    head_dims: frozenset[int] | None
+    devices: frozenset[str]
+    cuda_graph_decode: bool
+    decode_query_len: int = 1
+
+
+@dataclass
+class StepLayout:
+    """One packed step as the engine sees it on the host.
+
+    ``query_lens[i]`` new tokens of sequence ``i`` are computed; ``seq_lens[i]`` is its context length
+    with them; sequences served on the decode path come first (``num_decodes`` of them).
+    """
+
+    query_lens: list[int]
     seq_lens: list[int]
-    block_tables: torch.Tensor
+    block_tables: list[list[int]]
+    slot_mapping: list[int]
     num_decodes: int
-    block_size: int
-    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    backend: AttentionBackend | None = None
-    backend_state: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -41,35 +60,224 @@ class AttentionMetadata:
 
     @property
     def num_tokens(self) -> int:
-        return self.query_start_loc[-1]
+        return len(self.slot_mapping)
 
 
-class AttentionBackend(Protocol):
+@dataclass
+class AttentionMetadata:
+    """The step's layout in the builder's persistent buffers (views, valid until the next build).
+
+    Device tensors have the padded sizes ``T_pad`` tokens and ``B_pad`` sequences; the ints count
+    the real ones. ``*_cpu`` are the host mirrors, for backends that plan on the host.
+
+    Attributes:
+        slot_mapping: ``[T_pad]`` int64 cache slot of each token (``block * block_size + offset``);
+            ``-1`` for padding.
+        query_start_loc: ``[B_pad + 1]`` int32 offsets of each sequence's tokens (cu_seqlens_q).
+        seq_lens: ``[B_pad]`` int32 context lengths, this step's tokens included; 0 for padding.
+        block_tables: ``[B_pad, max_blocks]`` int32 block ids of each sequence (unused entries 0).
+    """
+
+    num_seqs: int
+    num_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    block_tables_cpu: torch.Tensor
+    query_lens: list[int]
+    host_seq_lens: list[int]
+
+    @property
+    def num_padded_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_padded_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+class MetadataBuilder:
+    """Owns the persistent step buffers of one engine and fills them in place each step.
+
+    Backends subclass it to derive their own typed metadata from the common one (`build`).
+    """
+
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_num_tokens = max_num_tokens
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+        shapes = {
+            "slot_mapping": ((max_num_tokens,), torch.int64),
+            "query_start_loc": ((max_num_seqs + 1,), torch.int32),
+            "seq_lens": ((max_num_seqs,), torch.int32),
+            "block_tables": ((max_num_seqs, max_blocks_per_seq), torch.int32),
+        }
+        self.host = {n: torch.zeros(s, dtype=d, pin_memory=pin) for n, (s, d) in shapes.items()}
+        self.dev = (
+            self.host
+            if self.device.type == "cpu"
+            else {n: torch.zeros(s, dtype=d, device=self.device) for n, (s, d) in shapes.items()}
+        )
+
+    def build_common(
+        self, layout: StepLayout, num_padded_seqs: int | None = None, num_padded_tokens: int | None = None
+    ) -> AttentionMetadata:
+        """Copy `layout` into the buffers, padded to the given sizes (default: no padding)."""
+        b, t = layout.num_seqs, layout.num_tokens
+        b_pad = b if num_padded_seqs is None else num_padded_seqs
+        t_pad = t if num_padded_tokens is None else num_padded_tokens
+        if not (b <= b_pad <= self.max_num_seqs and t <= t_pad <= self.max_num_tokens):
+            raise ValueError(
+                f"step of {b} sequences / {t} tokens padded to {b_pad} / {t_pad} does not fit the buffers "
+                f"({self.max_num_seqs} sequences, {self.max_num_tokens} tokens)"
+            )
+        width = max((len(row) for row in layout.block_tables), default=1) or 1
+        if width > self.max_blocks_per_seq:
+            raise ValueError(f"a block table of {width} blocks exceeds {self.max_blocks_per_seq}")
+        h = {n: buf.numpy() for n, buf in self.host.items()}
+        h["slot_mapping"][:t] = layout.slot_mapping
+        h["slot_mapping"][t:t_pad] = PAD_SLOT
+        qsl = h["query_start_loc"]
+        qsl[0] = 0
+        total = 0
+        for i, n in enumerate(layout.query_lens):
+            total += n
+            qsl[i + 1] = total
+        # Padded tokens belong to padded sequences, one each (the rest to the last one), so a padded
+        # sequence has 0 or 1 query tokens whatever the bucket.
+        extra = t_pad - t
+        for i in range(b, b_pad):
+            total += 1 if extra > 0 else 0
+            extra -= 1
+            qsl[i + 1] = total
+        if extra > 0 and b_pad > b:
+            qsl[b_pad] += extra
+        h["seq_lens"][:b] = layout.seq_lens
+        h["seq_lens"][b:b_pad] = 0
+        tables = h["block_tables"]
+        for i, row in enumerate(layout.block_tables):
+            tables[i, : len(row)] = row
+        tables[b:b_pad, :width] = 0
+        views = {
+            "slot_mapping": t_pad,
+            "query_start_loc": b_pad + 1,
+            "seq_lens": b_pad,
+            "block_tables": b_pad,
+        }
+        dev = {}
+        for name, size in views.items():
+            src = self.host[name][:size]
+            if name == "block_tables":
+                src = src[:, :width]
+            if self.dev is self.host:
+                dev[name] = src
+            else:
+                dst = self.dev[name][:size]
+                if name == "block_tables":
+                    dst = dst[:, :width]
+                dst.copy_(src, non_blocking=True)
+                dev[name] = dst
+        num_decode_tokens = sum(layout.query_lens[: layout.num_decodes])
+        return AttentionMetadata(
+            num_seqs=b,
+            num_tokens=t,
+            num_decodes=layout.num_decodes,
+            num_decode_tokens=num_decode_tokens,
+            max_query_len=max(layout.query_lens, default=0),
+            max_seq_len=max(layout.seq_lens, default=0),
+            block_size=self.block_size,
+            slot_mapping=dev["slot_mapping"],
+            query_start_loc=dev["query_start_loc"],
+            seq_lens=dev["seq_lens"],
+            block_tables=dev["block_tables"],
+            query_start_loc_cpu=self.host["query_start_loc"][: b_pad + 1],
+            seq_lens_cpu=self.host["seq_lens"][:b_pad],
+            block_tables_cpu=self.host["block_tables"][:b_pad, :width],
+            query_lens=list(layout.query_lens),
+            host_seq_lens=list(layout.seq_lens),
+        )
+
+    def build(
+        self, layout: StepLayout, num_padded_seqs: int | None = None, num_padded_tokens: int | None = None
+    ) -> AttentionMetadata:
+        """The backend's metadata for this step (the common metadata unless a backend adds to it)."""
+        return self.build_common(layout, num_padded_seqs, num_padded_tokens)
+
+
+class AttentionBackend(ABC):
     """A paged-attention implementation. Tensors use the packed layout ``[T, heads, head_dim]``."""
 
-    name: str
+    name: ClassVar[str]
+    capabilities: ClassVar[BackendCapabilities]
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        """Derive per-step state (shared by every layer) into ``meta.backend_state``."""
+    @classmethod
+    def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+        """Why this backend cannot serve a model on `device` in `dtype` with `head_dim` (None: it can)."""
+        caps = cls.capabilities
+        if device.type not in caps.devices:
+            return f"it runs on {sorted(caps.devices)}, not {device.type}"
+        if dtype not in caps.dtypes:
+            names = sorted(str(d).removeprefix("torch.") for d in caps.dtypes)
+            return f"KV dtype {str(dtype).removeprefix('torch.')} is not supported (supported: {names})"
+        if caps.head_dims is not None and head_dim not in caps.head_dims:
+            return f"head_dim {head_dim} is not supported (supported: {sorted(caps.head_dims)})"
+        return None
 
-    def write_kv(
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
+        """Shape of one layer's K (and of its V) cache for `num_blocks` usable blocks."""
+        return (num_blocks, block_size, num_kv_heads, head_dim)
+
+    def make_builder(
         self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None:
-        """Store this step's ``key``/``value`` ``[T, Hkv, D]`` at ``meta.slot_mapping``."""
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+        num_blocks: int | None = None,
+    ) -> MetadataBuilder:
+        """The metadata builder for one engine (made once; it owns the step buffers). `num_blocks` is
+        the number of usable blocks of the cache."""
+        return MetadataBuilder(max_num_seqs, max_num_tokens, max_blocks_per_seq, block_size, device)
 
-    def attend(
+    @abstractmethod
+    def forward(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Causal attention of ``query`` ``[T, Hq, D]`` over each sequence's context; returns ``[T, Hq, D]``."""
+        """Store this step's ``key``/``value`` ``[T, Hkv, D]`` in `kv_cache` at ``meta.slot_mapping``, then
+        return causal paged attention of ``query`` ``[T, Hq, D]`` over each sequence's context, as a new
+        ``[T, Hq, D]`` tensor (padded rows: any finite value)."""
+
+
+def num_leading_decodes(query_lens: Sequence[int], decode_query_len: int) -> int:
+    """How many leading sequences have at most `decode_query_len` query tokens (the decode path)."""
+    count = 0
+    for q in query_lens:
+        if q > decode_query_len:
+            break
+        count += 1
+    return count

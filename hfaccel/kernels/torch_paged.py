@@ -1,9 +1,13 @@
 """Pure-PyTorch paged attention: the reference backend and the CPU fast path.
 
-Decodes (one query token per sequence) run as one batched SDPA call over K/V gathered from the cache and
-padded to the longest context. Multi-token sequences (prefill chunks) run one SDPA call each: a fresh
-prompt attends to its own K/V with ``is_causal``; a chunk that continues a cached context gathers that
-context and uses an offset causal mask.
+Decodes (one query token per sequence) run as one batched SDPA call over K/V gathered from the cache by
+whole blocks and padded to the longest context. Multi-token sequences (prefill chunks) run one SDPA
+call each: a fresh prompt attends to its own K/V with ``is_causal``; a chunk that continues a cached
+context gathers that context and uses an offset causal mask. Everything a layer needs is derived once
+per step by the builder, from host-side ints (no device sync), and shared by all layers.
+
+Padded tokens (slot ``-1``) are written to a scratch block past the usable ones (`kv_cache_shape`
+reserves it), so the store needs no data-dependent indexing; padded sequences are skipped (zero rows).
 """
 
 from __future__ import annotations
@@ -13,11 +17,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hfaccel.kernels.metadata import AttentionMetadata
+from hfaccel.kernels.metadata import (
+    AttentionBackend,
+    AttentionMetadata,
+    BackendCapabilities,
+    MetadataBuilder,
+    StepLayout,
+)
 
 
 @dataclass
-class _PrefillSpan:
+class PrefillSpan:
+    """One multi-token sequence of a step."""
+
     start: int  # first packed token of this sequence
     length: int  # its query tokens this step
     context_slots: torch.Tensor | None  # [ctx] cache slots when it continues a cached context
@@ -25,14 +37,14 @@ class _PrefillSpan:
 
 
 @dataclass
-class _TorchState:
-    decode_blocks: torch.Tensor | None = (
-        None  # [num_decodes * nb] block ids, nb = blocks of the longest context
-    )
-    decode_mask: torch.Tensor | None = (
-        None  # [num_decodes, 1, 1, nb * block_size] True where a slot is context
-    )
-    prefills: list[_PrefillSpan] = field(default_factory=list)
+class TorchMetadata:
+    """The common metadata plus the torch backend's gather indices and masks for this step."""
+
+    common: AttentionMetadata
+    decode_blocks: torch.Tensor | None = None  # [num_decodes * nb] block ids, nb = longest context's blocks
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, nb * block_size]: True where context
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    write_slots: torch.Tensor | None = None  # slot_mapping with padding sent to the scratch block
 
 
 def context_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -40,97 +52,148 @@ def context_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size
     return block_table[..., positions // block_size] * block_size + positions % block_size
 
 
-class TorchPagedAttention:
-    """Paged attention written with ``torch`` ops only (any device, any dtype)."""
+class TorchMetadataBuilder(MetadataBuilder):
+    """Builds `TorchMetadata`; padding slots are redirected to the scratch block."""
 
-    name = "torch"
+    def __init__(self, *args, scratch_block: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.scratch_block = scratch_block
+        self._positions = torch.arange(self.max_blocks_per_seq * self.block_size, device=self.device)
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        """Build the gather indices and masks every layer of this step shares."""
-        state = _TorchState()
-        device = meta.slot_mapping.device
-        block_tables = meta.block_tables.to(device=device, dtype=torch.long)
-        num_decodes = meta.num_decodes
+    def build(
+        self, layout: StepLayout, num_padded_seqs: int | None = None, num_padded_tokens: int | None = None
+    ) -> TorchMetadata:
+        common = self.build_common(layout, num_padded_seqs, num_padded_tokens)
+        meta = TorchMetadata(common)
+        block_size = self.block_size
+        device = self.device
+        padded = common.num_padded_tokens > common.num_tokens or common.num_padded_seqs > common.num_seqs
+        meta.write_slots = common.slot_mapping
+        if padded:
+            if self.scratch_block is None:
+                raise ValueError("a padded step needs the scratch block (num_blocks given to make_builder)")
+            scratch = self.scratch_block * block_size
+            meta.write_slots = torch.where(common.slot_mapping < 0, scratch, common.slot_mapping)
+        block_tables = common.block_tables
+        num_decodes = common.num_decodes
         if num_decodes:
             # Gather whole blocks (contiguous rows of block_size * Hkv * D), not single slots: far faster.
-            lens = torch.tensor(meta.seq_lens[:num_decodes], device=device)
-            num_blocks = -(-max(meta.seq_lens[:num_decodes]) // meta.block_size)
-            state.decode_blocks = block_tables[:num_decodes, :num_blocks].reshape(-1)
-            positions = torch.arange(num_blocks * meta.block_size, device=device)
-            state.decode_mask = (positions[None, :] < lens[:, None])[:, None, None, :]
-        for i in range(num_decodes, meta.num_seqs):
-            start = meta.query_start_loc[i]
-            length = meta.query_start_loc[i + 1] - start
-            context = meta.seq_lens[i]
+            lens = layout.seq_lens[:num_decodes]
+            nb = -(-max(lens) // block_size)
+            meta.decode_blocks = block_tables[:num_decodes, :nb].reshape(-1).long()
+            seen = torch.tensor(lens, device=device)
+            meta.decode_mask = (self._positions[None, : nb * block_size] < seen[:, None])[:, None, None, :]
+        start = common.num_decode_tokens
+        tables = block_tables.long()
+        for i in range(num_decodes, common.num_seqs):
+            length = layout.query_lens[i]
+            context = layout.seq_lens[i]
             if context == length:
-                state.prefills.append(_PrefillSpan(start, length, None, None))
-                continue
-            positions = torch.arange(context, device=device)
-            slots = context_slots(block_tables[i], positions, meta.block_size)
-            query_positions = torch.arange(context - length, context, device=device)
-            mask = positions[None, :] <= query_positions[:, None]
-            state.prefills.append(_PrefillSpan(start, length, slots, mask))
-        meta.backend_state = state
+                meta.prefills.append(PrefillSpan(start, length, None, None))
+            else:
+                positions = self._positions[:context]
+                slots = context_slots(tables[i], positions, block_size)
+                mask = positions[None, :] <= positions[context - length :, None]
+                meta.prefills.append(PrefillSpan(start, length, slots, mask))
+            start += length
+        return meta
 
-    def write_kv(
+
+class TorchPagedAttention(AttentionBackend):
+    """Paged attention written with ``torch`` ops only (any device, any float dtype)."""
+
+    name = "torch"
+    capabilities = BackendCapabilities(
+        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64}),
+        head_dims=None,
+        devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
+        cuda_graph_decode=False,  # gather sizes follow the longest context: not one shape per bucket
+        decode_query_len=1,
+    )
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
+        """One extra block past the usable ones: the scratch block padded tokens are written to."""
+        return (num_blocks + 1, block_size, num_kv_heads, head_dim)
+
+    def make_builder(
         self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> None:
-        """Scatter this step's K/V ``[T, Hkv, D]`` into the paged cache."""
-        flat_k = k_cache.view(-1, *k_cache.shape[2:])
-        flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        flat_k.index_copy_(0, meta.slot_mapping, key.to(k_cache.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, value.to(v_cache.dtype))
+        max_num_seqs: int,
+        max_num_tokens: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+        num_blocks: int | None = None,
+    ) -> TorchMetadataBuilder:
+        return TorchMetadataBuilder(
+            max_num_seqs, max_num_tokens, max_blocks_per_seq, block_size, device, scratch_block=num_blocks
+        )
 
-    def attend(
+    def forward(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: TorchMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Causal paged attention; ``query`` ``[T, Hq, D]`` -> ``[T, Hq, D]``."""
-        state: _TorchState = meta.backend_state
-        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-        flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-        out = torch.empty_like(query)
-        d = meta.num_decodes
-        if d:
-            out[:d] = _decode(query[:d], k_cache, v_cache, state, scale)
-        for span in state.prefills:
-            # 4-D inputs: CPU SDPA sends 3-D ones to its slow math path (25x slower at 2k tokens).
-            rows = slice(span.start, span.start + span.length)
-            q = query[rows].transpose(0, 1)[None]  # [1, Hq, L, D]
-            if span.context_slots is None:
-                k, v = key[rows].transpose(0, 1)[None], value[rows].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-            else:
-                k = flat_k[span.context_slots].transpose(0, 1)[None].to(q.dtype)
-                v = flat_v[span.context_slots].transpose(0, 1)[None].to(q.dtype)
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale, enable_gqa=True)
-            out[rows] = o[0].transpose(0, 1)
-        return out
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, key, value, meta.write_slots)
+        return attend(query, key, value, k_cache, v_cache, meta, scale)
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the paged cache at `slots` (all valid)."""
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
+    flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: TorchMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal paged attention; ``query`` ``[T, Hq, D]`` -> a new ``[T, Hq, D]``."""
+    common = meta.common
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    out = torch.empty_like(query) if common.num_padded_tokens == common.num_tokens else torch.zeros_like(query)
+    if meta.decode_blocks is not None:  # padded sequences are skipped: their rows stay zero
+        d = common.num_decodes
+        out[:d] = _decode(query[:d], k_cache, v_cache, meta, scale)
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    for span in meta.prefills:
+        # 4-D inputs: CPU SDPA sends 3-D ones to its slow math path (25x slower at 2k tokens).
+        rows = slice(span.start, span.start + span.length)
+        q = query[rows].transpose(0, 1)[None]  # [1, Hq, L, D]
+        if span.context_slots is None:
+            k, v = key[rows].transpose(0, 1)[None], value[rows].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            k = flat_k[span.context_slots].transpose(0, 1)[None].to(q.dtype)
+            v = flat_v[span.context_slots].transpose(0, 1)[None].to(q.dtype)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=scale, enable_gqa=True)
+        out[rows] = o[0].transpose(0, 1)
+    return out
 
 
 def _decode(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, state: _TorchState, scale: float
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchMetadata, scale: float
 ) -> torch.Tensor:
     # Query heads sharing a KV head become rows of one [Hkv, rep] group: no repeat of K/V is needed.
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     shape = (num_seqs, -1, num_kv_heads, head_dim)
-    k = (
-        k_cache.index_select(0, state.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
-    )  # [B, Hkv, S, D]
-    v = v_cache.index_select(0, state.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=state.decode_mask, scale=scale)
+    k = k_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, S, D]
+    v = v_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
     return o.reshape(num_seqs, num_heads, head_dim)
