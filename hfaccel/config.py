@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-BACKENDS = ("auto", "torch")
+from hfaccel.kernels.selection import BACKEND_NAMES as BACKENDS
+
 SCHEDULING_POLICIES = ("mixed", "prefill_first", "decode_first")
 BATCHING_STRATEGIES = ("continuous", "dynamic", "static")
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -10,10 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-import torch
-
 from hfaccel.engine.request import Request
-from hfaccel.kernels.metadata import AttentionMetadata
+from hfaccel.kernels.metadata import StepLayout, num_leading_decodes
 
 
 class Batch:
@@ -57,7 +55,7 @@ class Batch:
 
 @dataclass
 class ScheduledStep:
-    """What one step computes: `num_tokens[i]` new tokens of `requests[i]`, one-token entries first."""
+    """What one step computes: `num_tokens[i]` new tokens of `requests[i]`."""
 
     requests: list[Request]
     num_tokens: list[int]
@@ -71,59 +69,53 @@ class ScheduledStep:
 
 
 @dataclass
-class StepInputs:
-    """A packed step, ready for the model."""
+class PackedStep:
+    """A scheduled step packed into one ``[1, T]`` row: no padding, positions restarting per sequence.
 
-    input_ids: torch.Tensor  # [1, T]
-    position_ids: torch.Tensor  # [1, T]
-    logits_indices: torch.Tensor  # [N] packed positions whose logits are sampled
+    Host-side lists only; the runner copies them into its persistent buffers.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    logits_indices: list[int]  # packed positions whose logits are sampled
     sampled_requests: list[Request]  # the N requests that get a token this step
-    metadata: AttentionMetadata
+    layout: StepLayout
 
 
-def pack_step(step: ScheduledStep, block_size: int, device: torch.device) -> StepInputs:
-    """Pack `step` into one ``[1, T]`` row: no padding, positions restarting per sequence."""
+def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -> PackedStep:
+    """Pack `step`; sequences the backend serves on its decode path (at most `decode_query_len` new
+    tokens) go first, in the scheduler's order."""
+    order = sorted(range(len(step)), key=lambda i: step.num_tokens[i] > decode_query_len)
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    query_start_loc = [0]
+    query_lens: list[int] = []
     seq_lens: list[int] = []
+    tables: list[list[int]] = []
     logits_indices: list[int] = []
     sampled: list[Request] = []
-    num_decodes = 0
-    for request, count in zip(step.requests, step.num_tokens):
+    for i in order:
+        request, count = step.requests[i], step.num_tokens[i]
         start = request.num_computed_tokens
         end = start + count
         if count == 1:
-            num_decodes += 1
             input_ids.append(request.token_at(start))
         else:
             input_ids.extend(request.all_token_ids[start:end])
         positions.extend(range(start, end))
         blocks = request.block_ids
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
-        query_start_loc.append(query_start_loc[-1] + count)
+        query_lens.append(count)
         seq_lens.append(end)
+        tables.append(blocks)
         if end == request.num_tokens:  # the step reaches the sequence's end: its last logits are sampled
-            logits_indices.append(query_start_loc[-1] - 1)
+            logits_indices.append(len(input_ids) - 1)
             sampled.append(request)
-    if any(c == 1 for c in step.num_tokens[num_decodes:]):
-        raise AssertionError("one-token sequences must come first in a scheduled step")
-    max_blocks = max(len(r.block_ids) for r in step.requests)
-    block_tables = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in step.requests]
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        query_start_loc=query_start_loc,
+    layout = StepLayout(
+        query_lens=query_lens,
         seq_lens=seq_lens,
-        block_tables=torch.tensor(block_tables, dtype=torch.long, device=device),
-        num_decodes=num_decodes,
-        block_size=block_size,
-        kv_caches=(),
+        block_tables=tables,
+        slot_mapping=slots,
+        num_decodes=num_leading_decodes(query_lens, decode_query_len),
     )
-    return StepInputs(
-        input_ids=torch.tensor([input_ids], dtype=torch.long, device=device),
-        position_ids=torch.tensor([positions], dtype=torch.long, device=device),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
-        sampled_requests=sampled,
-        metadata=metadata,
-    )
+    return PackedStep(input_ids, positions, logits_indices, sampled, layout)

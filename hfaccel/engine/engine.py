@@ -13,13 +13,13 @@ from tqdm.auto import tqdm
 from hfaccel.config import EngineConfig
 from hfaccel.engine.batch import pack_step
 from hfaccel.engine.block_manager import BlockManager, blocks_for
+from hfaccel.engine.executor import ModelExecutor, make_executor
 from hfaccel.engine.metrics import StepStats
 from hfaccel.engine.request import GREEDY, Request, SamplingParams, StoppingParams
 from hfaccel.engine.runner import ModelRunner, kv_bytes_per_token
 from hfaccel.engine.sampler import sample
 from hfaccel.engine.scheduler import Scheduler
 from hfaccel.kernels import get_backend
-from hfaccel.patches.models import max_model_len as resolve_max_model_len
 
 
 class Engine:
@@ -30,20 +30,30 @@ class Engine:
     packed forward pass, samples, and retires finished requests, freeing their KV blocks.
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
-        self.model = model
+    def __init__(self, model: Any, config: EngineConfig | None = None) -> None:
+        """Bind an engine to `model`: a transformers causal LM, or any `ModelExecutor`."""
+        self.executor: ModelExecutor = make_executor(model)
+        self.model = self.executor.model
         self.config = config or EngineConfig()
-        self.max_model_len = resolve_max_model_len(model, self.config.max_model_len)
-        self.device = next(model.parameters()).device
-        self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.model_dtype = next(model.parameters()).dtype
+        self.max_model_len = self.executor.max_model_len(self.config.max_model_len)
+        self.device = self.executor.device
+        self.vocab_size = self.executor.vocab_size
+        self.model_dtype = self.executor.dtype
         kv_dtype = self.config.kv_dtype(self.model_dtype)
         block_size = self.config.block_size
-        self.num_blocks = self._num_blocks(kv_bytes_per_token(model, kv_dtype) * block_size)
+        backend = get_backend(self.config.backend, self.device, kv_dtype, self.executor.head_dim)
+        self.num_blocks = self._num_blocks(kv_bytes_per_token(self.executor, kv_dtype) * block_size)
         self.block_manager = BlockManager(self.num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config, self.max_model_len)
         self.runner = ModelRunner(
-            model, get_backend(self.config.backend), self.num_blocks, block_size, kv_dtype
+            self.executor,
+            backend,
+            self.num_blocks,
+            block_size,
+            kv_dtype,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_tokens=self.config.max_num_batched_tokens,
+            max_blocks_per_seq=blocks_for(self.max_model_len, block_size),
         )
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -132,10 +142,10 @@ class Engine:
         for request in step.requests:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = start
-        inputs = pack_step(step, self.config.block_size, self.device)
-        logits = self.runner.run(inputs)
-        tokens = sample(logits, inputs.sampled_requests)
-        finished = self.scheduler.update(step, inputs.sampled_requests, tokens)
+        packed = pack_step(step, self.config.block_size, self.runner.backend.capabilities.decode_query_len)
+        logits = self.runner.run(packed)
+        tokens = sample(logits, packed.sampled_requests)
+        finished = self.scheduler.update(step, packed.sampled_requests, tokens)
         num_decode = sum(1 for n in step.num_tokens if n == 1)
         self.step_stats.append(
             StepStats(

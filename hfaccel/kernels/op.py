@@ -26,5 +26,7 @@ def paged_attention(
 
 
 @paged_attention.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float) -> torch.Tensor:
+def _(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float
+) -> torch.Tensor:
     return torch.empty_like(query)

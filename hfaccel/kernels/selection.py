@@ -30,8 +30,10 @@ def backend_class(name: str) -> type[AttentionBackend]:
     try:
         return getattr(importlib.import_module(module), cls)
     except ImportError as error:
-        package = {"triton": "triton (pip install 'hfaccel[triton]')",
-                   "flashinfer": "flashinfer-python (pip install 'hfaccel[flashinfer]')"}.get(name, name)
+        package = {
+            "triton": "triton (pip install 'hfaccel[triton]')",
+            "flashinfer": "flashinfer-python (pip install 'hfaccel[flashinfer]')",
+        }.get(name, name)
         raise ValueError(f"attention backend {name!r} needs {package}: {error}") from error
 
 

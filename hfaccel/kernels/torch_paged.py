@@ -164,7 +164,9 @@ def attend(
     """Causal paged attention; ``query`` ``[T, Hq, D]`` -> a new ``[T, Hq, D]``."""
     common = meta.common
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    out = torch.empty_like(query) if common.num_padded_tokens == common.num_tokens else torch.zeros_like(query)
+    out = (
+        torch.empty_like(query) if common.num_padded_tokens == common.num_tokens else torch.zeros_like(query)
+    )
     if meta.decode_blocks is not None:  # padded sequences are skipped: their rows stay zero
         d = common.num_decodes
         out[:d] = _decode(query[:d], k_cache, v_cache, meta, scale)
@@ -193,7 +195,9 @@ def _decode(
     num_kv_heads = k_cache.shape[2]
     q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     shape = (num_seqs, -1, num_kv_heads, head_dim)
-    k = k_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, S, D]
+    k = (
+        k_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
+    )  # [B, Hkv, S, D]
     v = v_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
     return o.reshape(num_seqs, num_heads, head_dim)

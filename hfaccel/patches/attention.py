@@ -5,7 +5,7 @@ attention implementation for ordinary forward calls (so scoring and training cod
 model it had, masks and all); the engine points the model at "hfaccel" only for the duration of its
 own forward passes (`engine_attention`). No mask function is registered for the name, so transformers
 builds no ``[T, S]`` mask for an engine step: causality and sequence boundaries come from the paged
-metadata.
+metadata, which the runner hands over in a forward context (not through HF's ``**kwargs``).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from contextlib import contextmanager
 import torch
 from transformers import AttentionInterface
 
-from hfaccel.kernels.metadata import AttentionMetadata
+import hfaccel.kernels.op  # noqa: F401  (registers torch.ops.hfaccel.paged_attention)
+from hfaccel.kernels.context import current_forward_context
 
 ATTENTION_NAME = "hfaccel"
-METADATA_KWARG = "hfaccel_metadata"
 
 
 def paged_attention_forward(
@@ -33,20 +33,18 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention-interface entry: ``query`` ``[1, Hq, T, D]``, ``key``/``value`` ``[1, Hkv, T, D]``
-    (packed, not GQA-repeated) -> ``([1, T, Hq, D], None)``."""
-    meta: AttentionMetadata | None = kwargs.get(METADATA_KWARG)
-    if meta is None:
+    (packed, not GQA-repeated) -> ``([1, T, Hq, D], None)``, through the ``hfaccel::paged_attention``
+    op, which reads the step from the forward context the runner set."""
+    if current_forward_context() is None:
         raise RuntimeError(
             "the 'hfaccel' attention implementation only runs inside the hfaccel engine; "
             "call model.generate(...) or hfaccel.generate(...) instead of forward()"
         )
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    meta.backend.write_kv(k_cache, v_cache, k, v, meta)
-    out = meta.backend.attend(q, k, v, k_cache, v_cache, meta, scale)
+    out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale))
     return out.unsqueeze(0), None
 
 

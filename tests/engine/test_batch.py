@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from hfaccel.engine.batch import Batch, ScheduledStep, pack_step
 from hfaccel.engine.request import Request, StoppingParams
@@ -31,28 +30,30 @@ def test_filter_keeps_order_and_returns_removed():
     assert b not in batch and a in batch
 
 
-def test_pack_step_refuses_one_token_entries_after_longer_ones():
+def test_pack_step_puts_decode_path_sequences_first_in_scheduler_order():
     decode = req("d", [10, 11, 12, 13, 14], out=[15, 16], computed=6, blocks=[7, 2])
     fresh = req("f", [20, 21, 22], blocks=[5])
-    with pytest.raises(AssertionError, match="one-token sequences must come first"):
-        pack_step(ScheduledStep([fresh, decode], [3, 1]), block_size=4, device=torch.device("cpu"))
+    other = req("o", [40, 41], out=[42], computed=2, blocks=[4])
+    packed = pack_step(ScheduledStep([fresh, decode, other], [3, 1, 1]), block_size=4)
+    assert packed.layout.query_lens == [1, 1, 3] and packed.layout.num_decodes == 2
+    assert packed.input_ids == [16, 42, 20, 21, 22]
+    # A backend whose decode path takes up to 3 query tokens serves all three there.
+    assert pack_step(ScheduledStep([fresh, decode], [3, 1]), 4, decode_query_len=3).layout.num_decodes == 2
 
 
 def test_pack_step_tokens_positions_slots_and_sampling():
     decode = req("d", [10, 11, 12, 13, 14], out=[15, 16], computed=6, blocks=[7, 2])
     fresh = req("f", [20, 21, 22], blocks=[5])
     chunk = req("c", [30, 31, 32, 33, 34, 35], computed=2, blocks=[1, 3])
-    inputs = pack_step(
-        ScheduledStep([decode, fresh, chunk], [1, 3, 2]), block_size=4, device=torch.device("cpu")
-    )
-    assert inputs.input_ids.tolist() == [[16, 20, 21, 22, 32, 33]]
-    assert inputs.position_ids.tolist() == [[6, 0, 1, 2, 2, 3]]
-    meta = inputs.metadata
-    assert meta.slot_mapping.tolist() == [2 * 4 + 2, 20, 21, 22, 1 * 4 + 2, 1 * 4 + 3]
-    assert meta.query_start_loc == [0, 1, 4, 6]
-    assert meta.seq_lens == [7, 3, 4]
-    assert meta.num_decodes == 1
-    assert meta.block_tables.tolist() == [[7, 2], [5, 0], [1, 3]]
+    packed = pack_step(ScheduledStep([decode, fresh, chunk], [1, 3, 2]), block_size=4)
+    assert packed.input_ids == [16, 20, 21, 22, 32, 33]
+    assert packed.positions == [6, 0, 1, 2, 2, 3]
+    layout = packed.layout
+    assert layout.slot_mapping == [2 * 4 + 2, 20, 21, 22, 1 * 4 + 2, 1 * 4 + 3]
+    assert layout.query_lens == [1, 3, 2]
+    assert layout.seq_lens == [7, 3, 4]
+    assert layout.num_decodes == 1
+    assert layout.block_tables == [[7, 2], [5], [1, 3]]
     # The chunk stops before the prompt's end: no logits for it this step.
-    assert inputs.logits_indices.tolist() == [0, 3]
-    assert [r.request_id for r in inputs.sampled_requests] == ["d", "f"]
+    assert packed.logits_indices == [0, 3]
+    assert [r.request_id for r in packed.sampled_requests] == ["d", "f"]

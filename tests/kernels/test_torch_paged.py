@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfaccel.kernels import AttentionMetadata, TorchPagedAttention, get_backend
+from hfaccel.kernels import StepLayout, TorchPagedAttention
 
 BLOCK = 4
 HQ, HKV, D = 4, 2, 8
@@ -52,21 +52,18 @@ def run_step(seqs, dtype, seed=0):
         lens.append(total)
         tables.append(blocks)
         refs.append(dense_reference(q, full_k, full_v, D**-0.5))
-    width = max(map(len, tables))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=qsl,
+    layout = StepLayout(
+        query_lens=[seqs[i][1] for i in order],
         seq_lens=lens,
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        block_tables=tables,
+        slot_mapping=slots,
         num_decodes=sum(1 for s in seqs if s[1] == 1),
-        block_size=BLOCK,
-        kv_caches=[(k_cache, v_cache)],
     )
     backend = TorchPagedAttention()
-    backend.prepare(meta)
+    builder = backend.make_builder(8, 64, 16, BLOCK, torch.device("cpu"), num_blocks=num_blocks)
+    meta = builder.build(layout)
     key, value = torch.cat(keys), torch.cat(values)
-    backend.write_kv(k_cache, v_cache, key, value, meta)
-    out = backend.attend(torch.cat(queries), key, value, k_cache, v_cache, meta, D**-0.5)
+    out = backend.forward(torch.cat(queries), key, value, (k_cache, v_cache), meta, D**-0.5)
     return out, torch.cat(refs)
 
 
@@ -89,26 +86,74 @@ def test_matches_dense_causal_attention(seqs, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-def test_write_kv_stores_at_slots_only():
-    k_cache = torch.zeros(4, BLOCK, HKV, D)
+def _one_step(slots, padded_seqs=None, padded_tokens=None, num_blocks=4):
+    backend = TorchPagedAttention()
+    k_cache = torch.zeros(backend.kv_cache_shape(num_blocks, BLOCK, HKV, D))
     v_cache = torch.zeros_like(k_cache)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([6, 13]),
-        query_start_loc=[0, 1, 2],
-        seq_lens=[1, 1],
-        block_tables=torch.tensor([[1], [3]]),
-        num_decodes=2,
-        block_size=BLOCK,
-        kv_caches=[],
+    layout = StepLayout(
+        query_lens=[1] * len(slots),
+        seq_lens=[s % BLOCK + 1 for s in slots],
+        block_tables=[[s // BLOCK] for s in slots],
+        slot_mapping=slots,
+        num_decodes=len(slots),
     )
-    key = torch.randn(2, HKV, D)
-    TorchPagedAttention().write_kv(k_cache, v_cache, key, key * 2, meta)
+    builder = backend.make_builder(4, 8, 2, BLOCK, torch.device("cpu"), num_blocks=num_blocks)
+    meta = builder.build(layout, padded_seqs, padded_tokens)
+    t = meta.common.num_padded_tokens
+    key = torch.randn(t, HKV, D)
+    out = backend.forward(torch.randn(t, HQ, D), key, key * 2, (k_cache, v_cache), meta, D**-0.5)
+    return k_cache, v_cache, key, out, meta
+
+
+def test_forward_stores_kv_at_slots_only():
+    k_cache, v_cache, key, _, _ = _one_step([6, 13])
     assert torch.equal(k_cache[1, 2], key[0]) and torch.equal(k_cache[3, 1], key[1])
     assert torch.equal(v_cache[3, 1], key[1] * 2)
     assert int((k_cache != 0).any(dim=(2, 3)).sum()) == 2
 
 
-def test_backend_lookup():
-    assert get_backend("auto").name == "torch"
-    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
-        get_backend("nope")
+def test_padded_slots_write_no_usable_block_and_padded_rows_are_zero():
+    k_cache, _, key, out, meta = _one_step([6, 13], padded_seqs=4, padded_tokens=4)
+    common = meta.common
+    assert common.slot_mapping.tolist() == [6, 13, -1, -1]
+    assert common.seq_lens.tolist() == [3, 2, 0, 0]
+    assert common.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    usable = k_cache[:4]  # the 5th block is the scratch block
+    assert int((usable != 0).any(dim=(2, 3)).sum()) == 2
+    assert torch.equal(out[2:], torch.zeros_like(out[2:])) and torch.isfinite(out).all()
+
+
+def test_builder_fills_the_same_buffers_every_step():
+    backend = TorchPagedAttention()
+    builder = backend.make_builder(4, 8, 2, BLOCK, torch.device("cpu"), num_blocks=4)
+    first = builder.build(StepLayout([1], [3], [[1]], [6], 1)).common
+    second = builder.build(StepLayout([1, 1], [3, 2], [[1], [2]], [6, 9], 2)).common
+    assert first.slot_mapping.data_ptr() == second.slot_mapping.data_ptr()
+    assert first.block_tables.data_ptr() == second.block_tables.data_ptr()
+    assert second.slot_mapping.tolist() == [6, 9] and second.block_tables.tolist() == [[1], [2]]
+
+
+def test_builder_refuses_a_step_larger_than_its_buffers():
+    builder = TorchPagedAttention().make_builder(2, 4, 2, BLOCK, torch.device("cpu"), num_blocks=4)
+    with pytest.raises(ValueError, match="does not fit the buffers"):
+        builder.build(StepLayout([1, 1, 1], [1, 1, 1], [[0], [1], [2]], [0, 4, 8], 3))
+
+
+def test_custom_op_has_a_fake_implementation_for_compile():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import hfaccel.kernels.op  # noqa: F401
+
+    with FakeTensorMode():
+        q, k = torch.empty(5, HQ, D), torch.empty(5, HKV, D)
+        out = torch.ops.hfaccel.paged_attention(q, k, k, 0, 0.1)
+    assert out.shape == (5, HQ, D)
+
+
+def test_custom_op_outside_an_engine_step_raises():
+    import hfaccel.kernels.op  # noqa: F401
+
+    with pytest.raises(RuntimeError, match="only inside an hfaccel engine step"):
+        torch.ops.hfaccel.paged_attention(
+            torch.randn(1, HQ, D), torch.randn(1, HKV, D), torch.randn(1, HKV, D), 0, 0.1
+        )

@@ -1,0 +1,58 @@
+"""The narrow interface through which the engine runs a model, whatever framework the model is from.
+
+The engine never imports the Hugging Face adapter: `patches/` registers a factory here
+(`register_executor_factory`) when hfaccel is imported, and `make_executor` turns a model object into
+an executor with it. An object that already is a `ModelExecutor` is used as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class ModelExecutor(Protocol):
+    """Runs one packed step of a model whose attention layers call ``hfaccel::paged_attention``."""
+
+    model: Any
+    device: torch.device
+    dtype: torch.dtype
+    vocab_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention_scale: float
+
+    def max_model_len(self, requested: int | None) -> int:
+        """The longest sequence served (the model's context, or `requested` if it fits)."""
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """``[1, T]`` packed ids and positions -> ``[N, V]`` logits at the `logits_indices` positions.
+        The caller has set the forward context (metadata, KV caches) for the step."""
+
+    def state_token(self) -> Hashable:
+        """A cheap fingerprint of everything that produced cached KV (weights, adapters)."""
+
+
+_factory: Callable[[Any], ModelExecutor] | None = None
+
+
+def register_executor_factory(factory: Callable[[Any], ModelExecutor]) -> None:
+    """Set how a model object becomes a `ModelExecutor` (the HF adapter registers itself)."""
+    global _factory
+    _factory = factory
+
+
+def make_executor(model: Any) -> ModelExecutor:
+    """`model` as a `ModelExecutor` (itself if it already is one)."""
+    if isinstance(model, ModelExecutor):
+        return model
+    if _factory is None:
+        raise RuntimeError("no model adapter is registered: import hfaccel (not only hfaccel.engine)")
+    return _factory(model)

@@ -1,0 +1,61 @@
+"""The Hugging Face side of an engine step: the ``model(...)`` call and what the engine must know of
+the model (layers, KV heads, head dim, vocabulary, context length)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+
+from hfaccel.engine.executor import register_executor_factory
+from hfaccel.patches.attention import engine_attention, register_attention
+from hfaccel.patches.models import max_model_len as resolve_max_model_len
+
+
+class HFExecutor:
+    """Runs a transformers causal LM on a packed ``[1, T]`` step with the "hfaccel" attention."""
+
+    def __init__(self, model: Any) -> None:
+        register_attention()
+        self.model = model
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        config = model.config.get_text_config(decoder=True)
+        self.num_layers = config.num_hidden_layers
+        self.num_q_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_q_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
+        self.attention_scale = _attention_scale(model, self.head_dim)
+
+    def max_model_len(self, requested: int | None) -> int:
+        return resolve_max_model_len(self.model, requested)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        with engine_attention(self.model):
+            output = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                use_cache=False,
+                logits_to_keep=logits_indices,
+            )
+        return output.logits[0]
+
+    def state_token(self) -> Hashable:
+        return None
+
+
+def _attention_scale(model: Any, head_dim: int) -> float:
+    """The softmax scale of the model's attention layers (``scaling``), or ``head_dim ** -0.5``."""
+    for module in model.modules():
+        scaling = getattr(module, "scaling", None)
+        if isinstance(scaling, float) and hasattr(module, "layer_idx"):
+            return scaling
+    return head_dim**-0.5
+
+
+register_executor_factory(HFExecutor)
