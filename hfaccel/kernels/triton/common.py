@@ -18,7 +18,9 @@ def check_head_dim(head_dim: int) -> None:
 def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> tuple[int, int]:
     """Validate an NHD cache pair ``[num_blocks, block_size, Hkv, D]``; return ``(Hkv, block_size)``."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match (4-D)")
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match (4-D)"
+        )
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"cache head_dim {k_cache.shape[3]} != query head_dim {head_dim}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:

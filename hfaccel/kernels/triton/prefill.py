@@ -163,7 +163,9 @@ def paged_prefill(
     if out is None:
         out = torch.empty_like(query)
     elif out.shape != query.shape or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} must be [T, Hq, D] = {tuple(query.shape)}, last dim contiguous")
+        raise ValueError(
+            f"out {tuple(out.shape)} must be [T, Hq, D] = {tuple(query.shape)}, last dim contiguous"
+        )
     if batch == 0 or num_tokens == 0 or max_query_len <= 0:
         return out
     query = last_dim_contiguous(query)

@@ -82,9 +82,13 @@ def store_kv(
     if value.shape != key.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
-        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match (4-D)")
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match (4-D)"
+        )
     if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"cache heads/head_dim {tuple(k_cache.shape[2:])} != key's {(num_kv_heads, head_dim)}")
+        raise ValueError(
+            f"cache heads/head_dim {tuple(k_cache.shape[2:])} != key's {(num_kv_heads, head_dim)}"
+        )
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be [{num_tokens}]")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
