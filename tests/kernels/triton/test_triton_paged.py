@@ -81,6 +81,7 @@ def make_step(
     seqs: list[tuple[int, int]],
     *,
     num_padded: int = 0,
+    num_empty: int = 0,
     block_size: int = 16,
     num_kv_heads: int = 2,
     group: int = 1,
@@ -88,9 +89,11 @@ def make_step(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> Step:
-    """``seqs``: (cached prefix, new tokens) per sequence; ``num_padded`` sequences of seq_len 0, q_len 1.
+    """``seqs``: (cached prefix, new tokens) per sequence, then ``num_padded`` padded sequences (seq_len 0,
+    q_len 1, slot -1) and ``num_empty`` ones (seq_len 0, q_len 0).
 
-    Blocks come from a random permutation, so a sequence's blocks are scattered through the cache.
+    Blocks come from a random permutation, so a sequence's blocks are scattered through the cache; block-table
+    padding points at a spare block that stays NaN, so reading through it poisons the output.
     """
     g = torch.Generator().manual_seed(seed)
     needed = [-(-(prefix + new) // block_size) for prefix, new in seqs]
@@ -100,6 +103,7 @@ def make_step(
     k_cache = torch.full(shape, float("nan"), dtype=dtype)
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
     width = max(needed + [1])
+    spare = free[0]  # blocks are popped from the end: the first 3 stay free
     tables, lens, qsl, slots, queries, full_k, full_v = [], [], [0], [], [], [], []
     for (prefix, new), count in zip(seqs, needed):
         total = prefix + new
@@ -111,19 +115,19 @@ def make_step(
         )
         k_cache.view(-1, num_kv_heads, head_dim)[seq_slots] = k  # the reference write: prefix and new tokens
         v_cache.view(-1, num_kv_heads, head_dim)[seq_slots] = v
-        tables.append(blocks + [0] * (width - count))
+        tables.append(blocks + [spare] * (width - count))
         lens.append(total)
         qsl.append(qsl[-1] + new)
         slots.extend(seq_slots[prefix:].tolist())
         queries.append(torch.randn(new, num_kv_heads * group, head_dim, generator=g).to(dtype))
         full_k.append(k)
         full_v.append(v)
-    for _ in range(num_padded):  # CUDA-graph padding: one token, no context, writes nothing
-        tables.append([0] * width)
+    for q_len in [1] * num_padded + [0] * num_empty:  # CUDA-graph padding: no context, writes nothing
+        tables.append([spare] * width)
         lens.append(0)
-        qsl.append(qsl[-1] + 1)
-        slots.append(-1)
-        queries.append(torch.randn(1, num_kv_heads * group, head_dim, generator=g).to(dtype))
+        qsl.append(qsl[-1] + q_len)
+        slots.extend([-1] * q_len)
+        queries.append(torch.randn(q_len, num_kv_heads * group, head_dim, generator=g).to(dtype))
         full_k.append(k_cache.new_empty(0, num_kv_heads, head_dim))
         full_v.append(k_cache.new_empty(0, num_kv_heads, head_dim))
     return Step(
@@ -206,7 +210,7 @@ def test_store_kv_writes_slots_and_skips_padding(dtype):
 
 def test_store_kv_then_prefill_end_to_end():
     """The new tokens' K/V written by store_kv (not the reference) give the same attention."""
-    step = make_step([(5, 20), (0, 3)], num_padded=1, block_size=16, group=2)
+    step = make_step([(5, 20), (0, 3)], num_padded=1, num_empty=1, block_size=16, group=2)
     hkv, d = step.k_cache.shape[2:]
     real = step.slot_mapping >= 0
     flat_k = step.k_cache.view(-1, hkv, d)
@@ -288,7 +292,15 @@ def test_unsupported_head_dim(head_dim):
 
 
 @st.composite
-def layouts(draw, max_seqs: int, max_prefix: int, max_new: int):
+def layouts(
+    draw,
+    max_seqs: int,
+    max_prefix: int,
+    max_new: int,
+    block_sizes: tuple[int, ...] = (16, 32),
+    head_dims: tuple[int, ...] = (64, 128),
+):
+    """A random step: ragged prefixes and new tokens (``max_new=1``: a decode step), padding, GQA, dtype."""
     seqs = draw(
         st.lists(
             st.tuples(st.integers(0, max_prefix), st.integers(1, max_new)), min_size=1, max_size=max_seqs
@@ -297,10 +309,11 @@ def layouts(draw, max_seqs: int, max_prefix: int, max_new: int):
     return dict(
         seqs=seqs,
         num_padded=draw(st.integers(0, 2)),
-        block_size=draw(st.sampled_from([16, 32])),
+        num_empty=0 if max_new == 1 else draw(st.integers(0, 1)),
+        block_size=draw(st.sampled_from(block_sizes)),
         num_kv_heads=draw(st.integers(1, 2)),
         group=draw(st.sampled_from([1, 3, 4, 8])),
-        head_dim=draw(st.sampled_from([64, 128])),
+        head_dim=draw(st.sampled_from(head_dims)),
         dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
         seed=draw(st.integers(0, 2**16)),
     )
@@ -320,13 +333,18 @@ def test_decode_random(case, num_splits):
 
 @pytest.mark.kernels_full
 @FULL
-@given(layouts(max_seqs=5, max_prefix=160, max_new=70))
+@given(
+    layouts(max_seqs=5, max_prefix=160, max_new=70, block_sizes=(8, 16, 32, 64), head_dims=(16, 64, 128, 256))
+)
 def test_prefill_random_full(case):
     check_prefill(make_step(**case), case["dtype"])
 
 
 @pytest.mark.kernels_full
 @FULL
-@given(layouts(max_seqs=6, max_prefix=400, max_new=1), st.sampled_from([None, 1, 2, 3, 7, 16]))
+@given(
+    layouts(max_seqs=6, max_prefix=400, max_new=1, block_sizes=(8, 16, 32, 64), head_dims=(16, 64, 128, 256)),
+    st.sampled_from([None, 1, 2, 3, 7, 16]),
+)
 def test_decode_random_full(case, num_splits):
     check_decode(make_step(**case), case["dtype"], num_splits)
