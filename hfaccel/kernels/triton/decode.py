@@ -252,7 +252,7 @@ def paged_decode(
         out.stride(1),
         HEAD_DIM=head_dim,
         NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),  # no size-1 aranges
         num_warps=4,
     )
     return out
