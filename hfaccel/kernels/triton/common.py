@@ -1,0 +1,45 @@
+"""Checks and constants the Triton attention kernels share."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG2E = math.log2(math.e)  # the kernels use exp2: exp(x * scale) == exp2(x * scale * LOG2E)
+
+
+def check_head_dim(head_dim: int) -> None:
+    """Head dims are ``tl.arange`` extents, so they must be powers of two; 16..256 is the tested range."""
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim {head_dim} is not supported: it must be a power of two in 16..256")
+
+
+def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> tuple[int, int]:
+    """Validate an NHD cache pair ``[num_blocks, block_size, Hkv, D]``; return ``(Hkv, block_size)``."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match (4-D)"
+        )
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"cache head_dim {k_cache.shape[3]} != query head_dim {head_dim}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need a contiguous last dimension")
+    block_size = k_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size {block_size} must be a power of two")
+    return k_cache.shape[2], block_size
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision after the fp32 upcast.
+
+    fp16/bf16 values are exact in TF32 (10-bit mantissa), so TF32 tensor cores lose nothing on Q.K; fp32
+    inputs would be truncated, so they get full IEEE fp32 (slow, but fp32 serving is for testing).
+    """
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The kernels index the last dim with unit stride; copy only when it is not."""
+    return x if x.stride(-1) == 1 else x.contiguous()
