@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.hfaccel-installed
 # The CPU build of torch that lies on this machine's disk; a real user with torch already installed keeps theirs.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-kernels lint bench clean
 
 install: $(STAMP)
 
@@ -22,6 +22,10 @@ demo: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# The full Triton kernel sweep under the CPU interpreter (make test runs a representative subset).
+test-kernels: $(STAMP)
+	HFACCEL_FULL_KERNEL_TESTS=1 $(PY) -m pytest tests/kernels -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hfaccel tests examples

@@ -1,0 +1,54 @@
+"""The Triton backend end to end, under the CPU interpreter: the torch backend's greedy tokens."""
+
+import pytest
+import torch
+
+import hfaccel
+from hfaccel.kernels import get_backend, unavailable_reason
+from tests.helpers import tiny_model, varied_prompts
+
+pytest.importorskip("triton")
+
+
+def _tokens(model, prompts, max_new_tokens=6, **config):
+    hfaccel.patch(model, **config)
+    try:
+        completions = hfaccel.generate(model, prompts, max_new_tokens=max_new_tokens, progress=False)
+        engine = model._hfaccel.engine
+        return [c.token_ids for c in completions], engine.stats()
+    finally:
+        hfaccel.unpatch(model)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},  # mixed steps: decodes + fresh prompts, prefix-cache hits on shared prefixes
+        {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 16},  # chunked prefill
+        {"kv_cache_memory": 2 * 2 * 2 * 16 * 4 * 4 * 16, "block_size": 4, "max_num_batched_tokens": 16},  # preempts
+    ],
+    ids=["mixed", "chunked", "preemption"],
+)
+def test_triton_backend_gives_the_torch_backends_greedy_tokens(config):
+    model = tiny_model("llama")
+    prompts = varied_prompts(8)
+    reference, _ = _tokens(model, prompts, backend="torch", **config)
+    ours, stats = _tokens(model, prompts, backend="triton", **config)
+    assert ours == reference
+    if "kv_cache_memory" in config:
+        assert stats["preemptions"] > 0
+    else:
+        assert stats["prefix_cache_hit_tokens"] > 0
+
+
+def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    reason = unavailable_reason("triton", torch.device("cpu"), torch.float32, 64)
+    assert reason is not None and "need a CUDA device" in reason
+    with pytest.raises(ValueError, match="attention backend 'triton' cannot run here"):
+        get_backend("triton", "cpu", torch.float32, 64)
+
+
+def test_triton_refuses_an_unsupported_head_dim():
+    with pytest.raises(ValueError, match="head_dim 48 is not supported"):
+        get_backend("triton", "cpu", torch.float32, 48)
