@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 
+SUITES = ("offline", "prefix", "chunked", "batching", "step", "kernels")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -16,12 +19,17 @@ def main(argv: list[str] | None = None) -> None:
     demo = sub.add_parser("demo", help="answer chat prompts with SmolLM2 through hfaccel, and compare speed")
     demo.add_argument("--dtype", choices=_DTYPES, default="float32")
     demo.add_argument("--max-new-tokens", type=int, default=64)
+    sub.add_parser(
+        "doctor", help="what this machine can run, and a correctness check of every attention backend"
+    )
     bench = sub.add_parser("bench", help="offline throughput vs HF, then the scheduler benchmarks")
+    bench.add_argument("suite", nargs="*", help=f"suites to run (default: all): {', '.join(SUITES)}")
     bench.add_argument(
         "--suites",
-        default="offline,prefix,chunked,batching",
+        default=",".join(SUITES),
         help="comma-separated: offline (vs HF), prefix (caching on/off), chunked (prefill chunking on/off), "
-        "batching (static/dynamic/continuous)",
+        "batching (static/dynamic/continuous), step (decode step vs HF and the matmul floor), kernels "
+        "(attention backends that run natively here)",
     )
     bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
     bench.add_argument("--num-requests", type=int, default=32)
@@ -31,6 +39,20 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--systems", default="hf_static,hf_generate_batch,hfaccel")
     bench.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
+    if args.command == "doctor":
+        from hfaccel.doctor import run_doctor
+
+        if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+            # Triton's interpreter must be on before triton is first imported (importing transformers
+            # already imports it): start again with it on, so the Triton kernels can be checked here.
+            os.execve(
+                sys.executable,
+                [sys.executable, "-m", "hfaccel", *sys.argv[1:]],
+                {**os.environ, "TRITON_INTERPRET": "1"},
+            )
+
+        reports = run_doctor()
+        raise SystemExit(1 if any(r.status == "FAIL" for r in reports) else 0)
     if args.command == "demo":
         from hfaccel.bench.demo import run_demo
 
@@ -45,11 +67,27 @@ def run_bench(args: argparse.Namespace) -> None:
     from hfaccel.bench.serving import run_serving_benchmarks
     from hfaccel.default_model import load_default_model
 
-    suites = [s.strip() for s in args.suites.split(",") if s.strip()]
-    unknown = sorted(set(suites) - {"offline", "prefix", "chunked", "batching"})
+    suites = args.suite or [s.strip() for s in args.suites.split(",") if s.strip()]
+    unknown = sorted(set(suites) - set(SUITES))
     if unknown:
-        raise SystemExit(f"unknown suite(s) {unknown}; choose from offline, prefix, chunked, batching")
+        raise SystemExit(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
     dtype = _DTYPES[args.dtype]
+    if "kernels" in suites:
+        from hfaccel.bench.kernels import run_kernel_benchmark
+
+        run_kernel_benchmark(torch.float32)
+        suites = [s for s in suites if s != "kernels"]
+        if not suites:
+            return
+    if "step" in suites:
+        from hfaccel.bench.step import run_step_benchmark
+
+        fp32_model, _ = load_default_model(torch.float32)  # the matmul floor is stated in float32
+        run_step_benchmark(fp32_model)
+        del fp32_model
+        suites = [s for s in suites if s != "step"]
+        if not suites:
+            return
     model, tokenizer = load_default_model(dtype)
     if "offline" in suites:
         run_offline_benchmark(
@@ -62,7 +100,7 @@ def run_bench(args: argparse.Namespace) -> None:
             systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
             json_path=args.json,
         )
-    serving = tuple(s for s in suites if s != "offline")
+    serving = tuple(s for s in suites if s in ("prefix", "chunked", "batching"))
     if serving:
         run_serving_benchmarks(model, serving, dtype)
 

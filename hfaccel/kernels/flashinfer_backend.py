@@ -194,7 +194,9 @@ class FlashInferMetadataBuilder(MetadataBuilder):
     def prefill_wrapper(self) -> Any:
         """The prefill/extend wrapper (made on first use)."""
         if self._prefill_wrapper is None:
-            self._prefill_wrapper = _flashinfer().BatchPrefillWithPagedKVCacheWrapper(self.workspace, KV_LAYOUT)
+            self._prefill_wrapper = _flashinfer().BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, KV_LAYOUT
+            )
         return self._prefill_wrapper
 
     @property

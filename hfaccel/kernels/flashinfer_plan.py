@@ -91,7 +91,9 @@ def prefill_plan_inputs(
     if q.numel() != lens.numel():
         raise ValueError(f"{q.numel()} query lengths for {lens.numel()} sequences")
     if q.numel() and (int(q.min()) < 1 or bool((q > lens).any())):
-        raise ValueError(f"query lengths {q.tolist()} must be >= 1 and <= the sequence lengths {lens.tolist()}")
+        raise ValueError(
+            f"query lengths {q.tolist()} must be >= 1 and <= the sequence lengths {lens.tolist()}"
+        )
     qo_indptr = torch.zeros(q.numel() + 1, dtype=torch.int32)
     qo_indptr[1:] = torch.cumsum(q, dim=0, dtype=torch.int32)
     kv_indptr, kv_indices, kv_last_page_len = decode_plan_inputs(block_tables, lens, block_size)

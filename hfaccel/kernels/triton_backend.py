@@ -58,7 +58,9 @@ class TritonPagedAttention(AttentionBackend):
         if meta.num_decodes == meta.num_seqs:  # a pure decode step: one token per (padded) sequence
             rows = meta.num_padded_seqs
             out = torch.zeros_like(query) if meta.num_padded_tokens > rows else torch.empty_like(query)
-            paged_decode(query[:rows], k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out=out[:rows])
+            paged_decode(
+                query[:rows], k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out=out[:rows]
+            )
             return out
         out = torch.zeros_like(query) if meta.num_padded_tokens > meta.num_tokens else torch.empty_like(query)
         return paged_prefill(

@@ -64,7 +64,11 @@ def test_decode_length_one_and_block_size_one():
 
 def test_decode_padded_to_a_cuda_graph_bucket():
     indptr, indices, last = decode_plan_inputs(TABLES, LENS, 4, batch_size=6)
-    assert tolist(indptr, indices, last) == [[0, 2, 3, 6, 8, 8, 8], [3, 7, 5, 9, 2, 4, 1, 6], [4, 1, 1, 2, 1, 1]]
+    assert tolist(indptr, indices, last) == [
+        [0, 2, 3, 6, 8, 8, 8],
+        [3, 7, 5, 9, 2, 4, 1, 6],
+        [4, 1, 1, 2, 1, 1],
+    ]
     # no real sequence at all
     assert tolist(*decode_plan_inputs(TABLES[:0], [], 4, batch_size=2)) == [[0, 0, 0], [], [1, 1]]
     # a padded sequence handed over with length 0 (as build_common leaves it) reads the same
@@ -85,7 +89,12 @@ def test_prefill_plan_inputs_with_cached_prefixes_by_hand():
     # (cached 6 + 3 new), a fresh 4-token prompt (exactly one block), (cached 3 + 5 new: two full blocks)
     tables = torch.tensor([[4, 10, 12], [7, 0, 0], [1, 13, 0]], dtype=torch.int32)
     qo, kv_indptr, kv_indices, last = prefill_plan_inputs([3, 4, 5], tables, [9, 4, 8], 4)
-    assert tolist(qo, kv_indptr, kv_indices, last) == [[0, 3, 7, 12], [0, 3, 4, 6], [4, 10, 12, 7, 1, 13], [1, 4, 4]]
+    assert tolist(qo, kv_indptr, kv_indices, last) == [
+        [0, 3, 7, 12],
+        [0, 3, 4, 6],
+        [4, 10, 12, 7, 1, 13],
+        [1, 4, 4],
+    ]
     with pytest.raises(ValueError, match="query lengths"):
         prefill_plan_inputs([5], tables[:1], [4], 4)
 
@@ -124,8 +133,16 @@ def test_unavailable_reason_order(monkeypatch):
 
 @pytest.mark.parametrize(
     ("version", "ok"),
-    [("0.2.2", True), ("0.2.8+cu124torch2.4", True), ("0.6.18rc1", True), ("0.7.2.post1", True),
-     ("0.2.1.post2", False), ("0.8.0", False), ("0.8.0rc1", False), ("garbage", False)],
+    [
+        ("0.2.2", True),
+        ("0.2.8+cu124torch2.4", True),
+        ("0.6.18rc1", True),
+        ("0.7.2.post1", True),
+        ("0.2.1.post2", False),
+        ("0.8.0", False),
+        ("0.8.0rc1", False),
+        ("garbage", False),
+    ],
 )
 def test_version_range(version, ok):
     assert fib.version_supported(version) is ok
@@ -153,7 +170,11 @@ def _attend(q, k, v, scale, causal):
     if causal:
         mask = mask.tril(diagonal=lk - lq)
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).float(), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale,
+        q.transpose(0, 1).float(),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
         enable_gqa=True,
     )
     return o.transpose(0, 1)
@@ -167,22 +188,44 @@ def _check_csr(indptr, indices, last_page_len, page_size):
 
 
 class FakeDecodeWrapper:
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
-                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+    def __init__(
+        self,
+        float_workspace_buffer,
+        kv_layout="NHD",
+        use_cuda_graph=False,
+        use_tensor_cores=False,
+        paged_kv_indptr_buffer=None,
+        paged_kv_indices_buffer=None,
+        paged_kv_last_page_len_buffer=None,
+    ):
         assert kv_layout == "NHD" and float_workspace_buffer.dtype == torch.uint8
         self.workspace = float_workspace_buffer
         self.use_cuda_graph = use_cuda_graph
         self.use_tensor_cores = use_tensor_cores
         self.plans = []
         if use_cuda_graph:  # as FlashInfer: the three buffers are mandatory and fix the batch size
-            assert all(torch.is_tensor(b) for b in
-                       (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer))
+            assert all(
+                torch.is_tensor(b)
+                for b in (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+            )
             self.fixed_batch_size = len(paged_kv_last_page_len_buffer)
             assert len(paged_kv_indptr_buffer) == self.fixed_batch_size + 1
         self.bufs = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
 
-    def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
-             q_data_type="float16", kv_data_type=None, sm_scale=None):
+    def plan(
+        self,
+        indptr,
+        indices,
+        last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        *,
+        q_data_type="float16",
+        kv_data_type=None,
+        sm_scale=None,
+    ):
         _check_csr(indptr, indices, last_page_len, page_size)
         if self.use_cuda_graph:
             assert len(last_page_len) == self.fixed_batch_size and len(indices) <= len(self.bufs[1])
@@ -192,9 +235,18 @@ class FakeDecodeWrapper:
             csr = self.bufs
         else:
             csr = (indptr.clone(), indices.clone(), last_page_len.clone())
-        self.plans.append(dict(indptr=indptr.tolist(), indices=indices.tolist(), last=last_page_len.tolist(),
-                               heads=(num_qo_heads, num_kv_heads, head_dim), page_size=page_size,
-                               q_data_type=q_data_type, kv_data_type=kv_data_type, sm_scale=sm_scale))
+        self.plans.append(
+            dict(
+                indptr=indptr.tolist(),
+                indices=indices.tolist(),
+                last=last_page_len.tolist(),
+                heads=(num_qo_heads, num_kv_heads, head_dim),
+                page_size=page_size,
+                q_data_type=q_data_type,
+                kv_data_type=kv_data_type,
+                sm_scale=sm_scale,
+            )
+        )
         self.csr, self.page_size = csr, page_size
         self.scale = head_dim**-0.5 if sm_scale is None else sm_scale
 
@@ -203,11 +255,18 @@ class FakeDecodeWrapper:
         indptr, indices, last = self.csr
         lens = _paged_lengths(indptr, last, self.page_size)
         assert q.shape[0] == len(lens) and q.is_contiguous()
-        o = torch.stack([
-            _attend(q[i : i + 1], _gather(k_cache, indices, indptr[i], indptr[i + 1], lens[i]),
-                    _gather(v_cache, indices, indptr[i], indptr[i + 1], lens[i]), self.scale, False)[0]
-            for i in range(len(lens))
-        ]).to(q.dtype)
+        o = torch.stack(
+            [
+                _attend(
+                    q[i : i + 1],
+                    _gather(k_cache, indices, indptr[i], indptr[i + 1], lens[i]),
+                    _gather(v_cache, indices, indptr[i], indptr[i + 1], lens[i]),
+                    self.scale,
+                    False,
+                )[0]
+                for i in range(len(lens))
+            ]
+        ).to(q.dtype)
         if out is None:
             return o
         out.copy_(o)
@@ -220,19 +279,46 @@ class FakePrefillWrapper:
         self.workspace = float_workspace_buffer
         self.plans = []
 
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-             num_kv_heads, head_dim_qk, page_size, causal=False, sm_scale=None, q_data_type="float16",
-             kv_data_type=None):
+    def plan(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        page_size,
+        causal=False,
+        sm_scale=None,
+        q_data_type="float16",
+        kv_data_type=None,
+    ):
         _check_csr(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         assert qo_indptr.dtype == torch.int32 and len(qo_indptr) == len(paged_kv_indptr)
-        self.plans.append(dict(qo_indptr=qo_indptr.tolist(), indptr=paged_kv_indptr.tolist(),
-                               indices=paged_kv_indices.tolist(), last=paged_kv_last_page_len.tolist(),
-                               heads=(num_qo_heads, num_kv_heads, head_dim_qk), page_size=page_size,
-                               causal=causal, sm_scale=sm_scale, q_data_type=q_data_type,
-                               kv_data_type=kv_data_type))
-        self.state = (qo_indptr.clone(), paged_kv_indptr.clone(), paged_kv_indices.clone(),
-                      paged_kv_last_page_len.clone(), page_size, causal,
-                      head_dim_qk**-0.5 if sm_scale is None else sm_scale)
+        self.plans.append(
+            dict(
+                qo_indptr=qo_indptr.tolist(),
+                indptr=paged_kv_indptr.tolist(),
+                indices=paged_kv_indices.tolist(),
+                last=paged_kv_last_page_len.tolist(),
+                heads=(num_qo_heads, num_kv_heads, head_dim_qk),
+                page_size=page_size,
+                causal=causal,
+                sm_scale=sm_scale,
+                q_data_type=q_data_type,
+                kv_data_type=kv_data_type,
+            )
+        )
+        self.state = (
+            qo_indptr.clone(),
+            paged_kv_indptr.clone(),
+            paged_kv_indices.clone(),
+            paged_kv_last_page_len.clone(),
+            page_size,
+            causal,
+            head_dim_qk**-0.5 if sm_scale is None else sm_scale,
+        )
 
     def run(self, q, paged_kv_cache, out=None):
         k_cache, v_cache = paged_kv_cache
@@ -267,8 +353,9 @@ BLOCK = 4
 NUM_BLOCKS = 48
 
 
-def make_step(seqs, *, hq, hkv, d, dtype, device="cpu", block=BLOCK, num_blocks=NUM_BLOCKS, seed=0,
-              pad_tokens=0):
+def make_step(
+    seqs, *, hq, hkv, d, dtype, device="cpu", block=BLOCK, num_blocks=NUM_BLOCKS, seed=0, pad_tokens=0
+):
     """seqs: (cached_before, new) per sequence, in step order (decodes, new == 1, first).
 
     Returns the layout, query/key/value ``[T_pad, H, D]`` and a cache pair of ``num_blocks + 1`` blocks
@@ -321,13 +408,31 @@ def configured(hq, hkv, d, dtype, **kwargs):
     return lambda builder: builder.configure(hq, hkv, d, dtype, **kwargs)
 
 
-def assert_same_as_torch(case, *, hq=4, hkv=2, d=8, dtype=torch.float32, device="cpu", pad_seqs=0,
-                         pad_tokens=0, atol=1e-5, cuda_graph_batch_sizes=()):
-    layout, q, k, v, caches = make_step(case, hq=hq, hkv=hkv, d=d, dtype=dtype, device=device,
-                                        pad_tokens=pad_tokens)
+def assert_same_as_torch(
+    case,
+    *,
+    hq=4,
+    hkv=2,
+    d=8,
+    dtype=torch.float32,
+    device="cpu",
+    pad_seqs=0,
+    pad_tokens=0,
+    atol=1e-5,
+    cuda_graph_batch_sizes=(),
+):
+    layout, q, k, v, caches = make_step(
+        case, hq=hq, hkv=hkv, d=d, dtype=dtype, device=device, pad_tokens=pad_tokens
+    )
     ref, ref_caches, _, _ = run_backend(TorchPagedAttention(), layout, q, k, v, caches, pad_seqs=pad_seqs)
     out, out_caches, builder, meta = run_backend(
-        FlashInferPagedAttention(), layout, q, k, v, caches, pad_seqs=pad_seqs,
+        FlashInferPagedAttention(),
+        layout,
+        q,
+        k,
+        v,
+        caches,
+        pad_seqs=pad_seqs,
         configure=configured(hq, hkv, d, dtype, cuda_graph_batch_sizes=cuda_graph_batch_sizes),
     )
     t = layout.num_tokens
@@ -358,12 +463,32 @@ def test_build_plans_each_wrapper_once_with_hand_computed_inputs(fake_flashinfer
     meta = builder.build(layout)
     decode, prefill = meta.decode_wrapper, meta.prefill_wrapper
     assert decode is builder.decode_wrapper and not decode.use_cuda_graph and not decode.use_tensor_cores
-    assert decode.plans == [dict(indptr=[0, 2, 3], indices=[2, 8, 11], last=[1, 4], heads=(8, 2, 64),
-                                 page_size=4, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
-                                 sm_scale=0.125)]
-    assert prefill.plans == [dict(qo_indptr=[0, 3, 7, 12], indptr=[0, 3, 4, 6], indices=[4, 10, 12, 7, 1, 13],
-                                  last=[1, 4, 4], heads=(8, 2, 64), page_size=4, causal=True, sm_scale=0.125,
-                                  q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)]
+    assert decode.plans == [
+        dict(
+            indptr=[0, 2, 3],
+            indices=[2, 8, 11],
+            last=[1, 4],
+            heads=(8, 2, 64),
+            page_size=4,
+            q_data_type=torch.bfloat16,
+            kv_data_type=torch.bfloat16,
+            sm_scale=0.125,
+        )
+    ]
+    assert prefill.plans == [
+        dict(
+            qo_indptr=[0, 3, 7, 12],
+            indptr=[0, 3, 4, 6],
+            indices=[4, 10, 12, 7, 1, 13],
+            last=[1, 4, 4],
+            heads=(8, 2, 64),
+            page_size=4,
+            causal=True,
+            sm_scale=0.125,
+            q_data_type=torch.bfloat16,
+            kv_data_type=torch.bfloat16,
+        )
+    ]
     assert (meta.num_decode_rows, meta.prefill_start, meta.prefill_end) == (2, 2, 14)
     assert meta.write_slots.tolist() == slots and not meta.zero_fill and not meta.mask_padded_decodes
     # the next step reuses the same wrappers and workspace
@@ -378,7 +503,9 @@ def test_cuda_graph_buckets_get_one_fixed_wrapper_each(fake_flashinfer):
     builder, meta, _ = assert_same_as_torch(decodes, pad_seqs=1, pad_tokens=1, cuda_graph_batch_sizes=(4, 8))
     wrapper = meta.decode_wrapper
     assert meta.cuda_graph and meta.num_decode_rows == 4 and meta.mask_padded_decodes
-    assert wrapper is builder.decode_wrapper_for(4) and wrapper.use_cuda_graph and wrapper.fixed_batch_size == 4
+    assert (
+        wrapper is builder.decode_wrapper_for(4) and wrapper.use_cuda_graph and wrapper.fixed_batch_size == 4
+    )
     indptr_buf, indices_buf, last_buf = wrapper.bufs
     assert (len(indptr_buf), len(indices_buf), len(last_buf)) == (5, 4 * 8, 4)
     # the padded sequence repeats indptr's last value and has last_page_len 1
@@ -409,10 +536,26 @@ def test_large_gqa_groups_use_tensor_cores(fake_flashinfer):
 def test_forward_refuses_a_scale_it_was_not_planned_with(fake_flashinfer):
     layout, q, k, v, caches = make_step(CASES["decodes"], hq=4, hkv=2, d=8, dtype=torch.float32)
     with pytest.raises(ValueError, match="planned with softmax scale"):
-        run_backend(FlashInferPagedAttention(), layout, q, k, v, caches,
-                    configure=configured(4, 2, 8, torch.float32), scale=0.5)
-    out, _, _, _ = run_backend(FlashInferPagedAttention(), layout, q, k, v, caches,
-                               configure=configured(4, 2, 8, torch.float32, scale=0.5), scale=0.5)
+        run_backend(
+            FlashInferPagedAttention(),
+            layout,
+            q,
+            k,
+            v,
+            caches,
+            configure=configured(4, 2, 8, torch.float32),
+            scale=0.5,
+        )
+    out, _, _, _ = run_backend(
+        FlashInferPagedAttention(),
+        layout,
+        q,
+        k,
+        v,
+        caches,
+        configure=configured(4, 2, 8, torch.float32, scale=0.5),
+        scale=0.5,
+    )
     assert out.shape == q.shape
 
 
@@ -460,10 +603,21 @@ def test_kernels_match_torch_backend(case, hq, hkv, d, dtype):
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernels_padded_steps(dtype):
-    assert_same_as_torch([(5, 1), (30, 1), (0, 1)], hq=8, hkv=2, d=128, dtype=dtype, device="cuda",
-                         pad_seqs=1, pad_tokens=1, atol=GPU_TOL[dtype], cuda_graph_batch_sizes=(4,))
-    assert_same_as_torch(MIXED, hq=8, hkv=2, d=128, dtype=dtype, device="cuda", pad_seqs=2, pad_tokens=3,
-                         atol=GPU_TOL[dtype])
+    assert_same_as_torch(
+        [(5, 1), (30, 1), (0, 1)],
+        hq=8,
+        hkv=2,
+        d=128,
+        dtype=dtype,
+        device="cuda",
+        pad_seqs=1,
+        pad_tokens=1,
+        atol=GPU_TOL[dtype],
+        cuda_graph_batch_sizes=(4,),
+    )
+    assert_same_as_torch(
+        MIXED, hq=8, hkv=2, d=128, dtype=dtype, device="cuda", pad_seqs=2, pad_tokens=3, atol=GPU_TOL[dtype]
+    )
 
 
 @needs_gpu
@@ -474,8 +628,9 @@ def test_decode_cuda_graph_replays_new_steps():
     builder = backend.make_builder(16, 64, 8, BLOCK, torch.device("cuda"), num_blocks=NUM_BLOCKS)
     builder.configure(hq, hkv, d, dtype, cuda_graph_batch_sizes=(bucket,))
     steps = [[(5, 1), (12, 1), (0, 1)], [(20, 1), (3, 1), (9, 1), (1, 1)], [(30, 1)]]
-    layout, q, k, v, caches = make_step(steps[0], hq=hq, hkv=hkv, d=d, dtype=dtype, device="cuda",
-                                        pad_tokens=bucket - len(steps[0]))
+    layout, q, k, v, caches = make_step(
+        steps[0], hq=hq, hkv=hkv, d=d, dtype=dtype, device="cuda", pad_tokens=bucket - len(steps[0])
+    )
     static_q, static_k, static_v = q.clone(), k.clone(), v.clone()
     live = (caches[0].clone(), caches[1].clone())
     meta = builder.build(layout, bucket, bucket)
@@ -489,8 +644,9 @@ def test_decode_cuda_graph_replays_new_steps():
     with torch.cuda.graph(graph):
         static_out = backend.forward(static_q, static_k, static_v, live, meta, d**-0.5)
     for seed, seqs in enumerate(steps, start=1):
-        layout, q, k, v, caches = make_step(seqs, hq=hq, hkv=hkv, d=d, dtype=dtype, device="cuda", seed=seed,
-                                            pad_tokens=bucket - len(seqs))
+        layout, q, k, v, caches = make_step(
+            seqs, hq=hq, hkv=hkv, d=d, dtype=dtype, device="cuda", seed=seed, pad_tokens=bucket - len(seqs)
+        )
         live[0].copy_(caches[0])
         live[1].copy_(caches[1])
         static_q.copy_(q)

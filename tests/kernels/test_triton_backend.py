@@ -25,7 +25,11 @@ def _tokens(model, prompts, max_new_tokens=6, **config):
     [
         {},  # mixed steps: decodes + fresh prompts, prefix-cache hits on shared prefixes
         {"max_num_batched_tokens": 16, "long_prefill_token_threshold": 16},  # chunked prefill
-        {"kv_cache_memory": 2 * 2 * 2 * 16 * 4 * 4 * 16, "block_size": 4, "max_num_batched_tokens": 16},  # preempts
+        {
+            "kv_cache_memory": 2 * 2 * 2 * 16 * 4 * 4 * 16,
+            "block_size": 4,
+            "max_num_batched_tokens": 16,
+        },  # preempts
     ],
     ids=["mixed", "chunked", "preemption"],
 )
