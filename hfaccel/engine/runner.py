@@ -67,6 +67,9 @@ class ModelRunner:
             if self.device.type == "cpu"
             else {n: torch.zeros_like(t, device=self.device) for n, t in self._host.items()}
         )
+        # The host buffers are pinned and copied asynchronously: the next step may rewrite them only once
+        # the previous step's copies have left them.
+        self._copied: torch.cuda.Event | None = None
 
     def _stage(self, name: str, values: list[int], size: int | None = None) -> torch.Tensor:
         """Copy `values` into buffer `name` in place; the device view of its first `size` entries."""
@@ -86,10 +89,15 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, packed: PackedStep) -> torch.Tensor:
         """Forward one packed step; returns the ``[N, V]`` logits of the sampled positions."""
+        if self._copied is not None:
+            self._copied.synchronize()
         input_ids = self._stage("input_ids", packed.input_ids)
         positions = self._stage("positions", packed.positions)
         logits_indices = self._stage("logits_indices", packed.logits_indices)
         metadata = self.builder.build(packed.layout)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         with forward_context(ForwardContext(self.backend, metadata, self.kv_caches)):
             return self.executor.forward(input_ids, positions, logits_indices)
 
