@@ -10,6 +10,7 @@ import torch
 
 from hfaccel.kernels.selection import BACKEND_NAMES as BACKENDS
 
+COMPILE_MODES = ("auto", "off", "decode", "all")
 SCHEDULING_POLICIES = ("mixed", "prefill_first", "decode_first")
 BATCHING_STRATEGIES = ("continuous", "dynamic", "static")
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -47,6 +48,13 @@ class EngineConfig:
             exactly ``max_batch_size`` in arrival order, run to completion).
         max_batch_size: batch size of the dynamic and static strategies (``None``: ``max_num_seqs``).
         max_delay_ms: longest wait of the dynamic strategy before it runs a partial batch.
+        compile: ``torch.compile`` of the model forward: ``"off"``, ``"decode"`` (pure-decode steps, padded
+            to a bucket of ``cuda_graph_sizes``), ``"all"`` (also prefill/mixed steps, with a dynamic token
+            dimension), or ``"auto"`` (``"decode"`` on CUDA, ``"off"`` on a CPU: see docs/benchmarks.md).
+        cuda_graphs: capture one CUDA graph per decode bucket and replay it (``None``: on where CUDA
+            and the backend allow it; never on a CPU).
+        cuda_graph_sizes: the decode buckets (batch sizes) steps are padded to; ``None``: 1, 2, 4, 8, then
+            every multiple of 8 up to ``max_num_seqs``. A larger decode batch runs eager.
         group_by_length: admit waiting prompts of similar length together (shortest first within a
             window of ``max_num_seqs`` waiting requests).
     """
@@ -66,6 +74,9 @@ class EngineConfig:
     max_batch_size: int | None = None
     max_delay_ms: float = 50.0
     group_by_length: bool = False
+    compile: str = "auto"
+    cuda_graphs: bool | None = None
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _require_positive_int("block_size", self.block_size)
@@ -109,6 +120,21 @@ class EngineConfig:
             or (self.max_delay_ms < 0)
         ):
             raise ValueError(f"max_delay_ms must be a number >= 0, got {self.max_delay_ms!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if not isinstance(sizes, (tuple, list)) or not sizes:
+                raise ValueError(f"cuda_graph_sizes must be a non-empty tuple of batch sizes, got {sizes!r}")
+            for size in sizes:
+                _require_positive_int("cuda_graph_sizes entries", size)
+            if max(sizes) > self.max_num_seqs:
+                raise ValueError(
+                    f"cuda_graph_sizes {tuple(sizes)} has sizes above max_num_seqs ({self.max_num_seqs})"
+                )
+            object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
         for name in ("enable_prefix_caching", "chunked_prefill", "group_by_length"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -120,6 +146,17 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"unknown EngineConfig field(s) {unknown}; known fields: {sorted(known)}")
         return dataclasses.replace(self, **overrides)
+
+    @property
+    def decode_buckets(self) -> tuple[int, ...]:
+        """The batch sizes decode steps are padded to when compiled or graphed."""
+        if self.cuda_graph_sizes is not None:
+            return self.cuda_graph_sizes
+        sizes = [s for s in (1, 2, 4) if s <= self.max_num_seqs]
+        sizes += range(8, self.max_num_seqs + 1, 8)
+        if sizes[-1] != self.max_num_seqs:
+            sizes.append(self.max_num_seqs)
+        return tuple(sizes)
 
     @property
     def batch_size(self) -> int:

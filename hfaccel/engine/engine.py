@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
@@ -20,6 +21,8 @@ from hfaccel.engine.runner import ModelRunner, kv_bytes_per_token
 from hfaccel.engine.sampler import sample
 from hfaccel.engine.scheduler import Scheduler
 from hfaccel.kernels import get_backend
+
+logger = logging.getLogger("hfaccel")
 
 
 class Engine:
@@ -52,13 +55,31 @@ class Engine:
             block_size,
             kv_dtype,
             max_num_seqs=self.config.max_num_seqs,
-            max_num_tokens=self.config.max_num_batched_tokens,
+            max_num_tokens=max(self.config.max_num_batched_tokens, self.config.max_num_seqs),
             max_blocks_per_seq=blocks_for(self.max_model_len, block_size),
+            compile_mode=resolve_compile_mode(self.config.compile, self.device),
+            cuda_graphs=self._use_cuda_graphs(backend),
+            decode_buckets=self.config.decode_buckets,
         )
+        self.warmup_seconds: float | None = None
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
         self._next_id = 0
+
+    def _use_cuda_graphs(self, backend: Any) -> bool:
+        wanted = self.config.cuda_graphs
+        reason = ModelRunner._no_graphs_reason(self.executor, backend)
+        if wanted and reason is not None:
+            logger.info("hfaccel: CUDA graphs skipped: %s", reason)
+        return reason is None and wanted is not False
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compile (and capture, on CUDA) every decode bucket now instead of at first use; returns seconds.
+        Nothing to do (0 s) when neither compile nor CUDA graphs are on."""
+        seconds = self.runner.warmup(progress)
+        self.warmup_seconds = seconds
+        return seconds
 
     def _num_blocks(self, bytes_per_block: int) -> int:
         memory = self.config.kv_cache_memory
@@ -230,6 +251,14 @@ class Engine:
             f"generated_tokens={self.num_generated_tokens}, preemptions={s.num_preemptions}, "
             f"prefix_hit_rate={self.block_manager.stats.hit_rate:.2f})"
         )
+
+
+def resolve_compile_mode(mode: str, device: torch.device) -> str:
+    """``"auto"``: compile decode steps on CUDA (with graphs, where the win is large); stay eager on a
+    CPU, where a cold compile of a 30-layer model costs minutes for a modest gain (docs/benchmarks.md)."""
+    if mode != "auto":
+        return mode
+    return "decode" if device.type == "cuda" else "off"
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -31,10 +31,18 @@ class ModelExecutor(Protocol):
         """The longest sequence served (the model's context, or `requested` if it fits)."""
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        compiled: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """``[1, T]`` packed ids and positions -> ``[N, V]`` logits at the `logits_indices` positions.
-        The caller has set the forward context (metadata, KV caches) for the step."""
+        """``[1, T]`` packed ids and positions -> ``[N, V]`` logits at the `logits_indices` positions,
+        through `compiled` (a function from `compile`) when given. The caller has set the forward
+        context (metadata, KV caches) for the step."""
+
+    def compile(self, dynamic: bool) -> Callable[..., torch.Tensor]:
+        """A ``torch.compile``d model forward for `forward`'s `compiled` (dynamic token dimension or not)."""
 
     def state_token(self) -> Hashable:
         """A cheap fingerprint of everything that produced cached KV (weights, adapters)."""

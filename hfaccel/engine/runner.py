@@ -8,9 +8,14 @@ and, through the backend's builder, the attention metadata. The model is reached
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
+from tqdm.auto import tqdm
 
 from hfaccel.engine.batch import PackedStep
+from hfaccel.engine.decode_buckets import CapturedDecodeGraphs, GraphKey, choose_bucket, warmup_layout
 from hfaccel.engine.executor import ModelExecutor
 from hfaccel.kernels.context import ForwardContext, forward_context
 from hfaccel.kernels.metadata import AttentionBackend
@@ -29,8 +34,27 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_tokens: int,
         max_blocks_per_seq: int,
+        compile_mode: str = "off",
+        cuda_graphs: bool = False,
+        decode_buckets: tuple[int, ...] = (),
+        compile_dynamic: bool = True,
     ) -> None:
+        if compile_mode not in ("off", "decode", "all"):
+            raise ValueError(f"compile_mode must be 'off', 'decode' or 'all', got {compile_mode!r}")
+        if cuda_graphs and (self._no_graphs_reason(executor, backend) is not None):
+            raise ValueError(
+                f"cuda_graphs=True is not possible here: {self._no_graphs_reason(executor, backend)}"
+            )
         self.executor = executor
+        self.compile_mode = compile_mode
+        self.cuda_graphs = cuda_graphs
+        self.compile_dynamic = compile_dynamic
+        self.kv_dtype = kv_dtype
+        # Buckets only matter when decode steps are compiled or graphed.
+        self.decode_buckets = decode_buckets if (compile_mode != "off" or cuda_graphs) else ()
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self._compiled: dict[object, Callable[..., torch.Tensor]] = {}
+        self.graphs = CapturedDecodeGraphs()
         self.backend = backend
         self.block_size = block_size
         self.device = executor.device
@@ -70,6 +94,16 @@ class ModelRunner:
         # The host buffers are pinned and copied asynchronously: the next step may rewrite them only once
         # the previous step's copies have left them.
         self._copied: torch.cuda.Event | None = None
+        if cuda_graphs:  # a graph bakes in the block-table width: keep it fixed
+            self.builder.fixed_width = max_blocks_per_seq
+
+    @staticmethod
+    def _no_graphs_reason(executor: ModelExecutor, backend: AttentionBackend) -> str | None:
+        if executor.device.type != "cuda":
+            return "CUDA graphs need a CUDA device"
+        if not backend.capabilities.cuda_graph_decode:
+            return f"the {backend.name!r} attention backend cannot be captured in a CUDA graph"
+        return None
 
     def _stage(self, name: str, values: list[int], size: int | None = None) -> torch.Tensor:
         """Copy `values` into buffer `name` in place; the device view of its first `size` entries."""
@@ -87,19 +121,84 @@ class ModelRunner:
         return dev_view
 
     @torch.inference_mode()
-    def run(self, packed: PackedStep) -> torch.Tensor:
-        """Forward one packed step; returns the ``[N, V]`` logits of the sampled positions."""
+    def run(self, packed: PackedStep, bucket: int | None = None) -> torch.Tensor:
+        """Forward one packed step; returns the ``[N, V]`` logits of the sampled positions.
+
+        A pure-decode step that fits a bucket is padded to it and runs compiled (and on CUDA, as a
+        replayed graph); any other step runs eager, or compiled with a dynamic token count under
+        ``compile="all"``. `bucket` forces the padding (warm-up).
+        """
         if self._copied is not None:
             self._copied.synchronize()
-        input_ids = self._stage("input_ids", packed.input_ids)
-        positions = self._stage("positions", packed.positions)
-        logits_indices = self._stage("logits_indices", packed.logits_indices)
-        metadata = self.builder.build(packed.layout)
+        if bucket is None and self.decode_buckets:
+            bucket = choose_bucket(packed.layout, self.decode_buckets)
+        compiled = self._compiled_for(bucket)
+        # A dynamic-shape graph specialises sizes 0 and 1: pad its token and sampled-row counts to 2+.
+        floor = 2 if compiled is not None and bucket is None else 0
+        tokens = bucket or max(len(packed.input_ids), floor)
+        input_ids = self._stage("input_ids", packed.input_ids, tokens)
+        positions = self._stage("positions", packed.positions, tokens)
+        logits_indices = self._stage(
+            "logits_indices", packed.logits_indices, bucket or max(len(packed.logits_indices), floor)
+        )
+        metadata = self.builder.build(packed.layout, bucket, tokens)
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        with forward_context(ForwardContext(self.backend, metadata, self.kv_caches)):
-            return self.executor.forward(input_ids, positions, logits_indices)
+        context = ForwardContext(self.backend, metadata, self.kv_caches)
+        if bucket is not None and self.cuda_graphs:
+            key = self._graph_key(bucket, metadata)
+            if key not in self.graphs:
+                self._capture(key, context, input_ids, positions, logits_indices)
+            logits = self.graphs.replay(key)
+        else:
+            with forward_context(context):
+                logits = self.executor.forward(input_ids, positions, logits_indices, compiled=compiled)
+        return logits[: len(packed.logits_indices)]
+
+    def _compiled_for(self, bucket: int | None) -> Callable[..., torch.Tensor] | None:
+        """The compiled forward for a bucketed decode step (or, under "all", any step); None: eager."""
+        if self.compile_mode == "off" or (bucket is None and self.compile_mode != "all"):
+            return None
+        dynamic = bucket is None or self.compile_dynamic
+        # One compiled function for every shape (dynamic tokens; dynamo still specialises size 1), or one
+        # per bucket (static shapes). Dynamo caches graphs per code object, and every bucket compiles the
+        # same forward: allow as many cache entries as there are buckets.
+        slot = "dynamic" if dynamic else bucket
+        if slot not in self._compiled:
+            limit = len(self.decode_buckets) + 2
+            if torch._dynamo.config.recompile_limit < limit:
+                torch._dynamo.config.recompile_limit = limit
+            self._compiled[slot] = self.executor.compile(dynamic=dynamic)
+        return self._compiled[slot]
+
+    def _graph_key(self, bucket: int, metadata: object) -> GraphKey:
+        common = getattr(metadata, "common", metadata)
+        return GraphKey(bucket, common.block_tables.shape[1], self.backend.name, self.kv_dtype)
+
+    def _capture(self, key, context, input_ids, positions, logits_indices) -> None:
+        compiled = self._compiled_for(key.bucket)
+
+        def run() -> torch.Tensor:
+            with forward_context(context):
+                return self.executor.forward(input_ids, positions, logits_indices, compiled=compiled)
+
+        self.graphs.capture(key, run)
+
+    def warmup(self, progress: bool = True) -> float:
+        """Compile (and on CUDA capture) every decode bucket now, largest first; returns the seconds.
+
+        Each bucket runs a step with no real sequence (it writes nowhere, reads nothing)."""
+        start = time.perf_counter()
+        buckets = (
+            sorted(self.decode_buckets, reverse=True)
+            if self.compile_mode != "off" or self.cuda_graphs
+            else []
+        )
+        steps = buckets + ([None] if self.compile_mode == "all" else [])  # None: a dynamic-shape step
+        for bucket in tqdm(steps, desc="hfaccel warm-up", unit="graph", disable=not progress, leave=False):
+            self.run(PackedStep([], [], [], [], warmup_layout()), bucket=bucket)
+        return time.perf_counter() - start
 
 
 def kv_bytes_per_token(executor: ModelExecutor, dtype: torch.dtype) -> int:

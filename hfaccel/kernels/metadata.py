@@ -123,6 +123,8 @@ class MetadataBuilder:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
         self.device = torch.device(device)
+        # A CUDA graph bakes in the block-table width: the runner fixes it when it captures graphs.
+        self.fixed_width: int | None = None
         pin = self.device.type == "cuda"
         shapes = {
             "slot_mapping": ((max_num_tokens,), torch.int64),
@@ -149,7 +151,7 @@ class MetadataBuilder:
                 f"step of {b} sequences / {t} tokens padded to {b_pad} / {t_pad} does not fit the buffers "
                 f"({self.max_num_seqs} sequences, {self.max_num_tokens} tokens)"
             )
-        width = max((len(row) for row in layout.block_tables), default=1) or 1
+        width = self.fixed_width or max((len(row) for row in layout.block_tables), default=1) or 1
         if width > self.max_blocks_per_seq:
             raise ValueError(f"a block table of {width} blocks exceeds {self.max_blocks_per_seq}")
         h = {n: buf.numpy() for n, buf in self.host.items()}

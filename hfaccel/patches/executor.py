@@ -3,7 +3,7 @@ the model (layers, KV heads, head dim, vocabulary, context length)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -34,15 +34,26 @@ class HFExecutor:
         return resolve_max_model_len(self.model, requested)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        compiled: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
         with engine_attention(self.model):
-            output = self.model(
-                input_ids=input_ids,
-                position_ids=positions,
-                use_cache=False,
-                logits_to_keep=logits_indices,
-            )
+            return (compiled or self._model_forward)(input_ids, positions, logits_indices)
+
+    def compile(self, dynamic: bool) -> Callable[..., torch.Tensor]:
+        """The model forward under ``torch.compile``: one graph, attention as the custom-op node
+        (``fullgraph=True``: a graph break is an error, found at warm-up, never silently slow)."""
+        return torch.compile(self._model_forward, fullgraph=True, dynamic=dynamic)
+
+    def _model_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        output = self.model(
+            input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=logits_indices
+        )
         return output.logits[0]
 
     def state_token(self) -> Hashable:

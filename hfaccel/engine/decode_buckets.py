@@ -1,0 +1,86 @@
+"""Decode buckets: pure-decode steps padded to a few fixed batch sizes, each compiled (and on CUDA,
+captured as a graph) once and replayed.
+
+A captured graph bakes in every shape and every host value it saw, so its key names all of them: the
+bucket (tokens = sequences = bucket), the block-table width, the backend and the KV dtype. A step is
+replayed on a graph only if its own key is equal (the bug HF's continuous batching once shipped: a
+graph reused for a step whose shape it did not fit).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hfaccel.kernels.metadata import StepLayout
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """Everything a captured decode graph depends on."""
+
+    bucket: int  # padded sequences = padded tokens
+    block_table_width: int
+    backend: str
+    kv_dtype: torch.dtype
+
+
+def choose_bucket(layout: StepLayout, buckets: Sequence[int]) -> int | None:
+    """The smallest bucket a pure one-token-per-sequence step fits, or None (run it eager)."""
+    if layout.num_seqs == 0 or layout.num_decodes != layout.num_seqs:
+        return None
+    if any(q != 1 for q in layout.query_lens):
+        return None
+    index = bisect.bisect_left(buckets, layout.num_seqs)
+    return buckets[index] if index < len(buckets) else None
+
+
+def warmup_layout() -> StepLayout:
+    """A step with no real sequence: padded to a bucket, it writes nowhere and reads nothing."""
+    return StepLayout(query_lens=[], seq_lens=[], block_tables=[], slot_mapping=[], num_decodes=0)
+
+
+class CapturedDecodeGraphs:
+    """One CUDA graph per `GraphKey`, sharing one memory pool, replayed on the runner's buffers.
+
+    `capture(key, run)` records `run()` (which must read only persistent buffers) after one warm-up
+    call; `replay(key)` returns the output tensor the graph writes. Only on CUDA.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+
+    def __contains__(self, key: GraphKey) -> bool:
+        return key in self._graphs
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def capture(self, key: GraphKey, run: Callable[[], torch.Tensor]) -> None:
+        """Warm `run` up on a side stream, then capture it under `key`."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = run()
+        self._graphs[key] = (graph, output)
+
+    def replay(self, key: GraphKey) -> torch.Tensor:
+        """Replay the graph captured under exactly `key`; KeyError if there is none."""
+        graph, output = self._graphs[key]
+        graph.replay()
+        return output
+
+    def clear(self) -> None:
+        """Drop every graph and the pool (frees their memory)."""
+        self._graphs.clear()
+        self._pool = None

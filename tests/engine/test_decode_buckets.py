@@ -1,0 +1,78 @@
+"""Decode buckets and the CUDA-graph key: the parts of the compiled/graphed decode path a CPU can check."""
+
+import pytest
+import torch
+
+from hfaccel.config import EngineConfig
+from hfaccel.engine.decode_buckets import CapturedDecodeGraphs, GraphKey, choose_bucket, warmup_layout
+from hfaccel.kernels import StepLayout, TorchPagedAttention
+
+
+def decode_layout(n: int) -> StepLayout:
+    return StepLayout([1] * n, [5] * n, [[i] for i in range(n)], [i * 16 + 4 for i in range(n)], n)
+
+
+def test_default_buckets_follow_powers_of_two_then_multiples_of_eight():
+    assert EngineConfig().decode_buckets == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert EngineConfig(max_num_seqs=12).decode_buckets == (1, 2, 4, 8, 12)
+    assert EngineConfig(max_num_seqs=8, cuda_graph_sizes=(4, 2, 2)).decode_buckets == (2, 4)
+
+
+def test_bad_bucket_sizes_are_refused():
+    with pytest.raises(ValueError, match="cuda_graph_sizes .* above max_num_seqs"):
+        EngineConfig(max_num_seqs=8, cuda_graph_sizes=(4, 16))
+    with pytest.raises(ValueError, match="compile must be one of"):
+        EngineConfig(compile="yes")
+
+
+@pytest.mark.parametrize(("n", "bucket"), [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, None)])
+def test_a_decode_step_takes_the_smallest_bucket_it_fits(n, bucket):
+    assert choose_bucket(decode_layout(n), (1, 2, 4, 8)) == bucket
+
+
+def test_steps_with_prefill_tokens_never_take_a_bucket():
+    mixed = StepLayout([1, 3], [5, 3], [[0], [1]], [4, 16, 17, 18], 1)
+    assert choose_bucket(mixed, (1, 2, 4, 8)) is None
+    assert choose_bucket(warmup_layout(), (1, 2)) is None
+
+
+def test_padding_to_a_bucket_reuses_the_buffers_and_writes_nowhere():
+    backend = TorchPagedAttention()
+    builder = backend.make_builder(8, 8, 4, 16, torch.device("cpu"), num_blocks=8)
+    a = builder.build(decode_layout(3), 4, 4).common
+    b = builder.build(decode_layout(1), 4, 4).common
+    assert a.slot_mapping.data_ptr() == b.slot_mapping.data_ptr() and b.slot_mapping.shape == (4,)
+    assert b.slot_mapping.tolist() == [4, -1, -1, -1] and b.seq_lens.tolist() == [5, 0, 0, 0]
+    assert b.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_fixed_width_keeps_the_block_table_shape_a_graph_baked_in():
+    builder = TorchPagedAttention().make_builder(8, 8, 6, 16, torch.device("cpu"), num_blocks=8)
+    builder.fixed_width = 6
+    assert builder.build(decode_layout(2), 4, 4).common.block_tables.shape == (4, 6)
+
+
+def test_graph_key_names_every_baked_value():
+    base = GraphKey(8, 64, "triton", torch.float16)
+    assert base == GraphKey(8, 64, "triton", torch.float16)
+    for other in (
+        GraphKey(16, 64, "triton", torch.float16),
+        GraphKey(8, 32, "triton", torch.float16),
+        GraphKey(8, 64, "flashinfer", torch.float16),
+        GraphKey(8, 64, "triton", torch.bfloat16),
+    ):
+        assert other != base
+
+
+def test_replaying_a_key_never_captured_is_an_error_not_a_wrong_graph():
+    graphs = CapturedDecodeGraphs()
+    assert GraphKey(8, 64, "triton", torch.float16) not in graphs
+    with pytest.raises(KeyError):
+        graphs.replay(GraphKey(8, 64, "triton", torch.float16))
+
+
+def test_cuda_graphs_on_a_cpu_are_skipped_not_an_error(llama):
+    from hfaccel.engine.engine import Engine
+
+    engine = Engine(llama, EngineConfig(cuda_graphs=True, kv_cache_memory=1_000_000))
+    assert engine.runner.cuda_graphs is False
