@@ -76,8 +76,11 @@ def hf_decode_step(model: Any, batch_size: int, prompt_len: int, steps: int) -> 
     return statistics.median(times[2:])
 
 
-def engine_decode_step(model: Any, batch_size: int, prompt_len: int, steps: int, **config: Any) -> float:
-    """Median seconds of `Engine.step()` while `batch_size` sequences of `prompt_len` tokens decode."""
+def engine_decode_step(
+    model: Any, batch_size: int, prompt_len: int, steps: int, compile_dynamic: bool = True, **config: Any
+) -> tuple[float, float]:
+    """Median seconds of `Engine.step()` while `batch_size` sequences of `prompt_len` tokens decode, and
+    the warm-up seconds (compiling, when ``compile`` is given in `config`)."""
     from hfaccel.config import EngineConfig
     from hfaccel.engine.engine import Engine
     from hfaccel.engine.request import StoppingParams
@@ -91,9 +94,12 @@ def engine_decode_step(model: Any, batch_size: int, prompt_len: int, steps: int,
             max_num_seqs=batch_size,
             max_num_batched_tokens=max(2048, batch_size * prompt_len),
             enable_prefix_caching=False,
+            cuda_graph_sizes=(batch_size,),
             **config,
         ),
     )
+    engine.runner.compile_dynamic = compile_dynamic
+    warmup = engine.warmup(progress=False)
     stopping = StoppingParams(max_new_tokens=new, min_new_tokens=new)
     for _ in range(batch_size):
         engine.add_request(torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), stopping)
@@ -108,34 +114,46 @@ def engine_decode_step(model: Any, batch_size: int, prompt_len: int, steps: int,
         times.append(time.perf_counter() - start)
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(times)
+    return statistics.median(times), warmup
 
 
 def run_step_benchmark(
-    model: Any, batch_sizes: tuple[int, ...] = (1, 8, 32), prompt_len: int = 128, steps: int = 10
+    model: Any,
+    batch_sizes: tuple[int, ...] = (1, 8, 32),
+    prompt_len: int = 128,
+    steps: int = 10,
+    compiled: bool = True,
 ) -> list[StepTiming]:
-    """Time the three at each batch size; print a table with ratios and the CPU ISA."""
+    """Time every system at each batch size; print a table with ratios to the floor and the CPU ISA."""
     dtype = next(model.parameters()).dtype
     print(
         f"\n== decode step: {cpu_description()}, dtype={str(dtype).removeprefix('torch.')}, "
         f"prompt {prompt_len} tokens, median of {steps} steps =="
     )
-    print(
-        f"{'batch':>5} | {'floor ms':>8} | {'HF eager ms':>11} | {'hfaccel ms':>10} | "
-        f"{'floor/hfaccel':>13} | {'floor/HF':>8} | {'HF/hfaccel':>10}"
-    )
+    systems = ["HF eager step", "hfaccel eager"]
+    if compiled:
+        systems += ["hfaccel compiled (dynamic tokens)", "hfaccel compiled (per bucket)"]
+    print(f"{'batch':>5} | {'system':<34} | {'ms/step':>8} | {'floor/step':>10} | {'vs HF':>6} | warm-up s")
     results = []
     for batch in batch_sizes:
         floor = matmul_floor(model, batch)
-        hf = hf_decode_step(model, batch, prompt_len, steps)
-        ours = engine_decode_step(model, batch, prompt_len, steps)
-        results += [
-            StepTiming(batch, "matmul floor", floor),
-            StepTiming(batch, "HF eager step", hf),
-            StepTiming(batch, "hfaccel eager", ours),
-        ]
-        print(
-            f"{batch:>5} | {floor * 1e3:>8.1f} | {hf * 1e3:>11.1f} | {ours * 1e3:>10.1f} | "
-            f"{floor / ours:>12.0%} | {floor / hf:>7.0%} | {hf / ours:>9.2f}x"
-        )
+        timings = {"HF eager step": (hf_decode_step(model, batch, prompt_len, steps), 0.0)}
+        timings["hfaccel eager"] = engine_decode_step(model, batch, prompt_len, steps)
+        if compiled:
+            timings["hfaccel compiled (dynamic tokens)"] = engine_decode_step(
+                model, batch, prompt_len, steps, compile="decode"
+            )
+            timings["hfaccel compiled (per bucket)"] = engine_decode_step(
+                model, batch, prompt_len, steps, compile_dynamic=False, compile="decode"
+            )
+        hf = timings["HF eager step"][0]
+        print(f"{batch:>5} | {'matmul floor':<34} | {floor * 1e3:>8.1f} | {'100%':>10} | {'':>6} |")
+        results.append(StepTiming(batch, "matmul floor", floor))
+        for name in systems:
+            seconds, warm = timings[name]
+            results.append(StepTiming(batch, name, seconds))
+            print(
+                f"{batch:>5} | {name:<34} | {seconds * 1e3:>8.1f} | {floor / seconds:>9.0%} | "
+                f"{hf / seconds:>5.2f}x | {warm:.1f}"
+            )
     return results
