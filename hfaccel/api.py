@@ -138,6 +138,7 @@ def generate(
     progress: bool = True,
     logprobs: bool = False,
     errors: str = "raise",
+    seed: int | None = None,
     **generate_kwargs: Any,
 ) -> list[Completion]:
     """Complete many prompts in one continuous batch; results come back in prompt order.
@@ -154,6 +155,9 @@ def generate(
             stops the others; they complete, then ``"raise"`` raises `RequestError` (a ValueError that
             names every refused prompt and carries all completions), ``"return"`` returns them with
             ``finish_reason="error"``.
+        seed: the random stream of sampled requests: request ``i`` (in result order) draws from its own
+            generator seeded with ``seed + i``, so its samples are the same whatever else runs beside it.
+            ``None``: seeds are drawn from torch's global generator (``torch.manual_seed`` reproduces them).
         **generate_kwargs: generation arguments for every prompt (``max_new_tokens=64``, ``do_sample=True``...).
 
     With ``num_return_sequences=n`` each prompt gives n consecutive completions (HF's order).
@@ -161,7 +165,7 @@ def generate(
     if errors not in ("raise", "return"):
         raise ValueError(f"errors must be 'raise' or 'return', got {errors!r}")
     with _patched(model) as state:
-        plans = _plan_all(model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs)
+        plans = _plan_all(model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs, seed)
         runnable = [plan for plan in plans if isinstance(plan, Request)]
         if runnable:
             state.get_engine(model).run(runnable, progress=progress)
@@ -184,6 +188,7 @@ def stream(
     *,
     tokenizer: Any = None,
     generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+    seed: int | None = None,
     **generate_kwargs: Any,
 ) -> Iterator[StreamEvent]:
     """Like `generate`, but yield every token of every request as soon as its step ends.
@@ -193,7 +198,7 @@ def stream(
     its KV blocks).
     """
     with _patched(model) as state:
-        plans = _plan_all(model, state, prompts, tokenizer, generation_config, generate_kwargs, False)
+        plans = _plan_all(model, state, prompts, tokenizer, generation_config, generate_kwargs, False, seed)
         refused = [(i, p.error) for i, p in enumerate(plans) if isinstance(p, _Done) and p.error]
         if refused:
             raise ValueError("; ".join(f"prompts[{i}]: {e}" for i, e in refused))
@@ -288,15 +293,20 @@ def _plan_all(
     generation_config: Any,
     kwargs: dict[str, Any],
     logprobs: bool,
+    seed: int | None = None,
 ) -> list[Request | _Done]:
-    """Every prompt turned into engine requests (n per prompt for num_return_sequences) or a `_Done`."""
+    """Every prompt turned into engine requests (n per prompt for num_return_sequences) or a `_Done`;
+    with `seed`, the i-th request's random stream is seeded with ``seed + i``."""
     if isinstance(prompts, (str, torch.Tensor)):
         raise ValueError("prompts must be a list (of strings, token-id lists or chat message lists)")
     configs = _per_prompt_configs(generation_config, len(prompts))
     plans: list[Request | _Done] = []
     for prompt, config in zip(prompts, configs):
         try:
-            plans.extend(_plan(model, state, _encode(prompt, tokenizer), config, kwargs, tokenizer, logprobs))
+            first = None if seed is None else seed + len(plans)
+            plans.extend(
+                _plan(model, state, _encode(prompt, tokenizer), config, kwargs, tokenizer, logprobs, first)
+            )
         except ValueError as error:
             plans.append(_Done([], finish_reason="error", error=str(error)))
     return plans
@@ -310,6 +320,7 @@ def _plan(
     kwargs: dict[str, Any],
     tokenizer: Any,
     logprobs: bool,
+    seed: int | None = None,
 ) -> list[Request | _Done]:
     has_default_max, has_default_min = has_default_lengths(model, config, kwargs)
     prepared, _ = prepare_config(model, config, dict(kwargs))
@@ -333,7 +344,8 @@ def _plan(
     if stopping.max_new_tokens <= 0:
         return [_Done(ids) for _ in range(copies)]
     engine = state.get_engine(model)
-    return [engine.make_request(ids, stopping, sampling) for _ in range(copies)]
+    seeds = [None if seed is None else seed + i for i in range(copies)]
+    return [engine.make_request(ids, stopping, sampling, seed=s) for s in seeds]
 
 
 def _completion(plan: Request | _Done, tokenizer: Any) -> Completion:

@@ -101,13 +101,14 @@ class Engine:
         sampling: SamplingParams = GREEDY,
         request_id: Any = None,
         arrival_time: float | None = None,
+        seed: int | None = None,
     ) -> Request:
         """Validate and queue one prompt (at any time, also between steps); returns its `Request`.
 
         Raises ValueError and queues nothing for a bad prompt. `arrival_time` (``time.perf_counter()``
         seconds) backdates the request's arrival for latency metrics; by default it arrives now.
         """
-        request = self.make_request(prompt_token_ids, stopping, sampling, request_id)
+        request = self.make_request(prompt_token_ids, stopping, sampling, request_id, seed)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         self.scheduler.add(request)
@@ -119,8 +120,12 @@ class Engine:
         stopping: StoppingParams,
         sampling: SamplingParams = GREEDY,
         request_id: Any = None,
+        seed: int | None = None,
     ) -> Request:
-        """Build a validated `Request` without queueing it."""
+        """Build a validated `Request` without queueing it.
+
+        A sampled request gets its own random stream: from `seed`, or else from a seed drawn from torch's
+        global generator now (so ``torch.manual_seed`` before a call reproduces it)."""
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("prompt is empty: a prompt needs at least one token")
@@ -136,6 +141,8 @@ class Engine:
             request_id = self._next_id
             self._next_id += 1
         request = Request(request_id, ids, stopping, sampling=sampling)
+        if sampling.do_sample:
+            request.seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.scheduler.check(request)
         return request
 

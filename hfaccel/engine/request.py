@@ -38,8 +38,8 @@ class SamplingParams:
 
     `processors` need the request's token ids and run per row; `warpers` look at scores only and run
     once on all the rows that share this object (HF builds both from a GenerationConfig). Greedy
-    takes the argmax; sampling draws from the softmax with torch's global generator, so a seed plus
-    the same batch composition reproduces a run.
+    takes the argmax; sampling draws from the softmax with the request's own random stream (see
+    `Request.seed`), so a request's samples do not depend on what else is in the batch.
     """
 
     do_sample: bool = False
@@ -127,6 +127,10 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # Sampled requests draw from their own generator, seeded once: the same seed and logits give the
+    # same tokens whatever the batch, the prefix cache or a preemption (recomputation draws nothing).
+    seed: int | None = None
+    generator: Any = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

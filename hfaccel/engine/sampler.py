@@ -15,7 +15,9 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     As in HF ``generate``: scores are processed in float32; EOS is masked while a request is below its
     ``min_new_tokens`` (batched here, since every benchmark request uses it); each request's
     id-dependent processors run on its row; score-only warpers run once per group of rows sharing them;
-    then greedy rows take the argmax and sampled rows draw from the softmax in one multinomial call.
+    then greedy rows take the argmax and each sampled row draws from its softmax with its own generator
+    (an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)``: exactly a categorical draw), one copy of
+    the chosen tokens to the host per step.
     """
     scores = logits.to(dtype=torch.float32, copy=True)
     _mask_eos_below_min_tokens(scores, requests)
@@ -37,10 +39,23 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     if sampled_rows:
         index = torch.tensor(sampled_rows, device=scores.device)
         probs = torch.softmax(scores[index], dim=-1)
-        tokens[index] = torch.multinomial(probs, num_samples=1).squeeze(1)
+        noise = torch.empty_like(probs)
+        for row, i in enumerate(sampled_rows):
+            noise[row].exponential_(generator=request_generator(requests[i], scores.device))
+        tokens[index] = (probs / noise).argmax(dim=-1)
     chosen = tokens.tolist()
     _record_outputs(logits, scores, chosen, requests)
     return chosen
+
+
+def request_generator(request: Request, device: torch.device) -> torch.Generator:
+    """The request's own generator on `device`, made from its seed at first use."""
+    generator = request.generator
+    if generator is None or generator.device != device:
+        seed = request.seed if request.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        request.seed = seed
+        generator = request.generator = torch.Generator(device=device).manual_seed(seed)
+    return generator
 
 
 def _mask_eos_below_min_tokens(scores: torch.Tensor, requests: list[Request]) -> None:
