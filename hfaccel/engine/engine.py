@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,9 +28,18 @@ class Engine:
     Add requests with `add_request`, then call `step` until they finish (or `run` to do both for a set
     of requests). Each step schedules decode tokens and prefill chunks under one token budget, runs one
     packed forward pass, samples, and retires finished requests, freeing their KV blocks.
+
+    `model_state`, if given, returns a hashable fingerprint of the model's weights and adapters; the
+    engine calls it before each step that may admit requests and forgets its prefix cache when the value
+    changes, so KV computed by an older model is never served (see `check_model_state`).
     """
 
-    def __init__(self, model: torch.nn.Module, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig | None = None,
+        model_state: Callable[[], Hashable] | None = None,
+    ) -> None:
         self.model = model
         self.config = config or EngineConfig()
         self.max_model_len = resolve_max_model_len(model, self.config.max_model_len)
@@ -45,6 +54,8 @@ class Engine:
         self.runner = ModelRunner(
             model, get_backend(self.config.backend), self.num_blocks, block_size, kv_dtype
         )
+        self._model_state = model_state if self.config.enable_prefix_caching else None
+        self._model_token = model_state() if self._model_state is not None else None
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
@@ -122,6 +133,8 @@ class Engine:
         partial batch).
         """
         start = time.perf_counter()
+        if self.scheduler.waiting or self.scheduler.forming:
+            self.check_model_state()
         preemptions_before = self.scheduler.num_preemptions
         hits_before = self.block_manager.stats.hit_tokens
         step = self.scheduler.schedule(draining)
@@ -154,6 +167,18 @@ class Engine:
         self.num_generated_tokens += len(tokens)
         return finished
 
+    def check_model_state(self) -> bool:
+        """Forget the prefix cache if `model_state` says the model changed since the last check; returns
+        whether it did. Requests already running finish on the KV they hold but never register it."""
+        if self._model_state is None:
+            return False
+        token = self._model_state()
+        if token == self._model_token:
+            return False
+        self._model_token = token
+        self.block_manager.reset_prefix_cache()
+        return True
+
     def stream(self, request: Request) -> Iterator[int]:
         """Yield `request`'s tokens as they are generated, stepping the engine (and so every other
         request) as needed. Several streams can be consumed in turn; each step serves them all."""
@@ -179,6 +204,7 @@ class Engine:
         remaining = {id(r) for r in requests}
         bar = tqdm(total=len(requests), desc="hfaccel", unit="req", disable=not progress, leave=False)
         tokens_before = self.num_generated_tokens
+        self.check_model_state()
         try:
             for request in requests:  # inside the try: a refusal midway must not strand the ones queued
                 self.scheduler.add(request)
