@@ -5,6 +5,9 @@ training loop or an adapter switch would, and checks the patched greedy `generat
 HF's on the changed model.
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -197,6 +200,27 @@ def test_unchanged_model_still_hits_the_cache(llama):
         llama(torch.tensor([ps[1]]))
     patched_greedy(llama, ps[1])
     assert engine_of(llama).stats()["prefix_cache_hit_tokens"] == hits + 64
+
+
+def test_reset_prefix_cache_and_release(llama):
+    hfaccel.reset_prefix_cache(llama)  # unpatched: nothing to do
+    ps = warm(llama)
+    engine = engine_of(llama)
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    hfaccel.reset_prefix_cache(llama)
+    assert engine.block_manager.num_cached_blocks == 0
+    assert_matches_hf(llama, ps[:1])
+    assert engine.stats()["prefix_cache_hit_tokens"] == hits, "nothing cached survives a reset"
+
+    ref = weakref.ref(engine)
+    del engine
+    hfaccel.release(llama)
+    gc.collect()
+    assert llama._hfaccel.engine is None and ref() is None, "release drops the engine and its KV cache"
+    assert_matches_hf(llama, ps)
+    assert engine_of(llama) is not None
+    hfaccel.release(llama)
+    hfaccel.release(tiny_model("llama"))  # unpatched: nothing to do
 
 
 # ------------------------------------------------------------------ the tracker itself
