@@ -48,7 +48,6 @@ def test_double_free_is_detected():
         manager.free(request)
 
 
-
 def computed(manager: BlockManager, prompt: list[int], request_id: int = 0) -> Request:
     """A request admitted for `prompt` (sharing what the cache holds) with its whole prompt computed
     and its full blocks registered."""

@@ -284,3 +284,13 @@ def test_weights_change_while_requests_run(llama):
     engine.run([again])
     assert again.num_cached_prompt_tokens == 32, "blocks computed by the new weights are shared again"
     assert again.output_token_ids == later.output_token_ids
+
+
+def test_tracker_keeps_no_replaced_weight_alive(llama):
+    tracker = ModelStateTracker(llama)
+    first = tracker.token()
+    old = weakref.ref(llama.lm_head.weight)
+    llama.load_state_dict(tiny_model("llama", seed=1).state_dict(), assign=True)
+    gc.collect()
+    assert old() is None, "the tracker must not pin a replaced weight between calls"
+    assert tracker.token() != first
