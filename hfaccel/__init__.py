@@ -3,9 +3,20 @@
 import hfaccel
 model = hfaccel.patch(model)      # model.generate(...) and pipelines now run on the engine
 hfaccel.generate(model, prompts, tokenizer=tok, max_new_tokens=64)   # many prompts at once
+hfaccel.release(model)            # free the KV cache (rebuilt by the next generate)
 """
 
-from hfaccel.api import Completion, RequestError, StreamEvent, generate, patch, stream, unpatch
+from hfaccel.api import (
+    Completion,
+    RequestError,
+    StreamEvent,
+    generate,
+    patch,
+    release,
+    reset_prefix_cache,
+    stream,
+    unpatch,
+)
 from hfaccel.config import EngineConfig
 from hfaccel.notebook import engine_state, plot_run
 
@@ -18,6 +29,8 @@ __all__ = [
     "generate",
     "patch",
     "plot_run",
+    "release",
+    "reset_prefix_cache",
     "stream",
     "unpatch",
 ]

@@ -1,8 +1,9 @@
-"""The public entry points: `patch`, `unpatch`, offline `generate`, and `stream`."""
+"""The public entry points: `patch`, `unpatch`, offline `generate`, `stream`, and cache control."""
 
 from __future__ import annotations
 
 import copy
+import gc
 import types
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -122,6 +123,36 @@ def unpatch(model: Any) -> Any:
         model.generate = state.instance_generate
     state.engine = None
     return model
+
+
+def reset_prefix_cache(model: Any) -> None:
+    """Forget every KV block the prefix cache holds for `model`, so the next requests recompute them.
+
+    Weight updates, ``load_state_dict``, dtype or device moves and PEFT adapter switches are detected
+    by themselves; call this after a change the engine cannot see (an edit through ``.data`` that
+    touches few elements, a custom layer's own state). Requests running at the time finish on the KV
+    they hold but never share it. A no-op on an unpatched model or one whose engine is not built yet.
+    """
+    state: PatchState | None = getattr(model, "__dict__", {}).get("_hfaccel")
+    if state is not None and state.engine is not None:
+        state.engine.block_manager.reset_prefix_cache()
+
+
+def release(model: Any) -> None:
+    """Free `model`'s KV cache (and prefix cache) now; the model stays patched.
+
+    Drops the engine, collects garbage and, on CUDA, returns cached blocks to the driver
+    (``torch.cuda.empty_cache``). The next ``generate`` builds a new engine. A stream still being read
+    keeps its engine until it ends. A no-op on an unpatched model or one with no engine yet.
+    """
+    state: PatchState | None = getattr(model, "__dict__", {}).get("_hfaccel")
+    if state is None or state.engine is None:
+        return
+    on_cuda = state.engine.device.type == "cuda"
+    state.engine = None
+    gc.collect()
+    if on_cuda and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def is_patched(model: Any) -> bool:

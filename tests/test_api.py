@@ -19,6 +19,8 @@ def test_public_names():
         "generate",
         "patch",
         "plot_run",
+        "release",
+        "reset_prefix_cache",
         "stream",
         "unpatch",
     ]

@@ -5,6 +5,10 @@ its parent block's hash and its own tokens. When a request is admitted, the long
 full blocks already in the cache is shared by reference count instead of recomputed. A freed block keeps
 its contents and its hash while it waits in the free queue, least recently used first, so a later request
 can still hit it; it is forgotten only when the queue hands it out again.
+
+Keys name token content only, so when the model that computed the blocks changes (new weights, another
+adapter), `reset_prefix_cache` must forget them all; it also starts a new epoch, so that requests already
+running, whose KV mixes both models, never register their blocks afterwards.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._block_key: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
         self._cached: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent hash, tokens) -> block id
+        self.epoch = 0  # bumped by reset_prefix_cache; a request admitted in an older one never registers
         self.stats = PrefixCacheStats()
 
     @property
@@ -95,9 +100,11 @@ class BlockManager:
     def match_prefix(self, request: Request) -> int:
         """Share the cached blocks of `request`'s leading full blocks; returns the tokens they cover.
 
-        Call on a request that holds no blocks. At least one token is always left to compute, so the
-        step that admits the request produces logits for its last position.
+        Call on a request that holds no blocks, when admitting it (this records the cache epoch it runs
+        in). At least one token is always left to compute, so the step that admits the request produces
+        logits for its last position.
         """
+        request.cache_epoch = self.epoch
         if not self.enable_prefix_caching or request.block_ids:
             return 0
         tokens = request.all_token_ids
@@ -125,8 +132,9 @@ class BlockManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register `request`'s blocks that are now full of computed tokens, so later requests can share
-        them. Incremental: the request carries how far its hash chain got."""
-        if not self.enable_prefix_caching:
+        them. Incremental: the request carries how far its hash chain got. A request admitted before the
+        last `reset_prefix_cache` registers nothing: its KV was (partly) computed by the old model."""
+        if not self.enable_prefix_caching or request.cache_epoch != self.epoch:
             return
         full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         if full <= request.num_hashed_blocks:
@@ -141,6 +149,14 @@ class BlockManager:
                 self._block_key[block_id] = key
             parent = hash(key)
         request.num_hashed_blocks, request.prefix_hash = full, parent
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block, free or in use: the contents stay (requests holding the blocks keep
+        using them) but no later request can match them. Starts a new epoch, so requests admitted before
+        the reset never register their blocks either. Call when the model that computed them changed."""
+        self._cached.clear()
+        self._block_key = [None] * self.num_blocks
+        self.epoch += 1
 
     def free(self, request: Request) -> None:
         """Release every block `request` holds (cached ones stay findable until they are reused)."""

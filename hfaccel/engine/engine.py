@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,10 +31,20 @@ class Engine:
     Add requests with `add_request`, then call `step` until they finish (or `run` to do both for a set
     of requests). Each step schedules decode tokens and prefill chunks under one token budget, runs one
     packed forward pass, samples, and retires finished requests, freeing their KV blocks.
+
+    `model_state`, if given, returns a hashable fingerprint of the model's weights and adapters; the
+    engine calls it before each step that may admit requests and forgets its prefix cache when the value
+    changes, so KV computed by an older model is never served (see `check_model_state`).
     """
 
-    def __init__(self, model: Any, config: EngineConfig | None = None) -> None:
-        """Bind an engine to `model`: a transformers causal LM, or any `ModelExecutor`."""
+    def __init__(
+        self,
+        model: Any,
+        config: EngineConfig | None = None,
+        model_state: Callable[[], Hashable] | None = None,
+    ) -> None:
+        """Bind an engine to `model`: a transformers causal LM, or any `ModelExecutor`. `model_state`
+        defaults to the executor's `state_token` (for an HF model: weights, optimizer steps, adapters)."""
         self.executor: ModelExecutor = make_executor(model)
         self.model = self.executor.model
         self.config = config or EngineConfig()
@@ -62,6 +72,9 @@ class Engine:
             decode_buckets=self.config.decode_buckets,
         )
         self.warmup_seconds: float | None = None
+        model_state = model_state or self.executor.state_token
+        self._model_state = model_state if self.config.enable_prefix_caching else None
+        self._model_token = model_state() if self._model_state is not None else None
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
@@ -160,6 +173,8 @@ class Engine:
         partial batch).
         """
         start = time.perf_counter()
+        if self.scheduler.waiting or self.scheduler.forming:
+            self.check_model_state()
         preemptions_before = self.scheduler.num_preemptions
         hits_before = self.block_manager.stats.hit_tokens
         step = self.scheduler.schedule(draining)
@@ -192,6 +207,18 @@ class Engine:
         self.num_generated_tokens += len(tokens)
         return finished
 
+    def check_model_state(self) -> bool:
+        """Forget the prefix cache if `model_state` says the model changed since the last check; returns
+        whether it did. Requests already running finish on the KV they hold but never register it."""
+        if self._model_state is None:
+            return False
+        token = self._model_state()
+        if token == self._model_token:
+            return False
+        self._model_token = token
+        self.block_manager.reset_prefix_cache()
+        return True
+
     def stream(self, request: Request) -> Iterator[int]:
         """Yield `request`'s tokens as they are generated, stepping the engine (and so every other
         request) as needed. Several streams can be consumed in turn; each step serves them all."""
@@ -217,6 +244,7 @@ class Engine:
         remaining = {id(r) for r in requests}
         bar = tqdm(total=len(requests), desc="hfaccel", unit="req", disable=not progress, leave=False)
         tokens_before = self.num_generated_tokens
+        self.check_model_state()
         try:
             for request in requests:  # inside the try: a refusal midway must not strand the ones queued
                 self.scheduler.add(request)

@@ -123,6 +123,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
     prefix_hash: int = 0  # hash chain value after those blocks
+    cache_epoch: int = 0  # the block manager's prefix-cache epoch when the request was admitted
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     finish_reason: str | None = None
     num_preemptions: int = 0

@@ -10,6 +10,7 @@ import torch
 
 from hfaccel.engine.executor import register_executor_factory
 from hfaccel.patches.attention import engine_attention, register_attention
+from hfaccel.patches.model_state import ModelStateTracker
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
 
 
@@ -29,6 +30,7 @@ class HFExecutor:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_q_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
         self.attention_scale = _attention_scale(model, self.head_dim)
+        self._state = ModelStateTracker(model)
 
     def max_model_len(self, requested: int | None) -> int:
         return resolve_max_model_len(self.model, requested)
@@ -57,7 +59,8 @@ class HFExecutor:
         return output.logits[0]
 
     def state_token(self) -> Hashable:
-        return None
+        """Weights, optimizer steps and adapters, fingerprinted (see `ModelStateTracker`)."""
+        return self._state.token()
 
 
 def _attention_scale(model: Any, head_dim: int) -> float:

@@ -50,12 +50,15 @@ class PatchState:
     warned: set[str] = field(default_factory=set)
 
     def get_engine(self, model: torch.nn.Module) -> Engine:
-        """The model's engine, (re)built if absent or if the model moved to another device or dtype."""
+        """The model's engine, (re)built if absent or if the model moved to another device or dtype.
+
+        The engine watches the model's weights and adapters (`ModelStateTracker`) and forgets its prefix
+        cache when they change."""
         param = next(model.parameters())
         engine = self.engine
         if engine is None or engine.device != param.device or engine.model_dtype != param.dtype:
             self.engine = None  # let the old cache go before allocating a new one
-            self.engine = Engine(model, self.config)
+            self.engine = Engine(model, self.config)  # watches the model through HFExecutor.state_token
         return self.engine
 
     def __repr__(self) -> str:

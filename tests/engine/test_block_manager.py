@@ -48,6 +48,59 @@ def test_double_free_is_detected():
         manager.free(request)
 
 
+def computed(manager: BlockManager, prompt: list[int], request_id: int = 0) -> Request:
+    """A request admitted for `prompt` (sharing what the cache holds) with its whole prompt computed
+    and its full blocks registered."""
+    request = Request(request_id, list(prompt), StoppingParams(max_new_tokens=4))
+    request.num_computed_tokens = manager.match_prefix(request)
+    assert manager.allocate(request, len(prompt) - request.num_computed_tokens)
+    request.num_computed_tokens = len(prompt)
+    manager.cache_full_blocks(request)
+    return request
+
+
+def test_reset_prefix_cache_forgets_free_and_used_blocks():
+    manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    held = computed(manager, list(range(3, 12)))  # 2 full blocks, in use
+    freed = computed(manager, list(range(20, 29)), request_id=1)  # 2 full blocks, freed but cached
+    manager.free(freed)
+    assert manager.num_cached_blocks == 4
+    blocks, free_before = list(held.block_ids), manager.num_free_blocks
+
+    manager.reset_prefix_cache()
+    assert manager.num_cached_blocks == 0 and manager.epoch == 1
+    assert held.block_ids == blocks and all(manager.ref_count(b) == 1 for b in blocks), "in-use blocks stay"
+    assert manager.num_free_blocks == free_before
+    for prompt in (list(range(3, 12)), list(range(20, 29))):
+        again = Request(2, prompt, StoppingParams(max_new_tokens=4))
+        assert manager.match_prefix(again) == 0, "no block computed before the reset is matched"
+
+
+def test_request_admitted_before_a_reset_never_registers_its_blocks():
+    manager = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(3, 16))
+    running = Request(0, prompt, StoppingParams(max_new_tokens=4))
+    manager.match_prefix(running)
+    assert manager.allocate(running, 6)
+    running.num_computed_tokens = 6
+    manager.cache_full_blocks(running)
+    assert manager.num_cached_blocks == 1
+
+    manager.reset_prefix_cache()  # the model changed while `running` was half computed
+    assert manager.allocate(running, 7)
+    running.num_computed_tokens = 13
+    manager.cache_full_blocks(running)
+    assert manager.num_cached_blocks == 0, "KV mixing both models is never shared"
+
+    fresh = computed(manager, prompt, request_id=1)  # admitted after the reset: registers as usual
+    assert manager.num_cached_blocks == 3
+    assert computed(manager, prompt, request_id=2).block_ids[:3] == fresh.block_ids[:3]
+
+    manager.free(running)  # preempted, then admitted again: now in the new epoch
+    readmitted = Request(0, prompt, StoppingParams(max_new_tokens=4))
+    assert manager.match_prefix(readmitted) == 12 and readmitted.cache_epoch == manager.epoch
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random allocate/grow/free sequences: blocks are never shared, never leak, counts stay 0/1."""
 

@@ -1,0 +1,179 @@
+"""A cheap fingerprint of everything in a model that produced its cached KV.
+
+The prefix cache keys blocks by token content only, so KV computed by old weights would be served after
+an optimizer step, a ``load_state_dict``, or a LoRA adapter switch. `ModelStateTracker.token` changes
+whenever any of these does, and the engine forgets its prefix cache when it sees a new token.
+
+What the token covers:
+
+- every parameter and buffer, by identity (``id``), storage (``data_ptr``), dtype, device, shape and
+  ``_version`` counter: replaced tensors (``load_state_dict(assign=True)``, ``p.data = t``,
+  ``.to(dtype)``, new ``Parameter`` objects, added or removed modules) and in-place updates through the
+  tensor itself (SGD, foreach AdamW, ``load_state_dict`` copy) all change it;
+- a process-wide count of optimizer steps (a global ``register_optimizer_step_post_hook``): a fused
+  optimizer step (``AdamW(fused=True)``, HF Trainer's default) bumps no ``_version`` counter;
+- a sampled checksum: `samples` fixed, evenly strided elements of each tensor, read as raw bytes
+  (through views made anew each call: the tracker holds no tensor, so a replaced weight is freed).
+  In-place edits through ``.data`` (``p.data.mul_(0.9).add_(q.data, alpha=0.1)``, how TRL syncs a
+  reference model) bump no counter either; a dense edit changes sampled elements, but **an edit
+  through ``.data`` that misses every sampled element is not seen** (call
+  ``hfaccel.reset_prefix_cache(model)`` after one);
+- PEFT tuner layers (LoRA...): active adapters, the disabled flag, merged adapters, the adapter names
+  each layer holds and their scalar settings (``scaling``, ``r``...);
+- the root module's ``training`` flag (dropout makes KV computed in train mode differ).
+
+Any optimizer step anywhere in the process changes every tracker's token (a spurious reset costs
+only recomputation, never correctness).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+# Sampled elements per tensor: enough to see a dense update; the count barely changes the cost (one
+# view per tensor dominates): about 0.7 ms a call on SmolLM2-135M (docs/architecture.md, "Model changes").
+DEFAULT_SAMPLES = 16
+
+_optimizer_steps = 0
+_hook_installed = False
+
+
+def _count_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _install_optimizer_hook() -> None:
+    """Count every optimizer step of the process (fused ones too); installed once."""
+    global _hook_installed
+    if not _hook_installed:
+        register_optimizer_step_post_hook(_count_optimizer_step)
+        _hook_installed = True
+
+
+def optimizer_steps() -> int:
+    """Optimizer steps taken in this process since the first `ModelStateTracker` was built."""
+    return _optimizer_steps
+
+
+class ModelStateTracker:
+    """Fingerprints `model`'s weights and adapter state; `token()` changes when they do.
+
+    `token()` is cheap enough to call before every engine step that admits requests. Equal tokens mean
+    nothing the tracker can see has changed (see the module docstring for what it cannot see). The
+    tracker keeps no reference to any tensor between calls: a replaced weight is freed at once.
+    """
+
+    def __init__(self, model: torch.nn.Module, samples: int = DEFAULT_SAMPLES) -> None:
+        if samples < 1:
+            raise ValueError(f"samples must be at least 1, got {samples}")
+        _install_optimizer_hook()
+        self.model = model
+        self.samples = samples
+        self._layout: tuple[Hashable, ...] | None = None  # the tensors' structure the plan was made for
+        # Per dtype/device group: (tensor index, count, stride, storage offset) of the sampled elements.
+        self._plan: list[list[tuple[int, int, int, int]]] = []
+
+    def token(self) -> Hashable:
+        """A hashable fingerprint of the weights, buffers and adapter state (holds no tensor)."""
+        tensors: list[torch.Tensor | None] = []
+        adapters: list[Hashable] = []
+        # model.modules() without its generator and name bookkeeping: twice as fast on a LoRA model.
+        modules = [self.model]
+        seen = {id(self.model)}
+        for module in modules:  # grows as it goes: breadth first
+            tensors += module._parameters.values()
+            tensors += module._buffers.values()
+            if _is_tuner_layer(type(module)):
+                adapters.append(_adapter_state(module))
+            for child in module._modules.values():
+                if child is not None and id(child) not in seen:
+                    seen.add(id(child))
+                    modules.append(child)
+        present = [t for t in tensors if t is not None]
+        layout = tuple((id(t), t.data_ptr(), t.dtype, t.device, t.shape) for t in present)
+        if layout != self._layout:
+            self._plan = _sampling_plan(present, self.samples)
+            self._layout = layout
+        return (
+            _optimizer_steps,
+            self.model.training,
+            layout,
+            tuple(t._version for t in present),
+            tuple(adapters),
+            _checksum(present, self._plan),
+        )
+
+
+def _sampling_plan(tensors: list[torch.Tensor], samples: int) -> list[list[tuple[int, int, int, int]]]:
+    """For each tensor that has elements: `samples` evenly strided positions inside its extent, as
+    (index in `tensors`, count, stride, storage offset), grouped by dtype and device for one `cat`."""
+    groups: dict[tuple[torch.dtype, torch.device], list[tuple[int, int, int, int]]] = {}
+    for index, t in enumerate(tensors):
+        try:
+            if t.is_meta or t.numel() == 0 or t.layout != torch.strided:
+                continue
+            extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+            count = min(samples, extent)
+            stride = extent // count
+            # Start mid-stride (count * stride <= extent keeps it in bounds): element 0 is often
+            # special, such as a padding row that never changes.
+            groups.setdefault((t.dtype, t.device), []).append(
+                (index, count, stride, t.storage_offset() + stride // 2)
+            )
+        except (RuntimeError, NotImplementedError, TypeError):  # tensor subclasses without strides
+            continue
+    return list(groups.values())
+
+
+def _checksum(tensors: list[torch.Tensor], plan: list[list[tuple[int, int, int, int]]]) -> bytes:
+    """The sampled elements' raw bytes (views are made anew each call, so none outlives it)."""
+    chunks = []
+    with torch.no_grad():
+        for group in plan:
+            sample = torch.cat([torch.as_strided(tensors[i], (n,), (s,), o) for i, n, s, o in group])
+            chunks.append(sample.view(torch.uint8).cpu().numpy().tobytes())
+    return b"".join(chunks)
+
+
+_TUNER_TYPES: dict[type, bool] = {}
+
+
+def _is_tuner_layer(cls: type) -> bool:
+    """A PEFT tuner layer (``BaseTunerLayer``) or adapter wrapper (``ModulesToSaveWrapper``): both have
+    ``active_adapters`` and ``disable_adapters`` properties. (transformers' ``PeftAdapterMixin`` has
+    methods of those names; a model using it holds PEFT tuner layers, which are seen themselves.)"""
+    known = _TUNER_TYPES.get(cls)
+    if known is None:
+        known = all(
+            isinstance(getattr(cls, name, None), property) for name in ("active_adapters", "disable_adapters")
+        )
+        _TUNER_TYPES[cls] = known
+    return known
+
+
+def _adapter_state(module: torch.nn.Module) -> Hashable:
+    """Active adapters, the disabled flag, merged adapters, and each adapter's settings (LoRA's ``r``,
+    ``lora_alpha``, ``scaling``...: plain dicts keyed by adapter name, so they also name the adapters
+    the layer holds). The adapters' weights are parameters, tracked as such."""
+    settings = []
+    for attribute in getattr(module, "other_param_names", ()):
+        value = module.__dict__.get(attribute)
+        if isinstance(value, dict):
+            settings.append((attribute, tuple((key, _scalar(item)) for key, item in value.items())))
+    active = module.active_adapters
+    return (
+        id(module),
+        (active,) if isinstance(active, str) else tuple(active),
+        bool(module.disable_adapters),
+        tuple(getattr(module, "merged_adapters", ())),
+        tuple(settings),
+    )
+
+
+def _scalar(value: Any) -> Hashable:
+    return value if isinstance(value, (int, float, str, bool)) else None

@@ -1,0 +1,296 @@
+"""A model whose weights or adapters change between generate calls never gets stale prefix-cache KV.
+
+Each test warms the prefix cache with prompts over two blocks long, changes the model the way a
+training loop or an adapter switch would, and checks the patched greedy `generate` against unpatched
+HF's on the changed model.
+"""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import hfaccel
+from hfaccel.patches.model_state import ModelStateTracker
+from tests.helpers import VOCAB, hf_greedy, tiny_model
+
+peft = pytest.importorskip("peft")
+
+NEW_TOKENS = 8
+
+
+def prompts(count: int = 3, seed: int = 0) -> list[list[int]]:
+    """Prompts of 40-60 tokens sharing a 36-token prefix: over two full 16-token blocks each."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, VOCAB, (36,), generator=g).tolist()
+    return [shared + torch.randint(3, VOCAB, (4 + 8 * i,), generator=g).tolist() for i in range(count)]
+
+
+def patched_greedy(model, prompt: list[int]) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def warm(model, patch: bool = True) -> list[list[int]]:
+    """Run the prompts on the patched `model` (patching it first if `patch`) so that their blocks sit
+    in the prefix cache; returns the prompts."""
+    if patch:
+        hfaccel.patch(model, block_size=16, kv_cache_memory=4_000_000)
+    ps = prompts()
+    for p in ps:
+        assert patched_greedy(model, p) == hf_greedy(model, p, NEW_TOKENS)
+    assert engine_of(model).stats()["prefix_cache_hit_tokens"] > 0, "the prompts must share a prefix"
+    return ps
+
+
+def engine_of(model):
+    return model._hfaccel.engine
+
+
+def assert_matches_hf(model, ps: list[list[int]], before: list[list[int]] | None = None) -> None:
+    """Patched greedy equals HF greedy on every prompt; with `before` (HF's outputs before the change),
+    also check that the change did alter some output, so that stale KV could not go unnoticed."""
+    refs = [hf_greedy(model, p, NEW_TOKENS) for p in ps]
+    if before is not None:
+        assert refs != before, "the change must alter the model's outputs for this test to mean anything"
+    assert [patched_greedy(model, p) for p in ps] == refs
+
+
+def hf_all(model, ps):
+    return [hf_greedy(model, p, NEW_TOKENS) for p in ps]
+
+
+def lm_loss(model, ps):
+    ids = torch.tensor([ps[0]])
+    return model(ids, labels=ids).loss
+
+
+@pytest.fixture
+def llama():
+    return tiny_model("llama")
+
+
+# ------------------------------------------------------------------ weight updates
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_sgd_step(family):
+    model = tiny_model(family)
+    ps = warm(model)
+    before = hf_all(model, ps)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    lm_loss(model, ps).backward()
+    optimizer.step()
+    assert_matches_hf(model, ps, before)
+
+
+def test_fused_adamw_step(llama):
+    ps = warm(llama)
+    before = hf_all(llama, ps)
+    optimizer = torch.optim.AdamW(llama.parameters(), lr=1e-2, fused=True)
+    lm_loss(llama, ps).backward()
+    versions = [p._version for p in llama.parameters()]
+    optimizer.step()
+    assert versions == [p._version for p in llama.parameters()], "a fused step bumps no _version"
+    assert_matches_hf(llama, ps, before)
+
+
+def test_ema_through_data(llama):
+    ps = warm(llama)
+    before = hf_all(llama, ps)
+    other = tiny_model("llama", seed=1)
+    with torch.no_grad():
+        for p, q in zip(llama.parameters(), other.parameters()):
+            p.data.mul_(0.5).add_(q.data, alpha=0.5)
+    assert_matches_hf(llama, ps, before)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict(llama, assign):
+    ps = warm(llama)
+    before = hf_all(llama, ps)
+    llama.load_state_dict(tiny_model("llama", seed=1).state_dict(), assign=assign)
+    assert_matches_hf(llama, ps, before)
+
+
+def test_dtype_round_trip(llama):
+    ps = warm(llama)
+    before = hf_all(llama, ps)
+    llama.to(torch.bfloat16).to(torch.float32)  # same dtype as before, rounded weights
+    assert_matches_hf(llama, ps, before)
+
+
+def test_parameter_replaced_through_data(llama):
+    ps = warm(llama)
+    before = hf_all(llama, ps)
+    for layer in llama.model.layers:
+        layer.self_attn.q_proj.weight.data = torch.randn_like(layer.self_attn.q_proj.weight) * 0.2
+    assert_matches_hf(llama, ps, before)
+
+
+# ------------------------------------------------------------------ PEFT LoRA
+
+
+def lora_config():
+    return peft.LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM"
+    )
+
+
+@pytest.fixture
+def two_adapters():
+    """A LoRA model with adapters "default" (active) and "b", both with non-zero deltas."""
+    model = peft.get_peft_model(tiny_model("llama"), lora_config())
+    model.add_adapter("b", lora_config())
+    return model
+
+
+def test_peft_model_with_one_adapter_matches_hf(two_adapters):
+    warm(two_adapters)
+
+
+def test_peft_set_adapter(two_adapters):
+    ps = warm(two_adapters)
+    before = hf_all(two_adapters, ps)
+    two_adapters.set_adapter("b")
+    assert_matches_hf(two_adapters, ps, before)
+    two_adapters.set_adapter("default")
+    assert_matches_hf(two_adapters, ps)
+
+
+def test_peft_disable_adapter(two_adapters):
+    ps = warm(two_adapters)
+    before = hf_all(two_adapters, ps)
+    with two_adapters.disable_adapter():
+        assert_matches_hf(two_adapters, ps, before)
+    assert_matches_hf(two_adapters, ps)
+
+
+def test_peft_merge_adapter_and_delete(two_adapters):
+    ps = warm(two_adapters)
+    before = hf_all(two_adapters, ps)
+    two_adapters.merge_adapter()  # base weights edited through .data; the LoRA path turned off
+    assert_matches_hf(two_adapters, ps)
+    two_adapters.unmerge_adapter()
+    two_adapters.set_adapter("b")
+    two_adapters.delete_adapter("default")
+    assert_matches_hf(two_adapters, ps, before)
+
+
+def test_merge_and_unload_on_a_patched_base_model():
+    base = hfaccel.patch(tiny_model("llama"), block_size=16, kv_cache_memory=4_000_000)
+    ps = warm(base, patch=False)  # the base model, before LoRA
+    model = peft.get_peft_model(base, lora_config())
+    assert_matches_hf(base, ps)  # LoRA layers injected into the patched model
+    merged = model.merge_and_unload()
+    assert merged is base
+    assert_matches_hf(base, ps)
+
+
+# ------------------------------------------------------------------ the cache still works
+
+
+def test_unchanged_model_still_hits_the_cache(llama):
+    ps = warm(llama)
+    hits = engine_of(llama).stats()["prefix_cache_hit_tokens"]
+    patched_greedy(llama, ps[0])
+    assert engine_of(llama).stats()["prefix_cache_hit_tokens"] == hits + 32
+    with torch.no_grad():  # a forward pass changes nothing
+        llama(torch.tensor([ps[1]]))
+    patched_greedy(llama, ps[1])
+    assert engine_of(llama).stats()["prefix_cache_hit_tokens"] == hits + 64
+
+
+def test_reset_prefix_cache_and_release(llama):
+    hfaccel.reset_prefix_cache(llama)  # unpatched: nothing to do
+    ps = warm(llama)
+    engine = engine_of(llama)
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    hfaccel.reset_prefix_cache(llama)
+    assert engine.block_manager.num_cached_blocks == 0
+    assert_matches_hf(llama, ps[:1])
+    assert engine.stats()["prefix_cache_hit_tokens"] == hits, "nothing cached survives a reset"
+
+    ref = weakref.ref(engine)
+    del engine
+    hfaccel.release(llama)
+    gc.collect()
+    assert llama._hfaccel.engine is None and ref() is None, "release drops the engine and its KV cache"
+    assert_matches_hf(llama, ps)
+    assert engine_of(llama) is not None
+    hfaccel.release(llama)
+    hfaccel.release(tiny_model("llama"))  # unpatched: nothing to do
+
+
+# ------------------------------------------------------------------ the tracker itself
+
+
+def test_tracker_token_changes_only_with_the_model(two_adapters):
+    token = ModelStateTracker(two_adapters).token
+    first = token()
+    assert token() == first and hash(first) == hash(token())
+    with torch.no_grad():
+        two_adapters(torch.tensor([[5, 6, 7]]))
+    assert token() == first, "a forward pass changes nothing"
+    changes = {
+        "set_adapter": lambda: two_adapters.set_adapter("b"),
+        "disable": lambda: two_adapters.base_model.disable_adapter_layers(),
+        "enable": lambda: two_adapters.base_model.enable_adapter_layers(),
+        "add_adapter": lambda: two_adapters.add_adapter("c", lora_config()),
+        "delete_adapter": lambda: two_adapters.delete_adapter("c"),
+        "edit through .data": lambda: next(two_adapters.parameters()).data.add_(1.0),
+        "train/eval": lambda: two_adapters.train(not two_adapters.training),
+    }
+    previous = first
+    for name, change in changes.items():
+        change()
+        now = token()
+        assert now != previous, f"{name} not seen"
+        previous = now
+
+
+def test_tracker_counts_optimizer_steps(llama):
+    token = ModelStateTracker(llama).token
+    first = token()
+    optimizer = torch.optim.AdamW(llama.parameters(), lr=1e-2, fused=True)
+    optimizer.step()  # no gradients: the weights stay, but a step is a step
+    assert token() != first
+
+
+def test_weights_change_while_requests_run(llama):
+    """Another thread trains between two engine steps: the running request finishes on the KV it has,
+    never shares it, and the next admission sees the new weights."""
+    from hfaccel.config import EngineConfig
+    from hfaccel.engine.engine import Engine
+    from hfaccel.engine.request import StoppingParams
+
+    engine = Engine(
+        llama, EngineConfig(block_size=16, kv_cache_memory=4_000_000), ModelStateTracker(llama).token
+    )
+    prompt = prompts()[0]
+    stopping = StoppingParams(max_new_tokens=NEW_TOKENS)
+    running = engine.add_request(prompt, stopping)
+    engine.step()
+    engine.step()  # prefilled (its 2 full blocks registered), decoding
+    assert engine.block_manager.num_cached_blocks == 2
+    with torch.no_grad():
+        for p in llama.parameters():
+            p.mul_(1.1)
+    engine.run([later := engine.make_request(prompt, stopping)])
+    assert running.is_finished and later.num_cached_prompt_tokens == 0, "old-weight blocks never served"
+    assert later.output_token_ids == hf_greedy(llama, prompt, NEW_TOKENS)
+    again = engine.make_request(prompt, stopping)
+    engine.run([again])
+    assert again.num_cached_prompt_tokens == 32, "blocks computed by the new weights are shared again"
+    assert again.output_token_ids == later.output_token_ids
+
+
+def test_tracker_keeps_no_replaced_weight_alive(llama):
+    tracker = ModelStateTracker(llama)
+    first = tracker.token()
+    old = weakref.ref(llama.lm_head.weight)
+    llama.load_state_dict(tiny_model("llama", seed=1).state_dict(), assign=True)
+    gc.collect()
+    assert old() is None, "the tracker must not pin a replaced weight between calls"
+    assert tracker.token() != first
