@@ -196,7 +196,9 @@ def generate(
     if errors not in ("raise", "return"):
         raise ValueError(f"errors must be 'raise' or 'return', got {errors!r}")
     with _patched(model) as state:
-        plans = _plan_all(model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs, seed)
+        plans = _plan_all(
+            model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs, seed
+        )
         runnable = [plan for plan in plans if isinstance(plan, Request)]
         if runnable:
             state.get_engine(model).run(runnable, progress=progress)
