@@ -1,0 +1,1 @@
+"""Speculative decoding inside the continuous batch: draft sources and the acceptance rule."""
