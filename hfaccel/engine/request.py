@@ -125,6 +125,7 @@ class Request:
     prefix_hash: int = 0  # hash chain value after those blocks
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     finish_reason: str | None = None
+    error: BaseException | None = None  # why it failed, for finish_reason == "error"
     num_preemptions: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
