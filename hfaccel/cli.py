@@ -19,9 +19,9 @@ def main(argv: list[str] | None = None) -> None:
     bench = sub.add_parser("bench", help="offline throughput vs HF, then the scheduler benchmarks")
     bench.add_argument(
         "--suites",
-        default="offline,prefix,chunked,batching",
+        default="offline,prefix,chunked,batching,concurrency",
         help="comma-separated: offline (vs HF), prefix (caching on/off), chunked (prefill chunking on/off), "
-        "batching (static/dynamic/continuous)",
+        "batching (static/dynamic/continuous), concurrency (many callers: HF vs hfaccel generate per thread)",
     )
     bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
     bench.add_argument("--num-requests", type=int, default=32)
@@ -30,6 +30,13 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--static-batch-size", type=int, default=8)
     bench.add_argument("--systems", default="hf_static,hf_generate_batch,hfaccel")
     bench.add_argument("--json", default=None, help="also write the results to this file")
+    bench.add_argument("--callers", default="1,4,16", help="concurrency: numbers of concurrent callers")
+    bench.add_argument(
+        "--requests-per-caller", type=int, default=4, help="concurrency: requests each caller sends"
+    )
+    bench.add_argument(
+        "--concurrency-new-tokens", type=int, default=32, help="concurrency: new tokens per request"
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         from hfaccel.bench.demo import run_demo
@@ -46,9 +53,10 @@ def run_bench(args: argparse.Namespace) -> None:
     from hfaccel.default_model import load_default_model
 
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
-    unknown = sorted(set(suites) - {"offline", "prefix", "chunked", "batching"})
+    known = ("offline", "prefix", "chunked", "batching", "concurrency")
+    unknown = sorted(set(suites) - set(known))
     if unknown:
-        raise SystemExit(f"unknown suite(s) {unknown}; choose from offline, prefix, chunked, batching")
+        raise SystemExit(f"unknown suite(s) {unknown}; choose from {', '.join(known)}")
     dtype = _DTYPES[args.dtype]
     model, tokenizer = load_default_model(dtype)
     if "offline" in suites:
@@ -62,9 +70,19 @@ def run_bench(args: argparse.Namespace) -> None:
             systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
             json_path=args.json,
         )
-    serving = tuple(s for s in suites if s != "offline")
+    serving = tuple(s for s in suites if s not in ("offline", "concurrency"))
     if serving:
         run_serving_benchmarks(model, serving, dtype)
+    if "concurrency" in suites:
+        from hfaccel.bench.concurrency import run_concurrency_benchmark
+
+        run_concurrency_benchmark(
+            model,
+            tokenizer,
+            callers=tuple(int(c) for c in args.callers.split(",") if c.strip()),
+            requests_per_caller=args.requests_per_caller,
+            max_new_tokens=args.concurrency_new_tokens,
+        )
 
 
 if __name__ == "__main__":
