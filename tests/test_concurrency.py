@@ -351,3 +351,33 @@ def test_threads_on_smollm2_match_hf_greedy(smollm2):
         assert_idle_and_clean(model)
     finally:
         hfaccel.unpatch(model)
+
+
+def test_the_interpreter_exits_cleanly_with_a_request_in_flight():
+    script = """
+import threading, time, torch
+import hfaccel
+from tests.helpers import tiny_model
+model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+def call():
+    try:
+        model.generate(torch.tensor([[5] * 10]), max_new_tokens=450, min_new_tokens=450)
+    except hfaccel.LoopClosed:
+        print("caller released")
+threading.Thread(target=call, daemon=True).start()
+while model._hfaccel.loop is None or not model._hfaccel.loop.engine.has_unfinished_requests():
+    time.sleep(0.01)
+loop = model._hfaccel.loop
+print("exiting")
+"""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert "exiting" in done.stdout
+    assert "Fatal" not in done.stderr and "Traceback" not in done.stderr, done.stderr

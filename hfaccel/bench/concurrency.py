@@ -67,8 +67,10 @@ def run_callers(
                 index = k * per_caller + j
                 prompt = prompts[index % len(prompts)]
                 began = time.perf_counter()
+                ids = torch.tensor([prompt])
                 out = generate(
-                    torch.tensor([prompt]),
+                    ids,
+                    attention_mask=torch.ones_like(ids),
                     max_new_tokens=max_new_tokens,
                     min_new_tokens=max_new_tokens,
                     do_sample=False,

@@ -313,7 +313,7 @@ class EngineLoop:
         return True
 
     def _busy(self) -> bool:
-        return bool(self._live) or self.engine.has_unfinished_requests()
+        return bool(self._live)  # steps serve everything the engine holds, but only for a caller's sake
 
     def _adopt(self, submission: Submission) -> None:
         self._live[submission.id] = submission
