@@ -7,7 +7,7 @@ import copy
 import threading
 import types
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import aclosing, closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,8 +202,9 @@ async def agenerate(
                 from tqdm.auto import tqdm
 
                 with tqdm(total=len(runnable), desc="hfaccel", unit="req", leave=False) as bar:
-                    async for update in submission.aupdates():
-                        bar.update(int(update.finished))
+                    async with aclosing(submission.aupdates()) as updates:
+                        async for update in updates:
+                            bar.update(int(update.finished))
             else:
                 await submission.await_all()
     return _results(plans, tokenizer, errors)
@@ -247,8 +248,9 @@ def stream(
         if submission is None:
             return
         events = _StreamEvents(live, tokenizer)
-        for update in submission.updates():
-            yield from events.of(update)
+        with closing(submission.updates()) as updates:  # closing this generator cancels what is left
+            for update in updates:
+                yield from events.of(update)
 
 
 async def astream(
@@ -270,9 +272,10 @@ async def astream(
         if submission is None:
             return
         events = _StreamEvents(live, tokenizer)
-        async for update in submission.aupdates():
-            for event in events.of(update):
-                yield event
+        async with aclosing(submission.aupdates()) as updates:
+            async for update in updates:
+                for event in events.of(update):
+                    yield event
 
 
 def _start_stream(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import queue
 import sys
@@ -155,8 +156,9 @@ class Submission:
 
     async def await_all(self) -> None:
         """`wait` for a coroutine."""
-        async for _ in self.aupdates():
-            pass
+        async with contextlib.aclosing(self.aupdates()) as updates:
+            async for _ in updates:
+                pass
 
     def _get(self) -> Update:
         while True:
@@ -250,8 +252,10 @@ class EngineLoop:
 
     def _post(self, kind: str, item: Any) -> None:
         with self._cond:
-            if kind == "submit" and self._closed is not None:
-                raise LoopClosed(f"the engine loop is closed: {self._closed}")
+            if self._closed is not None:
+                if kind == "submit":
+                    raise LoopClosed(f"the engine loop is closed: {self._closed}")
+                return  # a cancel after close: everything was already failed
             self._inbox.append((kind, item))
             self._idle = False
             if self._thread is None or not self._thread.is_alive():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,9 +169,10 @@ def _stream_one(loop: EngineLoop, request: Request, input_ids: torch.Tensor, str
     raises (or the wait is interrupted), the request is cancelled."""
     streamer.put(input_ids.cpu())
     try:
-        for update in loop.submit([request], stream=True).updates():
-            for token in update.token_ids:
-                streamer.put(torch.tensor([token]))
+        with closing(loop.submit([request], stream=True).updates()) as updates:  # closing cancels
+            for update in updates:
+                for token in update.token_ids:
+                    streamer.put(torch.tensor([token]))
     finally:
         streamer.end()
 
