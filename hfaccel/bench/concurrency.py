@@ -122,8 +122,9 @@ def run_concurrency_benchmark(
             f"{torch.get_num_threads()} threads"
         )
         ours_generate = model.generate
+        warm_ids = torch.tensor([prompts[0]])
         for warm in (hf, ours_generate):
-            warm(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
+            warm(warm_ids, attention_mask=torch.ones_like(warm_ids), max_new_tokens=4, do_sample=False)
         results = []
         for count in callers:
             pair = []
