@@ -431,7 +431,7 @@ def _plan(
     reason = unsupported_reason(prepared)
     if reason is not None:
         fall_back(state, reason)
-        output = state.original_generate(
+        output = state.run_original(
             input_ids, generation_config=copy.deepcopy(prepared), tokenizer=tokenizer
         )
         eos = prepared.eos_token_id

@@ -56,6 +56,7 @@ class PatchState:
     temporary: bool = False  # patched by hfaccel.generate/stream for their own duration only
     temporary_users: int = 0  # such calls still running (the last one unpatches)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    fallback_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def get_engine(self, model: torch.nn.Module) -> Engine:
         """The model's engine, (re)built if absent or if the model moved to another device or dtype.
@@ -79,6 +80,13 @@ class PatchState:
             if self.loop is None or self.loop.engine is not engine:
                 self.loop = EngineLoop(engine)
             return self.loop
+
+    def run_original(self, *args: Any, **kwargs: Any) -> Any:
+        """The original `generate`, one call at a time: HF's generate is not documented as thread-safe
+        (a static cache, for one, lives on the model), and concurrent callers of a patched model —
+        pipeline workers included — may all fall back at once."""
+        with self.fallback_lock:
+            return self.original_generate(*args, **kwargs)
 
     def release(self, reason: str) -> None:
         """Drop the engine (and its KV cache); requests in flight on its loop fail with `reason`."""
@@ -123,7 +131,7 @@ def patched_generate(
         reason = "inputs other than a 2-D tensor of token ids"
     if reason is not None:
         fall_back(state, reason)
-        return state.original_generate(inputs=inputs, generation_config=generation_config, **kwargs)
+        return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
 
     streamer = kwargs.get("streamer")
     tokenizer = kwargs.get("tokenizer")
@@ -137,7 +145,7 @@ def patched_generate(
         reason = "a streamer with more than one sequence"
     if reason is not None:
         fall_back(state, reason)
-        return state.original_generate(inputs=inputs, generation_config=generation_config, **kwargs)
+        return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
 
     attention_mask = model_kwargs.get("attention_mask")
     self._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device)
