@@ -4,12 +4,18 @@ import hfaccel
 model = hfaccel.patch(model)      # model.generate(...) and pipelines now run on the engine
 hfaccel.generate(model, prompts, tokenizer=tok, max_new_tokens=64)   # many prompts at once
 hfaccel.release(model)            # free the KV cache (rebuilt by the next generate)
+await hfaccel.agenerate(model, prompts, tokenizer=tok)                 # the same, from asyncio
+
+Any number of threads and coroutines may call these at once: one engine loop per model serves them all,
+in shared steps.
 """
 
 from hfaccel.api import (
     Completion,
     RequestError,
     StreamEvent,
+    agenerate,
+    astream,
     generate,
     patch,
     release,
@@ -18,13 +24,17 @@ from hfaccel.api import (
     unpatch,
 )
 from hfaccel.config import EngineConfig
+from hfaccel.engine.loop import LoopClosed
 from hfaccel.notebook import engine_state, plot_run
 
 __all__ = [
     "Completion",
     "EngineConfig",
+    "LoopClosed",
     "RequestError",
     "StreamEvent",
+    "agenerate",
+    "astream",
     "engine_state",
     "generate",
     "patch",

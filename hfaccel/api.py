@@ -1,12 +1,15 @@
-"""The public entry points: `patch`, `unpatch`, offline `generate`, `stream`, and cache control."""
+"""The public entry points: `patch`, `unpatch`, offline `generate` and `stream`, their asyncio forms
+`agenerate` and `astream`, and cache control. Every call is served by the model's one engine loop, from
+any thread."""
 
 from __future__ import annotations
 
 import copy
 import gc
+import threading
 import types
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import aclosing, closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,11 +17,13 @@ import torch
 from transformers import GenerationConfig
 
 from hfaccel.config import EngineConfig
+from hfaccel.engine.loop import Submission, Update
 from hfaccel.engine.request import Request
 from hfaccel.patches.attention import register_attention
 from hfaccel.patches.generate import PatchState, fall_back, patched_generate
 from hfaccel.patches.models import check_model
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
+from hfaccel.patches.pipeline import install_pipeline_batching
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -93,8 +98,10 @@ def patch(
     state: PatchState | None = getattr(model, "_hfaccel", None)
     if state is not None:
         if config is not None or overrides:
-            state.config = (config or state.config).with_overrides(**overrides)
-            state.engine = None
+            new_config = (config or state.config).with_overrides(**overrides)
+            state.release("hfaccel.patch changed the engine config: its engine was rebuilt")
+            state.config = new_config
+        state.temporary = False  # patched on purpose now: it stays patched after temporary users end
         state.strict = state.strict if strict is None else strict
         state.progress = state.progress if progress is None else progress
         return model
@@ -109,11 +116,13 @@ def patch(
         progress=bool(progress),
     )
     model.generate = types.MethodType(patched_generate, model)
+    install_pipeline_batching()
     return model
 
 
 def unpatch(model: Any) -> Any:
-    """Undo `patch`: the original `generate` comes back exactly and the KV cache is released."""
+    """Undo `patch`: the original `generate` comes back exactly, the engine loop stops and the KV cache
+    is released (requests still in flight fail with `LoopClosed`)."""
     state: PatchState | None = model.__dict__.pop("_hfaccel", None)
     if state is None:
         return model
@@ -121,7 +130,7 @@ def unpatch(model: Any) -> Any:
         del model.generate
     else:
         model.generate = state.instance_generate
-    state.engine = None
+    state.release("hfaccel.unpatch released the engine")
     return model
 
 
@@ -143,13 +152,13 @@ def release(model: Any) -> None:
 
     Drops the engine, collects garbage and, on CUDA, returns cached blocks to the driver
     (``torch.cuda.empty_cache``). The next ``generate`` builds a new engine. A stream still being read
-    keeps its engine until it ends. A no-op on an unpatched model or one with no engine yet.
+    fails with `LoopClosed`, as do requests still in flight. A no-op on an unpatched model or one with no engine yet.
     """
     state: PatchState | None = getattr(model, "__dict__", {}).get("_hfaccel")
     if state is None or state.engine is None:
         return
     on_cuda = state.engine.device.type == "cuda"
-    state.engine = None
+    state.release("hfaccel.release freed the engine")  # stops its loop: nothing may step a freed cache
     gc.collect()
     if on_cuda and torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -193,15 +202,61 @@ def generate(
 
     With ``num_return_sequences=n`` each prompt gives n consecutive completions (HF's order).
     """
-    if errors not in ("raise", "return"):
-        raise ValueError(f"errors must be 'raise' or 'return', got {errors!r}")
+    _check_errors(errors)
     with _patched(model) as state:
         plans = _plan_all(
             model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs, seed
         )
         runnable = [plan for plan in plans if isinstance(plan, Request)]
         if runnable:
-            state.get_engine(model).run(runnable, progress=progress)
+            state.get_loop(model).run(runnable, progress=progress)
+    return _results(plans, tokenizer, errors)
+
+
+async def agenerate(
+    model: Any,
+    prompts: Sequence[Prompt],
+    *,
+    tokenizer: Any = None,
+    generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+    progress: bool = False,
+    logprobs: bool = False,
+    errors: str = "raise",
+    seed: int | None = None,
+    **generate_kwargs: Any,
+) -> list[Completion]:
+    """`generate` for asyncio: ``await hfaccel.agenerate(model, prompts, ...)``.
+
+    Same arguments and results (the progress bar is off by default: many calls usually run at once).
+    The requests join the model's one engine loop, so concurrent calls share its steps; the event loop
+    is never blocked while they run. Cancelling the awaiting task cancels its requests.
+    """
+    _check_errors(errors)
+    with _patched(model) as state:
+        plans = _plan_all(
+            model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs, seed
+        )
+        runnable = [plan for plan in plans if isinstance(plan, Request)]
+        if runnable:
+            submission = state.get_loop(model).submit_async(runnable)
+            if progress:
+                from tqdm.auto import tqdm
+
+                with tqdm(total=len(runnable), desc="hfaccel", unit="req", leave=False) as bar:
+                    async with aclosing(submission.aupdates()) as updates:
+                        async for update in updates:
+                            bar.update(int(update.finished))
+            else:
+                await submission.await_all()
+    return _results(plans, tokenizer, errors)
+
+
+def _check_errors(errors: str) -> None:
+    if errors not in ("raise", "return"):
+        raise ValueError(f"errors must be 'raise' or 'return', got {errors!r}")
+
+
+def _results(plans: list[Request | _Done], tokenizer: Any, errors: str) -> list[Completion]:
     completions = [_completion(plan, tokenizer) for plan in plans]
     failed = [(i, c.error) for i, c in enumerate(completions) if c.finish_reason == "error"]
     if failed and errors == "raise":
@@ -226,54 +281,119 @@ def stream(
 ) -> Iterator[StreamEvent]:
     """Like `generate`, but yield every token of every request as soon as its step ends.
 
-    All prompts run in one continuous batch; events interleave across requests. A refused prompt
-    raises ValueError before anything runs. Closing the iterator early cancels what is left (freeing
-    its KV blocks).
+    All prompts run in one continuous batch (shared with every other caller of the model); events
+    interleave across requests. A refused prompt raises ValueError before anything runs. Closing the
+    iterator early cancels what is left (freeing its KV blocks).
     """
     with _patched(model) as state:
-        plans = _plan_all(model, state, prompts, tokenizer, generation_config, generate_kwargs, False, seed)
-        refused = [(i, p.error) for i, p in enumerate(plans) if isinstance(p, _Done) and p.error]
-        if refused:
-            raise ValueError("; ".join(f"prompts[{i}]: {e}" for i, e in refused))
-        engine = state.get_engine(model)
-        live = {i: plan for i, plan in enumerate(plans) if isinstance(plan, Request)}
-        for request in live.values():
-            engine.add(request)
-        sent = dict.fromkeys(live, 0)
-        texts = dict.fromkeys(live, "")
-        try:
-            while any(sent[i] < len(r.output_token_ids) or not r.is_finished for i, r in live.items()):
-                for i, request in live.items():
-                    while sent[i] < len(request.output_token_ids):
-                        token = request.output_token_ids[sent[i]]
-                        sent[i] += 1
-                        done = request.is_finished and sent[i] == len(request.output_token_ids)
-                        delta = None
-                        if tokenizer is not None:
-                            text = tokenizer.decode(
-                                request.output_token_ids[: sent[i]], skip_special_tokens=True
-                            )
-                            delta, texts[i] = text[len(texts[i]) :], text
-                        yield StreamEvent(i, token, delta, done, request.finish_reason if done else None)
-                if engine.has_unfinished_requests() and any(not r.is_finished for r in live.values()):
-                    engine.step(draining=True)
-        finally:
-            for request in live.values():
-                if not request.is_finished:
-                    engine.abort(request)
+        live, submission = _start_stream(
+            model, state, prompts, tokenizer, generation_config, generate_kwargs, seed=seed
+        )
+        if submission is None:
+            return
+        events = _StreamEvents(live, tokenizer)
+        with closing(submission.updates()) as updates:  # closing this generator cancels what is left
+            for update in updates:
+                yield from events.of(update)
+
+
+async def astream(
+    model: Any,
+    prompts: Sequence[Prompt],
+    *,
+    tokenizer: Any = None,
+    generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+    seed: int | None = None,
+    **generate_kwargs: Any,
+) -> AsyncIterator[StreamEvent]:
+    """`stream` for asyncio: ``async for event in hfaccel.astream(model, prompts, ...)``, the same events.
+
+    Leaving the loop early (or cancelling the task) cancels what is left.
+    """
+    with _patched(model) as state:
+        live, submission = _start_stream(
+            model, state, prompts, tokenizer, generation_config, generate_kwargs, asynchronous=True, seed=seed
+        )
+        if submission is None:
+            return
+        events = _StreamEvents(live, tokenizer)
+        async with aclosing(submission.aupdates()) as updates:
+            async for update in updates:
+                for event in events.of(update):
+                    yield event
+
+
+def _start_stream(
+    model: Any,
+    state: PatchState,
+    prompts: Sequence[Prompt],
+    tokenizer: Any,
+    generation_config: Any,
+    kwargs: dict[str, Any],
+    asynchronous: bool = False,
+    seed: int | None = None,
+) -> tuple[list[tuple[int, Request]], Submission | None]:
+    """Plan the prompts (raising for a refused one) and submit the runnable ones as one stream."""
+    plans = _plan_all(model, state, prompts, tokenizer, generation_config, kwargs, False, seed)
+    refused = [(i, p.error) for i, p in enumerate(plans) if isinstance(p, _Done) and p.error]
+    if refused:
+        raise ValueError("; ".join(f"prompts[{i}]: {e}" for i, e in refused))
+    live = [(i, plan) for i, plan in enumerate(plans) if isinstance(plan, Request)]
+    if not live:
+        return live, None
+    loop = state.get_loop(model)
+    requests = [request for _, request in live]
+    submission = (
+        loop.submit_async(requests, stream=True) if asynchronous else loop.submit(requests, stream=True)
+    )
+    return live, submission
+
+
+class _StreamEvents:
+    """Turns the loop's per-request updates into `StreamEvent`s (with incremental text)."""
+
+    def __init__(self, live: list[tuple[int, Request]], tokenizer: Any) -> None:
+        self.live = live
+        self.tokenizer = tokenizer
+        self.tokens: list[list[int]] = [[] for _ in live]
+        self.texts = [""] * len(live)
+
+    def of(self, update: Update) -> Iterator[StreamEvent]:
+        index, request = self.live[update.index]
+        tokens = self.tokens[update.index]
+        for k, token in enumerate(update.token_ids):
+            tokens.append(token)
+            done = update.finished and k == len(update.token_ids) - 1
+            delta = None
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                delta, self.texts[update.index] = text[len(self.texts[update.index]) :], text
+            yield StreamEvent(index, token, delta, done, request.finish_reason if done else None)
+
+
+_temporary_patch_lock = threading.Lock()
 
 
 @contextmanager
 def _patched(model: Any) -> Iterator[PatchState]:
-    """The model's patch state; an unpatched model is patched for the block and restored after."""
-    if is_patched(model):
-        yield model._hfaccel
-        return
-    patch(model)
+    """The model's patch state; an unpatched model is patched for the block and restored after the last
+    of the calls that patched it this way ends (concurrent calls share one engine)."""
+    with _temporary_patch_lock:
+        if not is_patched(model):
+            patch(model)
+            model._hfaccel.temporary = True
+        state: PatchState = model._hfaccel
+        temporary = state.temporary
+        if temporary:
+            state.temporary_users += 1
     try:
-        yield model._hfaccel
+        yield state
     finally:
-        unpatch(model)
+        if temporary:
+            with _temporary_patch_lock:
+                state.temporary_users -= 1
+                if state.temporary and state.temporary_users == 0 and model.__dict__.get("_hfaccel") is state:
+                    unpatch(model)
 
 
 def _per_prompt_configs(
@@ -363,9 +483,7 @@ def _plan(
     reason = unsupported_reason(prepared)
     if reason is not None:
         fall_back(state, reason)
-        output = state.original_generate(
-            input_ids, generation_config=copy.deepcopy(prepared), tokenizer=tokenizer
-        )
+        output = state.run_original(input_ids, generation_config=copy.deepcopy(prepared), tokenizer=tokenizer)
         eos = prepared.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         rows = [row[len(ids) :].tolist() for row in output]

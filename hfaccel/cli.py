@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-SUITES = ("offline", "prefix", "chunked", "batching", "step", "kernels")
+SUITES = ("offline", "prefix", "chunked", "batching", "concurrency", "step", "kernels")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> None:
         "--suites",
         default=",".join(SUITES),
         help="comma-separated: offline (vs HF), prefix (caching on/off), chunked (prefill chunking on/off), "
-        "batching (static/dynamic/continuous), step (decode step vs HF and the matmul floor), kernels "
-        "(attention backends that run natively here)",
+        "batching (static/dynamic/continuous), concurrency (many callers: HF vs hfaccel generate per thread), "
+        "step (decode step vs HF and the matmul floor), kernels (attention backends that run natively here)",
     )
     bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
     bench.add_argument("--num-requests", type=int, default=32)
@@ -38,6 +38,13 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--static-batch-size", type=int, default=8)
     bench.add_argument("--systems", default="hf_static,hf_generate_batch,hfaccel")
     bench.add_argument("--json", default=None, help="also write the results to this file")
+    bench.add_argument("--callers", default="1,4,16", help="concurrency: numbers of concurrent callers")
+    bench.add_argument(
+        "--requests-per-caller", type=int, default=4, help="concurrency: requests each caller sends"
+    )
+    bench.add_argument(
+        "--concurrency-new-tokens", type=int, default=32, help="concurrency: new tokens per request"
+    )
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from hfaccel.doctor import run_doctor
@@ -103,6 +110,16 @@ def run_bench(args: argparse.Namespace) -> None:
     serving = tuple(s for s in suites if s in ("prefix", "chunked", "batching"))
     if serving:
         run_serving_benchmarks(model, serving, dtype)
+    if "concurrency" in suites:
+        from hfaccel.bench.concurrency import run_concurrency_benchmark
+
+        run_concurrency_benchmark(
+            model,
+            tokenizer,
+            callers=tuple(int(c) for c in args.callers.split(",") if c.strip()),
+            requests_per_caller=args.requests_per_caller,
+            max_new_tokens=args.concurrency_new_tokens,
+        )
 
 
 if __name__ == "__main__":

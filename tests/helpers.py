@@ -94,3 +94,28 @@ def assert_same_or_near_tie(
     top2 = logits.topk(2).values
     gap = float(top2[0] - top2[1])
     assert gap < eps, f"tokens differ at {diff} ({ours[diff]} vs {ref[diff]}) but the top-2 gap is {gap:.2e}"
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<a>{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A character-level fast tokenizer over printable ASCII (ids 3..97) with a chat template, matching
+    `tiny_model`'s special ids (pad 0, bos 1, eos 2); left padding, as generation wants."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD, "<s>": 1, "</s>": EOS}
+    vocab.update({chr(c): 3 + i for i, c in enumerate(range(32, 127))})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="?"
+    )
+    tokenizer.padding_side = "left"
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer

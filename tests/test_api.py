@@ -13,8 +13,11 @@ def test_public_names():
     assert sorted(hfaccel.__all__) == [
         "Completion",
         "EngineConfig",
+        "LoopClosed",
         "RequestError",
         "StreamEvent",
+        "agenerate",
+        "astream",
         "engine_state",
         "generate",
         "patch",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -78,7 +79,7 @@ class Engine:
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
-        self._next_id = 0
+        self._next_id = itertools.count()  # next() is atomic: callers in any thread may make requests
 
     def _use_cuda_graphs(self, backend: Any) -> bool:
         wanted = self.config.cuda_graphs
@@ -151,8 +152,7 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if request_id is None:
-            request_id = self._next_id
-            self._next_id += 1
+            request_id = next(self._next_id)
         request = Request(request_id, ids, stopping, sampling=sampling)
         if sampling.do_sample:
             request.seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, ()).item())
@@ -221,7 +221,11 @@ class Engine:
 
     def stream(self, request: Request) -> Iterator[int]:
         """Yield `request`'s tokens as they are generated, stepping the engine (and so every other
-        request) as needed. Several streams can be consumed in turn; each step serves them all."""
+        request) as needed. Several streams can be consumed in turn; each step serves them all.
+
+        Raises ValueError for an unfinished request this engine does not hold (never queued, or queued
+        on another engine): stepping could never finish it.
+        """
         sent = 0
         while True:
             while sent < len(request.output_token_ids):
@@ -229,7 +233,16 @@ class Engine:
                 sent += 1
             if request.is_finished:
                 return
+            if not self.holds(request):
+                raise ValueError(
+                    f"request {request.request_id!r} is not queued on this engine: add it with "
+                    "engine.add(request) (on the engine that made it) before streaming it"
+                )
             self.step(draining=True)  # nothing can arrive while we wait here
+
+    def holds(self, request: Request) -> bool:
+        """Whether `request` is queued or running on this engine."""
+        return any(r is request for r in self.scheduler.requests())
 
     def abort(self, request: Request) -> None:
         """Cancel a request and free its KV blocks at once."""

@@ -126,6 +126,7 @@ class Request:
     cache_epoch: int = 0  # the block manager's prefix-cache epoch when the request was admitted
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     finish_reason: str | None = None
+    error: BaseException | None = None  # why it failed, for finish_reason == "error"
     num_preemptions: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # Sampled requests draw from their own generator, seeded once: the same seed and logits give the

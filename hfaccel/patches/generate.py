@@ -8,8 +8,10 @@ naming the reason (or an error with ``patch(model, strict=True)``).
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hfaccel.config import EngineConfig
 from hfaccel.engine.engine import Engine
+from hfaccel.engine.loop import EngineLoop, LoopClosed
 from hfaccel.engine.request import Request
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 
@@ -39,7 +42,8 @@ _SERVED_MODEL_KWARGS = {"input_ids", "attention_mask"}
 
 @dataclass
 class PatchState:
-    """What `hfaccel.patch` keeps on a model: the engine config, the engine, and what to restore."""
+    """What `hfaccel.patch` keeps on a model: the engine config, the engine and the loop that steps it
+    for every caller, and what to restore."""
 
     config: EngineConfig
     original_generate: Callable[..., Any]
@@ -47,19 +51,51 @@ class PatchState:
     strict: bool = False  # unsupported options raise instead of falling back
     progress: bool = False  # progress bar inside model.generate
     engine: Engine | None = None
+    loop: EngineLoop | None = None
     warned: set[str] = field(default_factory=set)
+    temporary: bool = False  # patched by hfaccel.generate/stream for their own duration only
+    temporary_users: int = 0  # such calls still running (the last one unpatches)
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    fallback_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def get_engine(self, model: torch.nn.Module) -> Engine:
         """The model's engine, (re)built if absent or if the model moved to another device or dtype.
 
-        The engine watches the model's weights and adapters (`ModelStateTracker`) and forgets its prefix
-        cache when they change."""
+        The engine watches the model's weights and adapters (`HFExecutor.state_token`) and forgets its
+        prefix cache when they change. A rebuild closes the old engine's loop: requests still running
+        there fail with `LoopClosed` (their callers get it raised) rather than wait on a cache the model
+        no longer matches.
+        """
         param = next(model.parameters())
-        engine = self.engine
-        if engine is None or engine.device != param.device or engine.model_dtype != param.dtype:
-            self.engine = None  # let the old cache go before allocating a new one
-            self.engine = Engine(model, self.config)  # watches the model through HFExecutor.state_token
-        return self.engine
+        with self.lock:
+            engine = self.engine
+            if engine is None or engine.device != param.device or engine.model_dtype != param.dtype:
+                if engine is not None:
+                    self.release(f"the model moved to {param.device} / {param.dtype}: its engine was rebuilt")
+                self.engine = Engine(model, self.config)
+            return self.engine
+
+    def get_loop(self, model: torch.nn.Module) -> EngineLoop:
+        """The loop that steps the model's (current) engine for every caller."""
+        with self.lock:
+            engine = self.get_engine(model)
+            if self.loop is None or self.loop.engine is not engine:
+                self.loop = EngineLoop(engine)
+            return self.loop
+
+    def run_original(self, *args: Any, **kwargs: Any) -> Any:
+        """The original `generate`, one call at a time: HF's generate is not documented as thread-safe
+        (a static cache, for one, lives on the model), and concurrent callers of a patched model —
+        pipeline workers included — may all fall back at once."""
+        with self.fallback_lock:
+            return self.original_generate(*args, **kwargs)
+
+    def release(self, reason: str) -> None:
+        """Drop the engine (and its KV cache); requests in flight on its loop fail with `reason`."""
+        with self.lock:
+            loop, self.loop, self.engine = self.loop, None, None
+        if loop is not None:
+            loop.close(LoopClosed(reason))
 
     def __repr__(self) -> str:
         engine = repr(self.engine) if self.engine is not None else "not built yet (built on first generate)"
@@ -97,7 +133,7 @@ def patched_generate(
         reason = "inputs other than a 2-D tensor of token ids"
     if reason is not None:
         fall_back(state, reason)
-        return state.original_generate(inputs=inputs, generation_config=generation_config, **kwargs)
+        return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
 
     streamer = kwargs.get("streamer")
     tokenizer = kwargs.get("tokenizer")
@@ -111,7 +147,7 @@ def patched_generate(
         reason = "a streamer with more than one sequence"
     if reason is not None:
         fall_back(state, reason)
-        return state.original_generate(inputs=inputs, generation_config=generation_config, **kwargs)
+        return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
 
     attention_mask = model_kwargs.get("attention_mask")
     self._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device)
@@ -125,27 +161,28 @@ def patched_generate(
     prompts = input_ids.repeat_interleave(copies, dim=0)
     if stopping.max_new_tokens <= 0:
         return _output(config, prompts, [])
-    engine = state.get_engine(self)
+    loop = state.get_loop(self)
     keep = attention_mask.bool().cpu().repeat_interleave(copies, dim=0)
     rows = prompts.cpu()
-    requests = [engine.make_request(rows[i][keep[i]].tolist(), stopping, sampling) for i in range(len(rows))]
+    requests = [
+        loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, sampling) for i in range(len(rows))
+    ]
     if streamer is not None:
-        _stream_one(engine, requests[0], input_ids, streamer)
+        _stream_one(loop, requests[0], input_ids, streamer)
     else:
-        engine.run(requests, progress=state.progress)
+        loop.run(requests, progress=state.progress)
     return _output(config, prompts, requests)
 
 
-def _stream_one(engine: Engine, request: Request, input_ids: torch.Tensor, streamer: Any) -> None:
-    """HF's streamer protocol for one sequence: the prompt, each new token, then `end()`."""
+def _stream_one(loop: EngineLoop, request: Request, input_ids: torch.Tensor, streamer: Any) -> None:
+    """HF's streamer protocol for one sequence: the prompt, each new token, then `end()`. If the streamer
+    raises (or the wait is interrupted), the request is cancelled."""
     streamer.put(input_ids.cpu())
-    engine.add(request)
     try:
-        for token in engine.stream(request):
-            streamer.put(torch.tensor([token]))
-    except BaseException:
-        engine.abort(request)
-        raise
+        with closing(loop.submit([request], stream=True).updates()) as updates:  # closing cancels
+            for update in updates:
+                for token in update.token_ids:
+                    streamer.put(torch.tensor([token]))
     finally:
         streamer.end()
 

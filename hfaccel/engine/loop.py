@@ -1,0 +1,432 @@
+"""One stepping loop per engine: callers in any thread or event loop submit requests and wait for their
+own results, while one background thread adds, aborts and steps for all of them.
+
+Callers never touch the engine's state. They put commands (submit, cancel, close) into a thread-safe
+inbox; the loop thread drains the inbox between steps, so requests from different callers share steps,
+and a cancelled request's blocks are freed before the next step. After each step the loop hands every
+caller an `Update` per request that progressed (new tokens, finished) through the caller's own channel:
+a `queue.SimpleQueue` for threads, an `asyncio.Queue` fed with ``call_soon_threadsafe`` for coroutines.
+
+The thread starts on the first submit, is a daemon, and exits by itself after `idle_timeout` seconds
+with nothing to do (the next submit starts a new one). `close` (unpatch, an engine rebuilt for another
+device or dtype, interpreter exit) fails whatever is still running with the reason and stops it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import itertools
+import queue
+import sys
+import threading
+import weakref
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from hfaccel.engine.engine import Engine
+from hfaccel.engine.request import Request
+
+_POLL_S = 0.25  # a waiting caller wakes this often to check the loop is alive (and to take a Ctrl-C anywhere)
+_submission_ids = itertools.count()
+_loops: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+
+
+class LoopClosed(RuntimeError):
+    """The loop stopped (unpatch, engine rebuilt, interpreter exit) while a request was in flight."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """What the loop tells a caller about one of its requests after a step."""
+
+    index: int  # the request's position in its submission
+    token_ids: tuple[int, ...]  # tokens generated since the last update (streaming submissions only)
+    finished: bool
+
+
+@dataclass(frozen=True)
+class LoopStep:
+    """Who one engine step served: the submissions (and their callers' threads) that got a token in it."""
+
+    step: int
+    num_seqs: int  # sequences that got a token
+    submissions: frozenset[int]
+    threads: frozenset[int]
+
+
+class Submission:
+    """One caller's requests on the loop: iterate their updates, wait for them, or cancel them.
+
+    Made by `EngineLoop.submit`. Consume it from the thread (or event loop) that submitted it.
+    """
+
+    def __init__(
+        self,
+        loop: EngineLoop,
+        requests: Sequence[Request],
+        stream: bool,
+        event_loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.id = next(_submission_ids)
+        self.loop = loop
+        self.requests = list(requests)
+        self.stream = stream
+        self.thread = threading.get_ident()
+        self._event_loop = event_loop
+        if event_loop is None:
+            self._queue: Any = queue.SimpleQueue()
+            self._notify: Callable[[Update], None] = self._queue.put
+        else:
+            self._queue = asyncio.Queue()
+            self._notify = lambda update: event_loop.call_soon_threadsafe(self._queue.put_nowait, update)
+        self._pending = len(self.requests)  # caller side: finished updates not yet received
+        # Loop-thread side.
+        self._sent = [0] * len(self.requests)  # tokens reported per request; -1 once its end is reported
+        self._open = len(self.requests)
+        self._deaf = False  # its channel failed (event loop closed): stop notifying
+
+    @property
+    def done(self) -> bool:
+        """Whether the caller has received the last update."""
+        return self._pending == 0
+
+    def cancel(self, wait: bool = False) -> None:
+        """Abort this submission's unfinished requests; their KV blocks are freed before the next step.
+
+        `wait=True` (threads only) blocks until the loop has done it (at most about one step).
+        """
+        if self._pending and self._open:
+            self.loop._post("cancel", self)
+        if wait and self._event_loop is None:
+            while self._pending:
+                if self._get().finished:
+                    self._pending -= 1
+
+    def updates(self) -> Iterator[Update]:
+        """Yield updates until every request has finished. A failed request raises its error.
+
+        If the consumer stops early, or anything interrupts the wait (KeyboardInterrupt included), the
+        unfinished requests are cancelled and the interruption propagates.
+        """
+        if self._event_loop is not None:
+            raise RuntimeError("this submission was made for an event loop: iterate aupdates()")
+        complete = False
+        try:
+            while self._pending:
+                yield self._received(self._get())
+            complete = True
+        finally:
+            if not complete:
+                # Wait for the cancellation to take effect (its blocks freed when this returns), except
+                # on KeyboardInterrupt: an interrupted caller gets control back at once.
+                self.cancel(wait=not isinstance(sys.exc_info()[1], KeyboardInterrupt))
+
+    async def aupdates(self) -> AsyncIterator[Update]:
+        """`updates` for a coroutine; cancelling the task cancels the requests."""
+        if self._event_loop is None:
+            raise RuntimeError("this submission was made for a thread: iterate updates()")
+        complete = False
+        try:
+            while self._pending:
+                yield self._received(await self._queue.get())
+            complete = True
+        finally:
+            if not complete:
+                self.cancel()
+
+    def wait(self, progress: bool = False) -> None:
+        """Block until every request has finished (see `updates`); `progress` shows a bar."""
+        engine = self.loop.engine
+        bar = tqdm(total=len(self.requests), desc="hfaccel", unit="req", disable=not progress, leave=False)
+        tokens_before = engine.num_generated_tokens
+        try:
+            for update in self.updates():
+                if update.finished:
+                    bar.update(1)
+                    if progress:
+                        bar.set_postfix(tokens=engine.num_generated_tokens - tokens_before, refresh=False)
+        finally:
+            bar.close()
+
+    async def await_all(self) -> None:
+        """`wait` for a coroutine."""
+        async with contextlib.aclosing(self.aupdates()) as updates:
+            async for _ in updates:
+                pass
+
+    def _get(self) -> Update:
+        while True:
+            try:
+                return self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self.loop._serving(self):
+                    raise LoopClosed(f"the engine loop stopped without finishing {self!r}") from None
+
+    def _received(self, update: Update) -> Update:
+        if update.finished:
+            self._pending -= 1
+            request = self.requests[update.index]
+            if request.finish_reason == "error":
+                raise request.error or RuntimeError(f"request {request.request_id!r} failed")
+        return update
+
+    def __repr__(self) -> str:
+        return f"Submission(id={self.id}, requests={len(self.requests)}, pending={self._pending})"
+
+
+class EngineLoop:
+    """The one thread that steps `engine` for every caller. See the module docstring.
+
+    Once a loop serves an engine, drive that engine only through the loop.
+    """
+
+    def __init__(self, engine: Engine, idle_timeout: float = 1.0, step_log_size: int = 4096) -> None:
+        self.engine = engine
+        self.idle_timeout = idle_timeout
+        # Bounded debug log: which submissions and caller threads each step served.
+        self.step_log: deque[LoopStep] = deque(maxlen=step_log_size)
+        self._cond = threading.Condition()
+        self._inbox: list[tuple[str, Any]] = []
+        self._thread: threading.Thread | None = None
+        self._idle = True
+        self._closed: BaseException | None = None
+        # Loop-thread state.
+        self._live: dict[int, Submission] = {}
+        self._owner: dict[int, tuple[Submission, int]] = {}  # id(request) -> (submission, index)
+        _loops.add(self)
+
+    # ----------------------------------------------------------------- callers (any thread)
+
+    def submit(self, requests: Sequence[Request], *, stream: bool = False) -> Submission:
+        """Queue `requests` (built by ``engine.make_request``) for this caller's thread to consume.
+
+        `stream=True` delivers every new token; otherwise only each request's end is reported.
+        """
+        submission = Submission(self, requests, stream)
+        self._post("submit", submission)
+        return submission
+
+    def submit_async(self, requests: Sequence[Request], *, stream: bool = False) -> Submission:
+        """`submit` for the running event loop: consume with ``Submission.aupdates``."""
+        submission = Submission(self, requests, stream, asyncio.get_running_loop())
+        self._post("submit", submission)
+        return submission
+
+    def run(self, requests: Sequence[Request], progress: bool = False) -> None:
+        """Submit `requests` and block until all finish (the blocking counterpart of `Engine.run`)."""
+        self.submit(requests).wait(progress)
+
+    def close(self, reason: BaseException | None = None, timeout: float | None = 10.0) -> None:
+        """Stop the loop for good: requests in flight fail with `reason` (their callers get it raised),
+        their blocks are freed, and the thread exits (joined up to `timeout` seconds)."""
+        reason = reason or LoopClosed("the engine loop was closed")
+        with self._cond:
+            if self._closed is not None:
+                thread = self._thread
+            else:
+                self._closed = reason
+                thread = self._thread
+                if thread is None:
+                    return
+                self._inbox.append(("close", reason))
+                self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until the loop has nothing queued or running; returns False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._idle and not self._inbox, timeout)
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the loop thread is alive (it exits when idle and restarts on the next submit)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def _post(self, kind: str, item: Any) -> None:
+        with self._cond:
+            if self._closed is not None:
+                if kind == "submit":
+                    raise LoopClosed(f"the engine loop is closed: {self._closed}")
+                return  # a cancel after close: everything was already failed
+            self._inbox.append((kind, item))
+            self._idle = False
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._main, name="hfaccel-engine-loop", daemon=True)
+                self._thread.start()
+            else:
+                self._cond.notify_all()
+
+    def _serving(self, submission: Submission) -> bool:
+        """Whether `submission` can still hear from the loop (its thread alive, or its updates sent)."""
+        return submission._open == 0 or self.is_running
+
+    # ----------------------------------------------------------------- the loop thread
+
+    def _main(self) -> None:
+        try:
+            while self._serve_once():
+                pass
+        except BaseException as error:  # a bug in the loop itself: fail every caller rather than hang them
+            with self._cond:
+                commands, self._inbox = self._inbox, []
+            for kind, item in commands:
+                if kind == "submit":
+                    self._adopt(item)
+            self._fail_all(error)
+            with self._cond:
+                self._thread = None
+                self._idle = True
+                self._cond.notify_all()
+            raise
+
+    def _serve_once(self) -> bool:
+        """Apply the inbox and run one step; False when the thread should exit."""
+        with self._cond:
+            if not self._inbox and not self._busy():
+                self._idle = True
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: bool(self._inbox), self.idle_timeout)
+                if not self._inbox:
+                    self._thread = None
+                    return False
+                self._idle = False
+            commands, self._inbox = self._inbox, []
+        for kind, item in commands:
+            if kind == "submit":
+                self._admit(item)
+            elif kind == "cancel":
+                self._abort(item, error=None)
+            elif kind == "close":
+                self._fail_all(item)
+                with self._cond:
+                    self._thread = None
+                    self._idle = True
+                    self._inbox.clear()
+                    self._cond.notify_all()
+                return False
+        if self._busy():
+            self._step()
+        return True
+
+    def _busy(self) -> bool:
+        return bool(self._live)  # steps serve everything the engine holds, but only for a caller's sake
+
+    def _adopt(self, submission: Submission) -> None:
+        self._live[submission.id] = submission
+        for index, request in enumerate(submission.requests):
+            self._owner[id(request)] = (submission, index)
+
+    def _admit(self, submission: Submission) -> None:
+        self._adopt(submission)
+        try:
+            for request in submission.requests:
+                self.engine.add(request)
+        except Exception as error:
+            self._abort(submission, error)
+
+    def _abort(self, submission: Submission, error: BaseException | None) -> None:
+        """Abort a submission's unfinished requests (failing them with `error` if given) and report them."""
+        for index, request in enumerate(submission.requests):
+            if submission._sent[index] < 0:
+                continue
+            if not request.is_finished:
+                self.engine.abort(request)
+                if error is not None:
+                    request.error, request.finish_reason = error, "error"
+            self._report(submission, index, request)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for submission in list(self._live.values()):
+            self._abort(submission, error)
+
+    def _step(self) -> None:
+        engine = self.engine
+        step_number = engine.num_steps
+        try:
+            finished = engine.step(draining=True)  # no caller ever waits for more to arrive
+        except Exception as error:
+            self._after_failed_step(error)
+            return
+        served: dict[int, Submission] = {}
+        num_seqs = 0
+        for request in itertools.chain(engine.scheduler.running, finished):
+            owner = self._owner.get(id(request))
+            if owner is None:
+                continue
+            submission, index = owner
+            if request.is_finished or (
+                submission.stream and len(request.output_token_ids) > submission._sent[index]
+            ):
+                self._report(submission, index, request)
+            served[submission.id] = submission
+            num_seqs += 1
+        if served:
+            self.step_log.append(
+                LoopStep(
+                    step_number,
+                    num_seqs,
+                    frozenset(served),
+                    frozenset(s.thread for s in served.values()),
+                )
+            )
+
+    def _after_failed_step(self, error: Exception) -> None:
+        """A step raised. The engine fails that step's requests (finish_reason "error", `request.error`);
+        report those. If it failed none of ours, fail the running ones (or, with none running, every
+        request in flight) so that no caller waits on an engine that cannot progress."""
+        failed = False
+        for submission in list(self._live.values()):
+            for index, request in enumerate(submission.requests):
+                if submission._sent[index] >= 0 and request.is_finished:
+                    if request.finish_reason == "error" and request.error is None:
+                        request.error = error
+                    self._report(submission, index, request)
+                    failed = True
+        if failed:
+            return
+        victims = [self._owner[id(r)] for r in self.engine.scheduler.running if id(r) in self._owner]
+        if not victims:
+            victims = [(s, i) for s in self._live.values() for i in range(len(s.requests)) if s._sent[i] >= 0]
+        for submission, index in victims:
+            request = submission.requests[index]
+            self.engine.abort(request)
+            request.error, request.finish_reason = error, "error"
+            self._report(submission, index, request)
+
+    def _report(self, submission: Submission, index: int, request: Request) -> None:
+        """Send one request's news to its caller; a finished request is reported once, then forgotten."""
+        sent = submission._sent[index]
+        if sent < 0:
+            return
+        finished = request.is_finished
+        tokens = tuple(request.output_token_ids[sent:]) if submission.stream else ()
+        if finished:
+            submission._sent[index] = -1
+            submission._open -= 1
+            self._owner.pop(id(request), None)
+            if submission._open == 0:
+                self._live.pop(submission.id, None)
+        else:
+            submission._sent[index] = sent + len(tokens)
+        if submission._deaf:
+            return
+        try:
+            submission._notify(Update(index, tokens, finished))
+        except Exception:  # the caller's event loop is gone: nobody is listening any more
+            submission._deaf = True
+            self._abort(submission, error=None)
+
+
+@atexit.register
+def _close_all_loops() -> None:
+    """At interpreter exit, stop every loop thread before its engine is torn down."""
+    for loop in list(_loops):
+        loop.close(LoopClosed("the interpreter is exiting"), timeout=2.0)

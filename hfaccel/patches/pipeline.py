@@ -1,0 +1,101 @@
+"""Text-generation pipelines over many inputs run as one continuous batch, whatever their `batch_size`.
+
+A pipeline called on a list (or a dataset or generator) builds an iterator: a DataLoader that
+preprocesses (and, for ``batch_size > 1``, pads and collates) the inputs, a `PipelineIterator` that
+calls ``self.forward`` on each loader item, and one that postprocesses. Out of the box each forward
+waits for the previous one, so with the default ``batch_size=1`` the engine only ever sees one prompt.
+
+For a patched model, the forward stage is made concurrent: the loader items are still produced in the
+calling thread (preprocessing and tokenization stay sequential there; tokenizers are not thread-safe),
+each one's ``self.forward`` (so its ``model.generate``) runs in a worker thread, and the results come back
+in input order to the unchanged unbatching and postprocessing. Every ``generate`` call joins the model's
+one engine loop, so all of them share its steps. At most a window of loader items is in flight (twice
+what fits in one step), which bounds memory on datasets and generators.
+
+`TextGenerationPipeline.get_iterator` is wrapped once, class-wide; it delegates to the original for
+models that are not patched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+_MAX_WORKERS = 128
+_installed = False
+
+
+def install_pipeline_batching() -> None:
+    """Wrap `TextGenerationPipeline.get_iterator` (once per process)."""
+    global _installed
+    if _installed:
+        return
+    from transformers import TextGenerationPipeline
+
+    original = TextGenerationPipeline.get_iterator
+
+    def get_iterator(
+        self: Any,
+        inputs: Any,
+        num_workers: int,
+        batch_size: int,
+        preprocess_params: dict[str, Any],
+        forward_params: dict[str, Any],
+        postprocess_params: dict[str, Any],
+    ) -> Any:
+        final = original(
+            self, inputs, num_workers, batch_size, preprocess_params, forward_params, postprocess_params
+        )
+        state = getattr(self.model, "__dict__", {}).get("_hfaccel")
+        model_iterator = getattr(final, "loader", None)
+        if state is None or getattr(model_iterator, "infer", None) != self.forward:
+            return final  # not patched, or a pipeline layout this wrapper does not know: leave it alone
+        max_num_seqs = state.config.max_num_seqs
+        window = min(_MAX_WORKERS, max(2, math.ceil(2 * max_num_seqs / max(1, batch_size))))
+        model_iterator.loader = _ConcurrentForward(
+            model_iterator.loader, self.forward, model_iterator.params, window
+        )
+        model_iterator.infer = _result
+        model_iterator.params = {}
+        return final
+
+    get_iterator.__wrapped__ = original  # type: ignore[attr-defined]
+    get_iterator.__doc__ = original.__doc__
+    TextGenerationPipeline.get_iterator = get_iterator
+    _installed = True
+
+
+def _result(future: Future, **_: Any) -> Any:
+    return future.result()
+
+
+class _ConcurrentForward:
+    """Iterates `loader` in the calling thread and yields, in order, futures of ``forward(item)`` run
+    in worker threads, with at most `window` in flight."""
+
+    def __init__(self, loader: Any, forward: Any, params: dict[str, Any], window: int) -> None:
+        self.loader = loader
+        self.forward = forward
+        self.params = params
+        self.window = window
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Future]:
+        pool = ThreadPoolExecutor(max_workers=self.window, thread_name_prefix="hfaccel-pipeline")
+        in_flight: deque[Future] = deque()
+        try:
+            for item in self.loader:
+                in_flight.append(pool.submit(self.forward, item, **self.params))
+                if len(in_flight) >= self.window:
+                    yield in_flight.popleft()
+            while in_flight:
+                yield in_flight.popleft()
+        finally:
+            # Stopped early (an error, or a lazily consumed dataset abandoned): drop what has not started;
+            # calls already generating finish in the background and their results are discarded.
+            pool.shutdown(wait=False, cancel_futures=True)

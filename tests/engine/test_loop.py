@@ -1,0 +1,211 @@
+"""EngineLoop: one background thread steps an engine for callers in many threads and event loops."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from hfaccel import EngineConfig
+from hfaccel.engine.engine import Engine
+from hfaccel.engine.loop import EngineLoop, LoopClosed
+from hfaccel.engine.request import StoppingParams
+from tests.helpers import EOS, assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+def make_loop(model, idle_timeout=1.0, **config):
+    config = {"block_size": 8, "max_num_batched_tokens": 64, "kv_cache_memory": 2_000_000, **config}
+    return EngineLoop(Engine(model, EngineConfig(**config)), idle_timeout=idle_timeout)
+
+
+def requests_for(loop, prompts, max_new=12, eos=True):
+    stop = StoppingParams(max_new_tokens=max_new, eos_token_ids=frozenset({EOS} if eos else ()))
+    return [loop.engine.make_request(p, stop) for p in prompts]
+
+
+def test_callers_in_many_threads_share_steps_and_get_their_own_results(model):
+    loop = make_loop(model)
+    prompts = varied_prompts(12)
+    results, errors = {}, []
+
+    def caller(k):
+        try:
+            mine = requests_for(loop, prompts[k::4], max_new=16)
+            loop.run(mine)
+            results[k] = mine
+        except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for k, mine in results.items():
+        for prompt, request in zip(prompts[k::4], mine):
+            assert request.finish_reason in ("stop", "length")
+            assert_same_or_near_tie(model, prompt, request.output_token_ids, hf_greedy(model, prompt, 16))
+    assert any(len(step.threads) >= 2 for step in loop.step_log), "callers never shared a step"
+    assert loop.wait_idle(5)
+    assert loop.engine.block_manager.num_used_blocks == 0
+    loop.close()
+
+
+def test_a_late_caller_joins_the_running_batch(model):
+    loop = make_loop(model)
+    first = loop.submit(requests_for(loop, [[5, 6, 7]], max_new=40, eos=False), stream=True)
+    updates = first.updates()
+    next(updates)  # the first request is generating
+    late = requests_for(loop, [[9, 10, 11, 12]], max_new=4, eos=False)
+    loop.run(late)
+    assert len(late[0].output_token_ids) == 4
+    assert not first.requests[0].is_finished, "the late caller did not wait for the first one to finish"
+    assert any(len(step.submissions) == 2 for step in loop.step_log)
+    for _ in updates:
+        pass
+    assert len(first.requests[0].output_token_ids) == 40
+    loop.close()
+
+
+def test_streaming_updates_carry_every_token_once(model):
+    loop = make_loop(model)
+    requests = requests_for(loop, varied_prompts(3), max_new=10, eos=False)
+    received = [[] for _ in requests]
+    finished = []
+    for update in loop.submit(requests, stream=True).updates():
+        received[update.index].extend(update.token_ids)
+        if update.finished:
+            finished.append(update.index)
+    assert sorted(finished) == [0, 1, 2]
+    assert received == [r.output_token_ids for r in requests]
+    loop.close()
+
+
+def test_cancel_frees_blocks_before_the_next_step_and_others_go_on(model):
+    loop = make_loop(model)
+    stay = requests_for(loop, [[3, 4, 5]], max_new=30, eos=False)
+    staying = loop.submit(stay)
+    leaving = loop.submit(requests_for(loop, [list(range(3, 40))], max_new=30, eos=False), stream=True)
+    updates = leaving.updates()
+    next(updates)
+    updates.close()  # the consumer stops: its request is cancelled, and close() waits for it
+    request = leaving.requests[0]
+    assert request.finish_reason == "abort" and not request.block_ids
+    assert not loop.engine.holds(request)
+    staying.wait()
+    assert len(stay[0].output_token_ids) == 30
+    assert loop.wait_idle(5) and loop.engine.block_manager.num_used_blocks == 0
+    loop.close()
+
+
+def test_a_failing_step_fails_only_its_requests(model, monkeypatch):
+    loop = make_loop(model, max_num_seqs=2)
+    engine = loop.engine
+    real_run = engine.runner.run
+    calls = []
+
+    def run_once_failing(packed):
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise RuntimeError("injected step failure")
+        return real_run(packed)
+
+    monkeypatch.setattr(engine.runner, "run", run_once_failing)
+    doomed = loop.submit(requests_for(loop, [[3, 4, 5], [6, 7, 8]], max_new=8))  # fills the first step
+    spared_requests = requests_for(loop, [[9, 10], [11, 12, 13]], max_new=8)
+    spared = loop.submit(spared_requests)  # waits: max_num_seqs=2
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        doomed.wait()
+    assert {r.finish_reason for r in doomed.requests} == {"error"}
+    assert all(isinstance(r.error, RuntimeError) for r in doomed.requests)
+    spared.wait()
+    for prompt, request in zip([[9, 10], [11, 12, 13]], spared_requests):
+        assert_same_or_near_tie(model, prompt, request.output_token_ids, hf_greedy(model, prompt, 8))
+    later = requests_for(loop, [[3, 4, 5]], max_new=8)
+    loop.run(later)
+    assert later[0].finish_reason in ("stop", "length")
+    assert loop.wait_idle(5) and engine.block_manager.num_used_blocks == 0
+    loop.close()
+
+
+def test_the_thread_exits_when_idle_and_restarts_on_the_next_submit(model):
+    loop = make_loop(model, idle_timeout=0.1)
+    assert not loop.is_running
+    loop.run(requests_for(loop, [[3, 4, 5]], max_new=3))
+    assert loop.is_running or loop.wait_idle(1)
+    deadline = time.monotonic() + 5
+    while loop.is_running and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not loop.is_running, "the idle loop thread did not exit"
+    again = requests_for(loop, [[3, 4, 5]], max_new=3)
+    loop.run(again)
+    assert len(again[0].output_token_ids) == 3
+    loop.close()
+
+
+def test_close_fails_requests_in_flight_and_refuses_new_ones(model):
+    loop = make_loop(model)
+    submission = loop.submit(requests_for(loop, [[3, 4, 5]], max_new=200, eos=False), stream=True)
+    updates = submission.updates()
+    next(updates)
+    loop.close(LoopClosed("released for the test"))
+    with pytest.raises(LoopClosed, match="released for the test"):
+        for _ in updates:
+            pass
+    assert not loop.is_running
+    assert loop.engine.block_manager.num_used_blocks == 0
+    with pytest.raises(LoopClosed):
+        loop.submit(requests_for(loop, [[3, 4]], max_new=2))
+
+
+def test_coroutines_are_served_by_the_same_loop(model):
+    loop = make_loop(model)
+    prompts = varied_prompts(6)
+
+    async def one(prompt):
+        requests = requests_for(loop, [prompt], max_new=10)
+        await loop.submit_async(requests).await_all()
+        return requests[0].output_token_ids
+
+    async def main():
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    outputs = asyncio.run(main())
+    for prompt, output in zip(prompts, outputs):
+        assert_same_or_near_tie(model, prompt, output, hf_greedy(model, prompt, 10))
+    loop.close()
+
+
+def test_a_caller_whose_event_loop_is_gone_is_cancelled(model):
+    loop = make_loop(model)
+    requests = requests_for(loop, [[3, 4, 5]], max_new=200, eos=False)
+    event_loop = asyncio.new_event_loop()
+
+    async def start():
+        return loop.submit_async(requests, stream=True)
+
+    event_loop.run_until_complete(start())
+    event_loop.close()  # nobody will ever read its updates
+    assert loop.wait_idle(5)
+    assert requests[0].finish_reason == "abort"
+    assert loop.engine.block_manager.num_used_blocks == 0
+    loop.close()
+
+
+def test_engine_stream_refuses_a_request_it_does_not_hold(model):
+    engine = Engine(model, EngineConfig(kv_cache_memory=1_000_000))
+    other = Engine(model, EngineConfig(kv_cache_memory=1_000_000))
+    stop = StoppingParams(max_new_tokens=3)
+    never_queued = engine.make_request([3, 4, 5], stop)
+    with pytest.raises(ValueError, match="not queued on this engine"):
+        next(engine.stream(never_queued))
+    elsewhere = other.add_request([3, 4, 5], stop)
+    with pytest.raises(ValueError, match="not queued on this engine"):
+        next(engine.stream(elsewhere))
+    assert len(list(other.stream(elsewhere))) == 3

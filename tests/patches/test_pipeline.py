@@ -1,0 +1,79 @@
+"""Text-generation pipelines over many inputs run as one continuous batch, whatever their batch_size."""
+
+import pytest
+from transformers import TextGenerationPipeline, pipeline
+
+import hfaccel
+from tests.helpers import tiny_model, tiny_tokenizer
+
+MAX_NEW = 24
+
+
+def chats(count=16):
+    return [[{"role": "user", "content": f"question {i}: " + "why? " * (i % 5)}] for i in range(count)]
+
+
+def test_default_batch_size_runs_the_list_as_one_batch():
+    tokenizer = tiny_tokenizer()
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    engine = model._hfaccel.get_engine(model)
+    kwargs = {"max_new_tokens": MAX_NEW, "do_sample": False}
+
+    before = engine.num_steps
+    batched = pipe(chats(), batch_size=16, **kwargs)
+    batched_steps = engine.num_steps - before
+    before = engine.num_steps
+    default = pipe(chats(), **kwargs)
+    default_steps = engine.num_steps - before
+
+    assert default == batched
+    assert default_steps <= 1.5 * batched_steps, (default_steps, batched_steps)
+    single = [pipe(chat, **kwargs) for chat in chats(3)]  # one input at a time: the plain path
+    assert single == default[:3]
+    assert model._hfaccel.loop.wait_idle(5) and engine.block_manager.num_used_blocks == 0
+
+
+def test_an_unpatched_models_pipeline_is_left_alone():
+    tokenizer = tiny_tokenizer()
+    patched = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)  # installs the class-wide wrapper
+    plain = tiny_model()
+    kwargs = {"max_new_tokens": 6, "do_sample": False}
+    ours = pipeline("text-generation", model=patched, tokenizer=tokenizer)(chats(4), **kwargs)
+    theirs = pipeline("text-generation", model=plain, tokenizer=tokenizer)(chats(4), **kwargs)
+    assert ours == theirs
+    assert TextGenerationPipeline.get_iterator.__wrapped__ is not None
+    assert "_hfaccel" not in plain.__dict__
+
+
+def test_a_generator_input_streams_through_a_bounded_window():
+    tokenizer = tiny_tokenizer()
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000, max_num_seqs=4)  # window of 8 calls
+    pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    kwargs = {"max_new_tokens": 4, "do_sample": False}
+    expected = pipe(chats(20), **kwargs)
+    lazily = list(pipe((chat for chat in chats(20)), **kwargs))
+    assert lazily == expected
+
+
+@pytest.mark.slow
+def test_smollm2_pipeline_default_batch_size_shares_steps(smollm2):
+    model, tokenizer = smollm2
+    tokenizer.padding_side = "left"
+    from hfaccel.bench.workloads import QUESTIONS
+
+    inputs = [[{"role": "user", "content": q}] for q in QUESTIONS[:16]]
+    hfaccel.patch(model)
+    try:
+        pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+        engine = model._hfaccel.get_engine(model)
+        before = engine.num_steps
+        batched = pipe(inputs, batch_size=16, max_new_tokens=12, do_sample=False)
+        batched_steps = engine.num_steps - before
+        before = engine.num_steps
+        default = pipe(inputs, max_new_tokens=12, do_sample=False)
+        default_steps = engine.num_steps - before
+        assert default == batched
+        assert default_steps <= 1.5 * batched_steps, (default_steps, batched_steps)
+    finally:
+        hfaccel.unpatch(model)

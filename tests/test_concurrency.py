@@ -1,0 +1,385 @@
+"""Many callers on one patched model: threads, streamers, asyncio, interrupts, failures, rebuilds."""
+
+import asyncio
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from transformers import TextIteratorStreamer
+
+import hfaccel
+from hfaccel.engine.loop import LoopClosed
+from tests.helpers import PAD, assert_same_or_near_tie, hf_greedy, tiny_model, tiny_tokenizer, varied_prompts
+
+MAX_NEW = 12
+
+
+def left_pad(prompts):
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask, width
+
+
+def run_threads(targets):
+    """Run each callable in its own thread; return the exceptions they raised."""
+    errors = []
+
+    def guard(target):
+        try:
+            target()
+        except BaseException as error:  # noqa: BLE001 - collected and asserted on
+            errors.append(error)
+
+    threads = [threading.Thread(target=guard, args=(t,)) for t in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(t.is_alive() for t in threads), "a caller thread hung"
+    return errors
+
+
+def assert_idle_and_clean(model):
+    loop = model._hfaccel.loop
+    assert loop.wait_idle(10), "the loop never went idle"
+    engine = loop.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_used_blocks == 0, "a KV block leaked"
+
+
+def test_eight_threads_of_mixed_calls_match_their_solo_results():
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    tokenizer = tiny_tokenizer()
+    prompts = varied_prompts(24, seed=5)
+    refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    checks = []  # (prompt, ours, ref)
+    sampled_shapes = []
+
+    def caller(k):
+        mine = list(range(k * 3, k * 3 + 3))
+        # 1. model.generate on a left-padded batch of two prompts (greedy).
+        ids, mask, width = left_pad([prompts[mine[0]], prompts[mine[1]]])
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=MAX_NEW, do_sample=False)
+        for row, i in enumerate(mine[:2]):
+            new = out[row, width:].tolist()
+            checks.append((prompts[i], new[: len(refs[i])], refs[i]))
+        # 2. hfaccel.generate (greedy).
+        completion = hfaccel.generate(model, [prompts[mine[2]]], max_new_tokens=MAX_NEW, progress=False)[0]
+        checks.append((prompts[mine[2]], completion.token_ids, refs[mine[2]]))
+        # 3. A TextIteratorStreamer fed by its own generate thread (greedy), read here.
+        streamer = TextIteratorStreamer(tokenizer, skip_prompt=True)
+        prompt = prompts[mine[0]]
+        producer = threading.Thread(
+            target=model.generate,
+            kwargs={"inputs": torch.tensor([prompt]), "max_new_tokens": MAX_NEW, "streamer": streamer},
+        )
+        producer.start()
+        text = "".join(streamer)
+        producer.join()
+        checks.append(("text", text, tokenizer.decode(refs[mine[0]])))
+        # 4. Sampled calls, through both entry points.
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_NEW, do_sample=True, top_k=20)
+        sampled_shapes.append(out.shape[1] - len(prompt))
+        hfaccel.generate(
+            model, [prompt], max_new_tokens=MAX_NEW, do_sample=True, temperature=0.7, progress=False
+        )
+
+    errors = run_threads([lambda k=k: caller(k) for k in range(8)])
+    assert not errors, errors
+    for prompt, ours, ref in checks:
+        if prompt == "text":
+            assert ours == ref
+        else:
+            assert_same_or_near_tie(model, prompt, ours, ref)
+    assert all(0 < n <= MAX_NEW for n in sampled_shapes)
+    loop = model._hfaccel.loop
+    shared = [step for step in loop.step_log if len(step.threads) >= 2]
+    assert shared, "requests of different threads never shared a step"
+    assert max(step.num_seqs for step in loop.step_log) > 3, "no step served more than one caller's call"
+    assert_idle_and_clean(model)
+
+
+def test_thirty_two_coroutines_arriving_at_random_times_match_greedy():
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    prompts = varied_prompts(32, seed=11)
+    refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    rng = random.Random(0)
+    delays = [rng.uniform(0, 0.2) for _ in prompts]
+
+    async def one(prompt, delay):
+        await asyncio.sleep(delay)
+        return (await hfaccel.agenerate(model, [prompt], max_new_tokens=MAX_NEW))[0]
+
+    async def main():
+        return await asyncio.gather(*(one(p, d) for p, d in zip(prompts, delays)))
+
+    completions = asyncio.run(main())
+    for prompt, completion, ref in zip(prompts, completions, refs):
+        assert_same_or_near_tie(model, prompt, completion.token_ids, ref)
+    assert any(len(step.submissions) >= 2 for step in model._hfaccel.loop.step_log)
+    assert_idle_and_clean(model)
+
+
+def test_astream_gives_the_events_of_stream_and_a_cancelled_task_cancels_its_requests():
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    prompts = varied_prompts(3, seed=2)
+    expected = [(e.index, e.token_id, e.finished) for e in hfaccel.stream(model, prompts, max_new_tokens=6)]
+
+    async def collect():
+        return [
+            (e.index, e.token_id, e.finished) async for e in hfaccel.astream(model, prompts, max_new_tokens=6)
+        ]
+
+    got = asyncio.run(collect())
+    assert sorted(got) == sorted(expected)
+
+    async def cancelled():
+        task = asyncio.create_task(
+            hfaccel.agenerate(model, [[5] * 20], max_new_tokens=400, min_new_tokens=400)
+        )
+        while not model._hfaccel.loop.engine.has_unfinished_requests():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancelled())
+    assert_idle_and_clean(model)
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="needs the main thread")
+def test_ctrl_c_in_a_waiting_caller_cancels_only_its_requests():
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    prompts = varied_prompts(6, seed=7)
+    refs = [hf_greedy(model, p, 30) for p in prompts]
+    outputs = {}
+
+    def other(i):
+        out = model.generate(torch.tensor([prompts[i]]), max_new_tokens=30, do_sample=False)
+        outputs[i] = out[0, len(prompts[i]) :].tolist()
+
+    long_prompt = [7] * 30
+    state = model._hfaccel
+
+    def interrupt_when_running():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            loop = state.loop
+            if loop is not None and any(
+                r.prompt_token_ids == long_prompt for r in list(loop.engine.scheduler.running)
+            ):
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                return
+            time.sleep(0.005)
+
+    workers = [threading.Thread(target=other, args=(i,)) for i in range(len(prompts))]
+    interrupter = threading.Thread(target=interrupt_when_running)
+    interrupter.start()
+    for worker in workers:
+        worker.start()
+    with pytest.raises(KeyboardInterrupt):  # a notebook cell interrupt is this, in the kernel's main thread
+        model.generate(torch.tensor([long_prompt]), max_new_tokens=450, min_new_tokens=450)
+    interrupter.join()
+    for worker in workers:
+        worker.join(60)
+    for i, prompt in enumerate(prompts):
+        assert_same_or_near_tie(model, prompt, outputs[i], refs[i])
+    assert_idle_and_clean(model)
+    out = model.generate(torch.tensor([prompts[0]]), max_new_tokens=30, do_sample=False)  # still serving
+    assert_same_or_near_tie(model, prompts[0], out[0, len(prompts[0]) :].tolist(), refs[0])
+
+
+def test_a_streamer_that_raises_cancels_its_request_and_the_others_finish():
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    prompts = varied_prompts(4, seed=9)
+    refs = [hf_greedy(model, p, 20) for p in prompts]
+    outputs = {}
+
+    class StopAfterThree:
+        def __init__(self):
+            self.tokens = 0
+            self.ended = False
+
+        def put(self, value):
+            if value.dim() == 1:
+                self.tokens += 1
+                if self.tokens == 3:
+                    raise KeyboardInterrupt  # the consumer gives up while the caller waits for tokens
+
+        def end(self):
+            self.ended = True
+
+    streamer = StopAfterThree()
+
+    def stopping():
+        with pytest.raises(KeyboardInterrupt):
+            model.generate(
+                torch.tensor([[9] * 12]), max_new_tokens=300, min_new_tokens=300, streamer=streamer
+            )
+
+    def other(i):
+        out = model.generate(torch.tensor([prompts[i]]), max_new_tokens=20, do_sample=False)
+        outputs[i] = out[0, len(prompts[i]) :].tolist()
+
+    errors = run_threads([stopping] + [lambda i=i: other(i) for i in range(len(prompts))])
+    assert not errors, errors
+    assert streamer.ended and streamer.tokens == 3
+    engine = model._hfaccel.engine
+    assert engine.num_generated_tokens < 300, "the abandoned request ran to the end"
+    for i, prompt in enumerate(prompts):
+        assert_same_or_near_tie(model, prompt, outputs[i], refs[i])
+    assert_idle_and_clean(model)
+
+
+def test_a_failing_step_raises_in_its_caller_and_the_model_keeps_serving(monkeypatch):
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    engine = model._hfaccel.get_engine(model)
+    real_run = engine.runner.run
+    failures = [RuntimeError("injected: the device fell over")]
+
+    def run(packed):
+        if failures:
+            raise failures.pop()
+        return real_run(packed)
+
+    monkeypatch.setattr(engine.runner, "run", run)
+    with pytest.raises(RuntimeError, match="the device fell over"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=5)
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=5, do_sample=False)
+    assert out[0, 3:].tolist() == hf_greedy(model, [5, 6, 7], 5)
+    assert_idle_and_clean(model)
+
+
+def test_a_rebuilt_engine_does_not_leave_its_callers_hanging():
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    model.generate(torch.tensor([[5, 6]]), max_new_tokens=2)  # build the float32 engine
+    old_loop = model._hfaccel.loop
+    raised = []
+
+    def long_call():
+        try:
+            model.generate(torch.tensor([[5] * 10]), max_new_tokens=450, min_new_tokens=450)
+        except Exception as error:  # noqa: BLE001 - asserted below
+            raised.append(error)
+
+    caller = threading.Thread(target=long_call)
+    caller.start()
+    while not old_loop.engine.has_unfinished_requests():
+        time.sleep(0.005)
+    model.to(torch.float64)  # the next call rebuilds the engine for float64
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
+    caller.join(30)
+    assert not caller.is_alive(), "the caller of the old engine hangs"
+    assert len(raised) == 1 and isinstance(raised[0], (LoopClosed, RuntimeError)), raised
+    assert model._hfaccel.engine.model_dtype == torch.float64 and out.shape == (1, 7)
+    assert old_loop.engine.block_manager.num_used_blocks == 0 and not old_loop.is_running
+
+
+def test_concurrent_generate_calls_on_an_unpatched_model_share_one_temporary_patch():
+    model = tiny_model()
+    prompts = varied_prompts(6, seed=4)
+    refs = [hf_greedy(model, p, MAX_NEW) for p in prompts]
+    results = {}
+
+    def call(i):
+        results[i] = hfaccel.generate(model, [prompts[i]], max_new_tokens=MAX_NEW, progress=False)[
+            0
+        ].token_ids
+
+    errors = run_threads([lambda i=i: call(i) for i in range(len(prompts))])
+    assert not errors, errors
+    for i, prompt in enumerate(prompts):
+        assert_same_or_near_tie(model, prompt, results[i], refs[i])
+    assert not hfaccel.api.is_patched(model) and "generate" not in model.__dict__
+
+
+def test_unpatch_stops_the_loop_and_fails_what_is_in_flight():
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    raised = []
+
+    def long_call():
+        try:
+            hfaccel.generate(model, [[5] * 10], max_new_tokens=450, min_new_tokens=450, progress=False)
+        except LoopClosed as error:
+            raised.append(error)
+
+    caller = threading.Thread(target=long_call)
+    caller.start()
+    while model._hfaccel.loop is None or not model._hfaccel.loop.engine.has_unfinished_requests():
+        time.sleep(0.005)
+    loop = model._hfaccel.loop
+    hfaccel.unpatch(model)
+    caller.join(30)
+    assert not caller.is_alive() and len(raised) == 1
+    assert "unpatch" in str(raised[0])
+    assert not loop.is_running and loop.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_threads_on_smollm2_match_hf_greedy(smollm2):
+    model, tokenizer = smollm2
+    questions = ["What is 2+2?", "Name a fruit.", "Say hello.", "What colour is the sky?"]
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for q in questions
+    ]
+    refs = [hf_greedy(model, p, 8) for p in prompts]
+    outputs = {}
+    hfaccel.patch(model)
+    try:
+
+        def call(i):
+            if i % 2:
+                outputs[i] = hfaccel.generate(model, [prompts[i]], max_new_tokens=8, progress=False)[
+                    0
+                ].token_ids
+            else:
+                out = model.generate(torch.tensor([prompts[i]]), max_new_tokens=8, do_sample=False)
+                outputs[i] = out[0, len(prompts[i]) :].tolist()
+
+        errors = run_threads([lambda i=i: call(i) for i in range(len(prompts))])
+        assert not errors, errors
+        for i, prompt in enumerate(prompts):
+            assert_same_or_near_tie(model, prompt, outputs[i], refs[i], eps=1e-3)
+        assert any(len(step.threads) >= 2 for step in model._hfaccel.loop.step_log)
+        assert_idle_and_clean(model)
+    finally:
+        hfaccel.unpatch(model)
+
+
+def test_the_interpreter_exits_cleanly_with_a_request_in_flight():
+    script = """
+import threading, time, torch
+import hfaccel
+from tests.helpers import tiny_model
+model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+def call():
+    try:
+        model.generate(torch.tensor([[5] * 10]), max_new_tokens=450, min_new_tokens=450)
+    except hfaccel.LoopClosed:
+        print("caller released")
+threading.Thread(target=call, daemon=True).start()
+while model._hfaccel.loop is None or not model._hfaccel.loop.engine.has_unfinished_requests():
+    time.sleep(0.01)
+loop = model._hfaccel.loop
+print("exiting")
+"""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert "exiting" in done.stdout
+    assert "Fatal" not in done.stderr and "Traceback" not in done.stderr, done.stderr
