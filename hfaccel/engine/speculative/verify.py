@@ -1,0 +1,41 @@
+"""Verifying one request's drafted tokens against the target's logits at its 1 + k positions.
+
+Position ``j`` of the row block scores the token after ``all_token_ids + drafts[:j]``: the request's
+logits processors see exactly that history (as they would decoding one token at a time), EOS is
+masked while the request is below ``min_new_tokens``, and the score-only warpers run last. Greedy
+requests keep drafts while they are the argmax; sampled ones go through the rejection rule with the
+request's own generator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hfaccel.engine.request import Request
+from hfaccel.engine.sampler import request_generator
+from hfaccel.engine.speculative.rejection import accept_greedy, accept_sampled
+
+
+def verify_drafts(logits: torch.Tensor, request: Request, drafts: list[int]) -> list[int]:
+    """Tokens to emit for `request` given ``[len(drafts) + 1, V]`` target logits."""
+    scores = logits.to(dtype=torch.float32, copy=True)
+    params = request.sampling
+    stopping = request.stopping
+    base = request.all_token_ids
+    for j in range(len(drafts) + 1):
+        row = scores[j : j + 1]
+        if len(request.output_token_ids) + j < stopping.min_new_tokens:
+            for eos in stopping.eos_token_ids:
+                if 0 <= eos < row.shape[-1]:
+                    row[0, eos] = -float("inf")
+        if params.processors or params.warpers:
+            ids = torch.tensor([base + drafts[:j]], dtype=torch.long, device=scores.device)
+            if params.processors:
+                row = params.processors(ids, row)
+            if params.warpers:
+                row = params.warpers(ids, row)
+            scores[j : j + 1] = row
+    if not params.do_sample:
+        return accept_greedy(scores, drafts)
+    probs = torch.softmax(scores, dim=-1)
+    return accept_sampled(probs, drafts, request_generator(request, scores.device))
