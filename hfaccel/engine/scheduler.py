@@ -5,8 +5,15 @@ Running requests come first, oldest first: a decode costs one token, an unfinish
 what is left of the budget (at most `long_prefill_token_threshold`). Waiting requests are then admitted
 while the batching strategy, the budget, the sequence cap and the free KV blocks allow; an admitted
 prompt first takes whatever prefix the prefix cache holds. When a running request needs a block and
-none is free, the newest running request is preempted: its blocks are freed and it is recomputed later
-(the prefix cache usually hands most of them back), with the same output.
+none is free, the newest running request (by arrival) is preempted: its blocks are freed and it is
+recomputed later (the prefix cache usually hands most of them back), with the same output.
+
+Priority is arrival order (FCFS, as vLLM): blocks go to the oldest running requests first, a request
+only ever preempts requests that arrived after it (so the oldest one is never preempted), and preempted
+requests resume, oldest first, before any request that has not started.
+
+Fault safety: every request the scheduler holds is also in `live`, and the block manager never counts a
+block below its holders, so after an exception at any point `repair` rebuilds a consistent state.
 """
 
 from __future__ import annotations
@@ -33,15 +40,24 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         # Dynamic/static batching: requests chosen for the current batch, not yet admitted.
         self.forming: deque[Request] = deque()
-        self.running = Batch()
+        self.running = Batch()  # in arrival order
         self.num_preemptions = 0
+        # Every request queued and not yet retired, by id: what `repair` rebuilds the queues from.
+        self.live: dict[int, Request] = {}
+        # The current step's choices so far (request, tokens); the engine clears it when the step is done.
+        self.scheduled: list[tuple[Request, int]] = []
+        self._next_arrival = 0
 
     # ----------------------------------------------------------------- requests in and out
 
     def add(self, request: Request) -> None:
         """Queue a request; raise ValueError (queueing nothing) if it could never be served."""
         self.check(request)
+        if request.arrival_index is None:
+            request.arrival_index = self._next_arrival
+            self._next_arrival += 1
         request.status = RequestStatus.WAITING
+        self.live[id(request)] = request
         self.waiting.append(request)
 
     def check(self, request: Request) -> None:
@@ -65,7 +81,18 @@ class Scheduler:
         return bool(self.waiting) or bool(self.forming) or len(self.running) > 0
 
     def abort(self, request: Request) -> None:
-        """Drop a request wherever it is, free its blocks at once, and mark it finished."""
+        """Drop a request wherever it is, free its blocks at once, and mark it finished.
+
+        Idempotent, and safe in any state: a finished request is left as it is; one this scheduler never
+        queued is only marked finished (or refused with ValueError if it holds another cache's blocks).
+        """
+        if self.live.get(id(request)) is not request:
+            if request.is_finished:
+                return
+            if request.block_ids:
+                raise ValueError(f"request {request.request_id!r} holds KV blocks of another engine")
+            request.finish("abort")
+            return
         if request in self.running:
             self.running.remove(request)
         for queue in (self.waiting, self.forming):
@@ -74,6 +101,7 @@ class Scheduler:
         self.block_manager.free(request)
         if not request.is_finished:
             request.finish("abort")
+        self.live.pop(id(request), None)
 
     # ----------------------------------------------------------------- one step
 
@@ -100,11 +128,8 @@ class Scheduler:
 
     def _fill(self, kinds: set[str], draining: bool) -> ScheduledStep:
         budget = self.max_num_batched_tokens
-        chosen: list[tuple[Request, int]] = []
-        preempted = False
-        for kind in ("decode", "prefill"):  # decodes are placed first within the running batch
-            if kind in kinds:
-                budget, preempted = self._schedule_running(kind, budget, chosen, preempted)
+        chosen = self.scheduled = []
+        budget, preempted = self._schedule_running(kinds, budget, chosen)
         # Admitting while preempting would only thrash: freed blocks go to the running requests first.
         if "prefill" in kinds and not preempted:
             self._admit(budget, chosen, draining)
@@ -125,6 +150,7 @@ class Scheduler:
         finished = self.running.filter(lambda r: not r.is_finished)
         for request in finished:
             self.block_manager.free(request)
+            self.live.pop(id(request), None)
         return finished
 
     # ----------------------------------------------------------------- internals
@@ -140,34 +166,43 @@ class Scheduler:
         return min(remaining, budget, cap)
 
     def _schedule_running(
-        self, kind: str, budget: int, chosen: list[tuple[Request, int]], preempted: bool
+        self, kinds: set[str], budget: int, chosen: list[tuple[Request, int]]
     ) -> tuple[int, bool]:
-        scheduled = {id(r) for r, _ in chosen}
-        for request in list(self.running):
-            if budget <= 0:
-                break
-            if id(request) in scheduled or request.status is not RequestStatus.RUNNING:  # done, or preempted
+        """Schedule running requests: the budget goes to decodes first, then to prompt chunks; blocks go
+        to the oldest requests first. A request short of blocks preempts the newest running requests that
+        arrived after it (scheduled this step or not), or, if there are none, yields its own."""
+        planned: list[tuple[Request, int]] = []
+        for kind in ("decode", "prefill"):
+            if kind not in kinds:
                 continue
-            if (request.num_uncomputed_tokens == 1) != (kind == "decode"):
-                continue
-            count = self._chunk(request, budget)
-            if count == 0:
+            for request in self.running:
+                if budget <= 0:
+                    break
+                if (request.num_uncomputed_tokens == 1) != (kind == "decode"):
+                    continue
+                count = self._chunk(request, budget)
+                if count:
+                    planned.append((request, count))
+                    budget -= count
+        preempted = False
+        granted: set[int] = set()
+        for request, count in sorted(planned, key=lambda pair: _arrival(pair[0])):
+            if request.status is not RequestStatus.RUNNING:  # preempted for an older request
                 continue
             while not self.block_manager.allocate(request, count):
-                victim = self._newest_unscheduled(chosen)
+                victim = self.running.requests[-1]  # the newest: never older than `request`
                 self.preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
+                granted.add(id(request))
+        for request, count in planned:
+            if id(request) in granted:
                 chosen.append((request, count))
-                scheduled.add(id(request))
-                budget -= count
+            else:
+                budget += count
         return budget, preempted
-
-    def _newest_unscheduled(self, chosen: list[tuple[Request, int]]) -> Request:
-        scheduled = {id(r) for r, _ in chosen}
-        return next(r for r in reversed(self.running.requests) if id(r) not in scheduled)
 
     def _can_admit(self, draining: bool) -> bool:
         if self.config.batching == "continuous":
@@ -188,9 +223,15 @@ class Scheduler:
         """Where admissions come from: the waiting queue, or the forming dynamic/static batch."""
         if self.config.batching == "continuous":
             if self.config.group_by_length and len(self.waiting) > 1:
-                window = min(len(self.waiting), self.max_num_seqs)
-                head = sorted((self.waiting.popleft() for _ in range(window)), key=lambda r: r.num_tokens)
-                self.waiting.extendleft(reversed(head))
+                # Shortest first among the requests that have not started; preempted ones (at the
+                # front, oldest first) resume before any of them.
+                resuming = self._num_resuming(self.waiting)
+                window = min(len(self.waiting) - resuming, self.max_num_seqs)
+                if window > 1:
+                    head = [self.waiting[resuming + i] for i in range(window)]
+                    head.sort(key=lambda r: r.num_tokens)
+                    for i, request in enumerate(head):
+                        self.waiting[resuming + i] = request
             return self.waiting
         if not self.forming and len(self.running) == 0 and self._batch_ready(draining):
             size = min(self.config.batch_size, len(self.waiting))
@@ -213,7 +254,10 @@ class Scheduler:
                 break
             request.num_computed_tokens = cached
             count = self._chunk(request, budget)
-            if count == 0 or not self.block_manager.allocate(request, count):
+            # A preempted request resumes only with room for all its tokens and the next one, so its
+            # recomputation never needs a block (and never preempts anyone) again.
+            reserve = request.num_uncomputed_tokens + 1 if request.num_preemptions else count
+            if count == 0 or not self.block_manager.allocate(request, max(count, reserve)):
                 self.block_manager.free(request)  # give the matched prefix back: nothing changed
                 request.num_computed_tokens = 0
                 break
@@ -225,22 +269,113 @@ class Scheduler:
             queue.popleft()
             request.status = RequestStatus.RUNNING
             self.running.merge([request])
+            if len(self.running) > 1 and _arrival(self.running.requests[-2]) > _arrival(request):
+                self.running.requests.sort(key=_arrival)  # a resumed request: back to its place
             chosen.append((request, count))
             budget -= count
 
     def preempt(self, request: Request) -> None:
-        """Evict a running request: free its blocks and queue it first for recomputation."""
+        """Evict a running request: free its blocks and queue it for recomputation, ahead of every request
+        that has not started and behind the preempted ones that arrived before it."""
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
         queue = self.waiting if self.config.batching == "continuous" else self.forming
-        queue.appendleft(request)
+        position = 0
+        while (
+            position < len(queue)
+            and queue[position].num_preemptions
+            and _arrival(queue[position]) < _arrival(request)
+        ):
+            position += 1
+        queue.insert(position, request)
+
+    @staticmethod
+    def _num_resuming(queue: deque[Request]) -> int:
+        count = 0
+        while count < len(queue) and queue[count].num_preemptions:
+            count += 1
+        return count
+
+    def repair(self, failed: Iterable[Request] = (), error: BaseException | None = None) -> None:
+        """Make the queues and the block manager consistent again after an exception interrupted the
+        scheduler (or anything it called) at any point.
+
+        `failed` (the interrupted step's requests) finish with ``finish_reason="error"`` and `error`.
+        Running requests whose state is whole stay running, in arrival order; any other request still
+        held (also one caught between two queues) waits, and one that had started computing is queued for
+        recomputation like a preempted one. Then every block count is recomputed from the block tables of
+        the requests that remain.
+        """
+        for request in failed:
+            request.fail(error if error is not None else RuntimeError("the step failed"))
+        held: dict[int, Request] = {}
+        for request in (*self.live.values(), *self.running, *self.waiting, *self.forming, *failed):
+            held.setdefault(id(request), request)
+        in_queue = {id(r) for r in (*self.waiting, *self.forming)}
+        running: list[Request] = []
+        for request in self.running:
+            if (
+                id(request) in held
+                and not request.is_finished
+                and request.status is RequestStatus.RUNNING
+                and id(request) not in in_queue
+                and self._is_whole(request)
+            ):
+                running.append(request)
+                held.pop(id(request))
+        running.sort(key=_arrival)
+        self.running = Batch(running)
+        waiting = [r for r in self.waiting if id(r) in held and not r.is_finished]
+        forming = [r for r in self.forming if id(r) in held and not r.is_finished]
+        placed = {id(r) for r in (*waiting, *forming)}
+        self.waiting = deque(dict.fromkeys(waiting))  # ordered and without duplicates
+        self.forming = deque(dict.fromkeys(forming))
+        self.live = {id(r): r for r in sorted((*running, *self.waiting, *self.forming), key=_arrival)}
+        # Oldest last: each one not in a queue goes to the front, so the oldest ends up first.
+        for request in sorted(held.values(), key=_arrival, reverse=True):
+            if request.is_finished:
+                request.block_ids = []  # retired or failed: holds nothing
+                continue
+            self.live[id(request)] = request
+            if request.status is RequestStatus.RUNNING or request.output_token_ids:
+                request.num_preemptions = max(request.num_preemptions, 1)  # recomputed, like a preempted one
+            request.block_ids = []
+            request.num_computed_tokens = 0
+            request.num_hashed_blocks, request.prefix_hash = 0, 0
+            request.status = RequestStatus.WAITING
+            if id(request) in placed:
+                continue
+            if request.num_preemptions:
+                self._requeue(request)
+            else:
+                (self.waiting if self.config.batching == "continuous" else self.forming).appendleft(request)
+        self.scheduled = []
+        self.block_manager.repair(self.live.values())
+
+    def _is_whole(self, request: Request) -> bool:
+        """A running request's state is consistent: KV blocks for what it computed, something to compute."""
+        computed = request.num_computed_tokens
+        blocks = request.block_ids
+        return (
+            0 <= computed < request.num_tokens
+            and len(blocks) >= blocks_for(computed, self.block_manager.block_size)
+            and len(set(blocks)) == len(blocks)
+            and request.num_hashed_blocks <= min(len(blocks), computed // self.block_manager.block_size)
+        )
 
     def requests(self) -> Iterable[Request]:
         """Every request the scheduler holds, running first."""
         yield from self.running
         yield from self.forming
         yield from self.waiting
+
+
+def _arrival(request: Request) -> int:
+    return -1 if request.arrival_index is None else request.arrival_index
