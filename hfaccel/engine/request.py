@@ -127,7 +127,7 @@ class Request:
     finish_reason: str | None = None
     error: BaseException | None = None  # why it failed (finish_reason "error"): the step's fault, or its own
     num_preemptions: int = 0
-    arrival_index: int | None = None  # order of arrival at the scheduler: its priority (lower first)
+    priority: int | None = None  # order in which requests first started running (lower runs first)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property

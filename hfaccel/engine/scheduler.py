@@ -8,9 +8,13 @@ prompt first takes whatever prefix the prefix cache holds. When a running reques
 none is free, the newest running request (by arrival) is preempted: its blocks are freed and it is
 recomputed later (the prefix cache usually hands most of them back), with the same output.
 
-Priority is arrival order (FCFS, as vLLM): blocks go to the oldest running requests first, a request
-only ever preempts requests that arrived after it (so the oldest one is never preempted), and preempted
-requests resume, oldest first, before any request that has not started.
+No starvation. A request's priority is the order in which it first started running: blocks go to the
+oldest running requests first, and a request short of blocks preempts the newest running requests (never
+an older one), so the oldest running request is never preempted and always finishes. A preempted request
+resumes before any request that has not started, and only once the free blocks cover what it and every
+older running request may still need (their prompt plus ``max_new_tokens``): from then on the older
+requests and it always find blocks by preempting newer ones, so the scheduler preempts a request at most
+once.
 
 Fault safety: every request the scheduler holds is also in `live`, and the block manager never counts a
 block below its holders, so after an exception at any point `repair` rebuilds a consistent state.
@@ -46,16 +50,13 @@ class Scheduler:
         self.live: dict[int, Request] = {}
         # The current step's choices so far (request, tokens); the engine clears it when the step is done.
         self.scheduled: list[tuple[Request, int]] = []
-        self._next_arrival = 0
+        self._next_priority = 0
 
     # ----------------------------------------------------------------- requests in and out
 
     def add(self, request: Request) -> None:
         """Queue a request; raise ValueError (queueing nothing) if it could never be served."""
         self.check(request)
-        if request.arrival_index is None:
-            request.arrival_index = self._next_arrival
-            self._next_arrival += 1
         request.status = RequestStatus.WAITING
         self.live[id(request)] = request
         self.waiting.append(request)
@@ -186,7 +187,7 @@ class Scheduler:
                     budget -= count
         preempted = False
         granted: set[int] = set()
-        for request, count in sorted(planned, key=lambda pair: _arrival(pair[0])):
+        for request, count in sorted(planned, key=lambda pair: _priority(pair[0])):
             if request.status is not RequestStatus.RUNNING:  # preempted for an older request
                 continue
             while not self.block_manager.allocate(request, count):
@@ -254,10 +255,7 @@ class Scheduler:
                 break
             request.num_computed_tokens = cached
             count = self._chunk(request, budget)
-            # A preempted request resumes only with room for all its tokens and the next one, so its
-            # recomputation never needs a block (and never preempts anyone) again.
-            reserve = request.num_uncomputed_tokens + 1 if request.num_preemptions else count
-            if count == 0 or not self.block_manager.allocate(request, max(count, reserve)):
+            if count == 0 or not self._may_resume(request) or not self.block_manager.allocate(request, count):
                 self.block_manager.free(request)  # give the matched prefix back: nothing changed
                 request.num_computed_tokens = 0
                 break
@@ -267,12 +265,30 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = cached
             queue.popleft()
+            if request.priority is None:
+                request.priority = self._next_priority
+                self._next_priority += 1
             request.status = RequestStatus.RUNNING
             self.running.merge([request])
-            if len(self.running) > 1 and _arrival(self.running.requests[-2]) > _arrival(request):
-                self.running.requests.sort(key=_arrival)  # a resumed request: back to its place
+            if len(self.running) > 1 and _priority(self.running.requests[-2]) > _priority(request):
+                self.running.requests.sort(key=_priority)  # a resumed request: back to its place
             chosen.append((request, count))
             budget -= count
+
+    def _may_resume(self, request: Request) -> bool:
+        """A request that has not started may always try; a preempted one (behind which nothing has started,
+        so every running request is older) only when the free blocks cover the most that it and every
+        running request may still need. Lower-priority requests admitted later only borrow blocks: they
+        are preempted first when an older one needs them."""
+        if not request.num_preemptions:
+            return True
+        need = self._most_blocks(request) - len(request.block_ids)
+        need += sum(self._most_blocks(r) - len(r.block_ids) for r in self.running)
+        return need <= self.block_manager.num_free_blocks
+
+    def _most_blocks(self, request: Request) -> int:
+        longest = min(len(request.prompt_token_ids) + request.stopping.max_new_tokens, self.max_model_len)
+        return blocks_for(longest, self.block_manager.block_size)
 
     def preempt(self, request: Request) -> None:
         """Evict a running request: free its blocks and queue it for recomputation, ahead of every request
@@ -291,7 +307,7 @@ class Scheduler:
         while (
             position < len(queue)
             and queue[position].num_preemptions
-            and _arrival(queue[position]) < _arrival(request)
+            and _priority(queue[position]) < _priority(request)
         ):
             position += 1
         queue.insert(position, request)
@@ -330,16 +346,16 @@ class Scheduler:
             ):
                 running.append(request)
                 held.pop(id(request))
-        running.sort(key=_arrival)
+        running.sort(key=_priority)
         self.running = Batch(running)
         waiting = [r for r in self.waiting if id(r) in held and not r.is_finished]
         forming = [r for r in self.forming if id(r) in held and not r.is_finished]
         placed = {id(r) for r in (*waiting, *forming)}
         self.waiting = deque(dict.fromkeys(waiting))  # ordered and without duplicates
         self.forming = deque(dict.fromkeys(forming))
-        self.live = {id(r): r for r in sorted((*running, *self.waiting, *self.forming), key=_arrival)}
-        # Oldest last: each one not in a queue goes to the front, so the oldest ends up first.
-        for request in sorted(held.values(), key=_arrival, reverse=True):
+        self.live = {id(r): r for r in (*running, *self.waiting, *self.forming)}
+        resuming = []
+        for request in reversed(held.values()):  # newest arrival first: the oldest ends up in front
             if request.is_finished:
                 request.block_ids = []  # retired or failed: holds nothing
                 continue
@@ -353,9 +369,11 @@ class Scheduler:
             if id(request) in placed:
                 continue
             if request.num_preemptions:
-                self._requeue(request)
+                resuming.append(request)
             else:
                 (self.waiting if self.config.batching == "continuous" else self.forming).appendleft(request)
+        for request in resuming:  # ahead of the requests that have not started
+            self._requeue(request)
         self.scheduled = []
         self.block_manager.repair(self.live.values())
 
@@ -377,5 +395,5 @@ class Scheduler:
         yield from self.waiting
 
 
-def _arrival(request: Request) -> int:
-    return -1 if request.arrival_index is None else request.arrival_index
+def _priority(request: Request) -> int:
+    return -1 if request.priority is None else request.priority
