@@ -178,13 +178,13 @@ class Request:
             self.finish("length")
 
     def finish(self, reason: str) -> None:
-        self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.metrics.finish_time = time.perf_counter()
+        self.status = RequestStatus.FINISHED  # last: a request is finished only with its reason set
 
     def fail(self, error: BaseException) -> None:
         """Finish with ``finish_reason="error"`` and keep `error` (the first one, if it fails twice)."""
-        if self.finish_reason == "error":
+        if self.is_finished and self.finish_reason == "error":
             return
         self.error = error
         self.finish("error")
