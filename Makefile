@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.hfaccel-installed
 # The CPU build of torch that lies on this machine's disk; a real user with torch already installed keeps theirs.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install demo test test-kernels lint bench clean
+.PHONY: install demo test test-kernels test-faults lint bench clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ test: $(STAMP) lint
 # The full Triton kernel sweep under the CPU interpreter (make test runs a representative subset).
 test-kernels: $(STAMP)
 	HFACCEL_FULL_KERNEL_TESTS=1 $(PY) -m pytest tests/kernels -q
+
+# An exception at every line event of the reference engine steps (make test samples them).
+test-faults: $(STAMP)
+	HFACCEL_FULL_FAULT_TESTS=1 $(PY) -m pytest tests/engine/test_fault_injection.py -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hfaccel tests examples
