@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from transformers import (
     LlamaConfig,
@@ -13,6 +16,10 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+import hfaccel.engine.engine
+from hfaccel.engine.engine import Engine
+from hfaccel.engine.request import RequestStatus
 
 VOCAB = 256
 EOS = 2
@@ -119,3 +126,74 @@ def tiny_tokenizer():
     tokenizer.padding_side = "left"
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+# ----------------------------------------------------------------- fault injection
+
+ENGINE_DIR = os.path.dirname(hfaccel.engine.engine.__file__) + os.sep
+
+
+class Fault:
+    """Raise `error` at the `at`-th line event of engine code in this thread (0: never; count them)."""
+
+    def __init__(self, at: int = 0, error: type[BaseException] = KeyboardInterrupt) -> None:
+        self.at, self.error, self.lines, self.fired = at, error, 0, False
+
+    def _global(self, frame, event, arg):
+        return self._local if frame.f_code.co_filename.startswith(ENGINE_DIR) else None
+
+    def _local(self, frame, event, arg):
+        if event == "line":
+            self.lines += 1
+            if self.lines == self.at:
+                self.fired = True
+                where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+                raise self.error(f"injected at line event {self.at} ({where})")
+        return self._local
+
+    def __enter__(self) -> Fault:
+        sys.settrace(self._global)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(None)
+
+
+def untraced_forward(engine: Engine) -> None:
+    """The model's own Python frames need no tracing (they are not engine code): skip them for speed."""
+    real = engine.runner.executor.forward
+
+    def forward(*args):
+        tracer = sys.gettrace()
+        sys.settrace(None)
+        try:
+            return real(*args)
+        finally:
+            sys.settrace(tracer)
+
+    engine.runner.executor = _Wrapped(engine.runner.executor, forward)
+
+
+class _Wrapped:
+    def __init__(self, inner, forward):
+        self._inner, self.forward = inner, forward
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def check_consistent(engine: Engine) -> None:
+    """The bookkeeping between steps: queues, statuses and block counts agree with the requests."""
+    scheduler, manager = engine.scheduler, engine.block_manager
+    running, waiting, forming = list(scheduler.running), list(scheduler.waiting), list(scheduler.forming)
+    queued = running + waiting + forming
+    assert len({id(r) for r in queued}) == len(queued), "a request sits in two places"
+    assert {id(r) for r in queued} == set(scheduler.live), "live and the queues disagree"
+    assert scheduler.scheduled == []
+    for request in running:
+        assert request.status is RequestStatus.RUNNING and scheduler._is_whole(request)
+    for request in waiting + forming:
+        assert request.status is RequestStatus.WAITING and request.block_ids == []
+        assert request.num_computed_tokens == 0
+    assert [r.priority for r in running] == sorted(r.priority for r in running)
+    manager.check(queued)

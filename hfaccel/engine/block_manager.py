@@ -14,7 +14,9 @@ running, whose KV mixes both models, never register their blocks afterwards.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 
 from hfaccel.engine.request import Request
 
@@ -90,11 +92,12 @@ class BlockManager:
         needed = self.blocks_needed(request, num_new_tokens)
         if needed > len(self._free):
             return False
-        for _ in range(needed):
-            block_id, _ = self._free.popitem(last=False)
-            self._forget(block_id)
+        blocks = list(islice(self._free, needed))
+        for block_id in blocks:  # counted before the request lists them: never held uncounted
             self._ref_counts[block_id] = 1
-            request.block_ids.append(block_id)
+            del self._free[block_id]
+            self._forget(block_id)
+        request.block_ids.extend(blocks)
         return True
 
     def match_prefix(self, request: Request) -> int:
@@ -110,18 +113,20 @@ class BlockManager:
         tokens = request.all_token_ids
         limit = (len(tokens) - 1) // self.block_size
         parent = 0
-        for index in range(limit):
+        blocks: list[int] = []
+        for index in range(limit):  # look up first, change nothing
             key = self._key(parent, tokens, index)
             block_id = self._cached.get(key)
             if block_id is None:
                 break
-            if self._ref_counts[block_id] == 0:
-                del self._free[block_id]
-            self._ref_counts[block_id] += 1
-            request.block_ids.append(block_id)
+            blocks.append(block_id)
             parent = hash(key)
-        request.num_hashed_blocks, request.prefix_hash = len(request.block_ids), parent
-        return len(request.block_ids) * self.block_size
+        for block_id in blocks:  # then count, then list: never held uncounted
+            self._ref_counts[block_id] += 1
+            self._free.pop(block_id, None)
+        request.block_ids.extend(blocks)
+        request.num_hashed_blocks, request.prefix_hash = len(blocks), parent
+        return len(blocks) * self.block_size
 
     def first_block_key(self, request: Request) -> tuple[int, tuple[int, ...]] | None:
         """The cache key of `request`'s first block, if that block could ever be shared."""
@@ -159,17 +164,53 @@ class BlockManager:
         self.epoch += 1
 
     def free(self, request: Request) -> None:
-        """Release every block `request` holds (cached ones stay findable until they are reused)."""
+        """Release every block `request` holds (cached ones stay findable until they are reused).
+
+        The request lets go of its table first, then the counts drop: an interruption midway leaves
+        blocks counted too high (a leak `repair` reclaims), never a block counted below its holders, and
+        a retry never frees a block twice.
+        """
+        blocks = request.block_ids
+        request.block_ids = []
+        request.num_hashed_blocks, request.prefix_hash = 0, 0
         # Tail blocks first: under LRU eviction they go before the prefix blocks others may share.
-        for block_id in reversed(request.block_ids):
+        for block_id in reversed(blocks):
             count = self._ref_counts[block_id] - 1
             if count < 0:
                 raise AssertionError(f"block {block_id} freed more often than allocated")
             self._ref_counts[block_id] = count
             if count == 0:
                 self._free[block_id] = None
-        request.block_ids = []
-        request.num_hashed_blocks, request.prefix_hash = 0, 0
+
+    def repair(self, holders: Iterable[Request]) -> None:
+        """Rebuild the reference counts, the free queue and the prefix-cache index from the block tables
+        of `holders` (every request that may hold blocks), after an exception interrupted an update.
+
+        Free blocks keep their LRU order; blocks that nobody holds any more join the end of the queue.
+        A cache entry survives only if the block and the index agree on its key.
+        """
+        counts = [0] * self.num_blocks
+        for request in holders:
+            for block_id in request.block_ids:
+                counts[block_id] += 1
+        free = OrderedDict((b, None) for b in self._free if counts[b] == 0)
+        free.update((b, None) for b in range(self.num_blocks) if counts[b] == 0 and b not in free)
+        cached = {key: b for key, b in self._cached.items() if self._block_key[b] == key}
+        block_key = [None] * self.num_blocks
+        for key, b in cached.items():
+            block_key[b] = key
+        self._ref_counts, self._free, self._cached, self._block_key = counts, free, cached, block_key
+
+    def check(self, holders: Iterable[Request]) -> None:
+        """Raise AssertionError unless the counts, the free queue and the cache index match `holders`."""
+        counts = [0] * self.num_blocks
+        for request in holders:
+            for block_id in request.block_ids:
+                counts[block_id] += 1
+        assert self._ref_counts == counts, "reference counts differ from the requests' block tables"
+        assert set(self._free) == {b for b in range(self.num_blocks) if counts[b] == 0}, "free queue is off"
+        for key, b in self._cached.items():
+            assert self._block_key[b] == key, f"cache index and block {b} disagree"
 
     def _key(self, parent: int, tokens: list[int], index: int) -> tuple[int, tuple[int, ...]]:
         # The tokens themselves are part of the key, so two different blocks can never collide.

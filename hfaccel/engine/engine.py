@@ -171,7 +171,21 @@ class Engine:
 
         `draining` tells the scheduler no more requests are coming (static batching then runs its last,
         partial batch).
+
+        Fault safety: if anything raises inside the step (a kernel error, out of memory, a
+        KeyboardInterrupt, a processor), the requests the step had scheduled finish with
+        ``finish_reason="error"`` and the exception in ``Request.error``, their blocks are freed, every
+        other request stays runnable, the bookkeeping is made whole again (`_recover`), and the exception
+        propagates. A request whose own ``stop_check`` raises fails alone, without failing the step: it
+        is returned among the finished requests with its error.
         """
+        try:
+            return self._step(draining)
+        except BaseException as error:
+            self._recover(error)
+            raise
+
+    def _step(self, draining: bool) -> list[Request]:
         start = time.perf_counter()
         if self.scheduler.waiting or self.scheduler.forming:
             self.check_model_state()
@@ -205,6 +219,7 @@ class Engine:
         )
         self.num_steps += 1
         self.num_generated_tokens += len(tokens)
+        self.scheduler.scheduled = []  # the step is done: nothing of it is left to fail
         return finished
 
     def check_model_state(self) -> bool:
@@ -219,19 +234,35 @@ class Engine:
         self.block_manager.reset_prefix_cache()
         return True
 
+    def _recover(self, error: BaseException) -> None:
+        """The one recovery path after an exception anywhere in a step (or an abort): fail the requests
+        the step had scheduled, then rebuild the scheduler's queues and the block counts from the
+        requests that remain (`Scheduler.repair`)."""
+        failed = [request for request, _ in self.scheduler.scheduled]
+        self.scheduler.repair(failed, error)
+
     def stream(self, request: Request) -> Iterator[int]:
         """Yield `request`'s tokens as they are generated, stepping the engine (and so every other
         request) as needed. Several streams can be consumed in turn; each step serves them all.
 
-        Raises ValueError for an unfinished request this engine does not hold (never queued, or queued
-        on another engine): stepping could never finish it.
+        Raises ValueError at once for a request this engine does not hold (never queued, or another
+        engine's), and the request's error if it fails.
         """
+        if not request.is_finished and not self.holds(request):
+            raise ValueError(
+                f"request {request.request_id!r} is not queued on this engine: add it first (add_request / add)"
+            )
+        return self._stream(request)
+
+    def _stream(self, request: Request) -> Iterator[int]:
         sent = 0
         while True:
             while sent < len(request.output_token_ids):
                 yield request.output_token_ids[sent]
                 sent += 1
             if request.is_finished:
+                if request.error is not None:
+                    raise request.error
                 return
             if not self.holds(request):
                 raise ValueError(
@@ -242,17 +273,23 @@ class Engine:
 
     def holds(self, request: Request) -> bool:
         """Whether `request` is queued or running on this engine."""
-        return any(r is request for r in self.scheduler.requests())
+        return self.scheduler.live.get(id(request)) is request
 
     def abort(self, request: Request) -> None:
-        """Cancel a request and free its KV blocks at once."""
-        self.scheduler.abort(request)
+        """Cancel a request and free its KV blocks at once. Idempotent, and safe for a request in any state
+        (waiting, running, finished, never queued); if it is interrupted, the bookkeeping is repaired."""
+        try:
+            self.scheduler.abort(request)
+        except BaseException:
+            self.scheduler.repair()
+            raise
 
     def run(self, requests: Sequence[Request], progress: bool = False) -> None:
         """Queue `requests` and step until all of them finish.
 
         If anything goes wrong midway (or the user interrupts), the unfinished ones are aborted so no
-        KV block stays held, and the error propagates.
+        KV block stays held, and the error propagates; a request that failed (its ``stop_check`` raised)
+        raises its error the same way.
         """
         remaining = {id(r) for r in requests}
         bar = tqdm(total=len(requests), desc="hfaccel", unit="req", disable=not progress, leave=False)
@@ -264,6 +301,8 @@ class Engine:
             while remaining:
                 for request in self.step(draining=True):
                     if id(request) in remaining:
+                        if request.error is not None:
+                            raise request.error
                         remaining.discard(id(request))
                         bar.update(1)
                 if progress:

@@ -126,8 +126,9 @@ class Request:
     cache_epoch: int = 0  # the block manager's prefix-cache epoch when the request was admitted
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     finish_reason: str | None = None
-    error: BaseException | None = None  # why it failed, for finish_reason == "error"
+    error: BaseException | None = None  # why it failed (finish_reason "error"): the step's fault, or its own
     num_preemptions: int = 0
+    priority: int | None = None  # order in which requests first started running (lower runs first)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # Sampled requests draw from their own generator, seeded once: the same seed and logits give the
     # same tokens whatever the batch, the prefix cache or a preemption (recomputation draws nothing).
@@ -166,15 +167,29 @@ class Request:
         num_new = len(self.output_token_ids)
         stopping = self.stopping
         may_stop = num_new >= stopping.min_new_tokens
-        if may_stop and (
-            token_id in stopping.eos_token_ids
-            or (stopping.stop_check is not None and stopping.stop_check(self.output_token_ids))
-        ):
+        if may_stop and token_id in stopping.eos_token_ids:
             self.finish("stop")
-        elif num_new >= stopping.max_new_tokens or self.num_tokens >= max_model_len:
+            return
+        if may_stop and stopping.stop_check is not None:
+            try:
+                stop = stopping.stop_check(self.output_token_ids)
+            except Exception as error:  # the request's own callback: it fails alone
+                self.fail(error)
+                return
+            if stop:
+                self.finish("stop")
+                return
+        if num_new >= stopping.max_new_tokens or self.num_tokens >= max_model_len:
             self.finish("length")
 
     def finish(self, reason: str) -> None:
-        self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.metrics.finish_time = time.perf_counter()
+        self.status = RequestStatus.FINISHED  # last: a request is finished only with its reason set
+
+    def fail(self, error: BaseException) -> None:
+        """Finish with ``finish_reason="error"`` and keep `error` (the first one, if it fails twice)."""
+        if self.is_finished and self.finish_reason == "error":
+            return
+        self.error = error
+        self.finish("error")

@@ -5,8 +5,19 @@ Running requests come first, oldest first: a decode costs one token, an unfinish
 what is left of the budget (at most `long_prefill_token_threshold`). Waiting requests are then admitted
 while the batching strategy, the budget, the sequence cap and the free KV blocks allow; an admitted
 prompt first takes whatever prefix the prefix cache holds. When a running request needs a block and
-none is free, the newest running request is preempted: its blocks are freed and it is recomputed later
-(the prefix cache usually hands most of them back), with the same output.
+none is free, the newest running request (by arrival) is preempted: its blocks are freed and it is
+recomputed later (the prefix cache usually hands most of them back), with the same output.
+
+No starvation. A request's priority is the order in which it first started running: blocks go to the
+oldest running requests first, and a request short of blocks preempts the newest running requests (never
+an older one), so the oldest running request is never preempted and always finishes. A preempted request
+resumes before any request that has not started, and only once the free blocks cover what it and every
+older running request may still need (their prompt plus ``max_new_tokens``): from then on the older
+requests and it always find blocks by preempting newer ones, so the scheduler preempts a request at most
+once.
+
+Fault safety: every request the scheduler holds is also in `live`, and the block manager never counts a
+block below its holders, so after an exception at any point `repair` rebuilds a consistent state.
 """
 
 from __future__ import annotations
@@ -33,8 +44,13 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         # Dynamic/static batching: requests chosen for the current batch, not yet admitted.
         self.forming: deque[Request] = deque()
-        self.running = Batch()
+        self.running = Batch()  # in arrival order
         self.num_preemptions = 0
+        # Every request queued and not yet retired, by id: what `repair` rebuilds the queues from.
+        self.live: dict[int, Request] = {}
+        # The current step's choices so far (request, tokens); the engine clears it when the step is done.
+        self.scheduled: list[tuple[Request, int]] = []
+        self._next_priority = 0
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -42,6 +58,7 @@ class Scheduler:
         """Queue a request; raise ValueError (queueing nothing) if it could never be served."""
         self.check(request)
         request.status = RequestStatus.WAITING
+        self.live[id(request)] = request
         self.waiting.append(request)
 
     def check(self, request: Request) -> None:
@@ -65,7 +82,18 @@ class Scheduler:
         return bool(self.waiting) or bool(self.forming) or len(self.running) > 0
 
     def abort(self, request: Request) -> None:
-        """Drop a request wherever it is, free its blocks at once, and mark it finished."""
+        """Drop a request wherever it is, free its blocks at once, and mark it finished.
+
+        Idempotent, and safe in any state: a finished request is left as it is; one this scheduler never
+        queued is only marked finished (or refused with ValueError if it holds another cache's blocks).
+        """
+        if self.live.get(id(request)) is not request:
+            if request.is_finished:
+                return
+            if request.block_ids:
+                raise ValueError(f"request {request.request_id!r} holds KV blocks of another engine")
+            request.finish("abort")
+            return
         if request in self.running:
             self.running.remove(request)
         for queue in (self.waiting, self.forming):
@@ -74,6 +102,7 @@ class Scheduler:
         self.block_manager.free(request)
         if not request.is_finished:
             request.finish("abort")
+        self.live.pop(id(request), None)
 
     # ----------------------------------------------------------------- one step
 
@@ -100,11 +129,8 @@ class Scheduler:
 
     def _fill(self, kinds: set[str], draining: bool) -> ScheduledStep:
         budget = self.max_num_batched_tokens
-        chosen: list[tuple[Request, int]] = []
-        preempted = False
-        for kind in ("decode", "prefill"):  # decodes are placed first within the running batch
-            if kind in kinds:
-                budget, preempted = self._schedule_running(kind, budget, chosen, preempted)
+        chosen = self.scheduled = []
+        budget, preempted = self._schedule_running(kinds, budget, chosen)
         # Admitting while preempting would only thrash: freed blocks go to the running requests first.
         if "prefill" in kinds and not preempted:
             self._admit(budget, chosen, draining)
@@ -125,6 +151,7 @@ class Scheduler:
         finished = self.running.filter(lambda r: not r.is_finished)
         for request in finished:
             self.block_manager.free(request)
+            self.live.pop(id(request), None)
         return finished
 
     # ----------------------------------------------------------------- internals
@@ -140,34 +167,43 @@ class Scheduler:
         return min(remaining, budget, cap)
 
     def _schedule_running(
-        self, kind: str, budget: int, chosen: list[tuple[Request, int]], preempted: bool
+        self, kinds: set[str], budget: int, chosen: list[tuple[Request, int]]
     ) -> tuple[int, bool]:
-        scheduled = {id(r) for r, _ in chosen}
-        for request in list(self.running):
-            if budget <= 0:
-                break
-            if id(request) in scheduled or request.status is not RequestStatus.RUNNING:  # done, or preempted
+        """Schedule running requests: the budget goes to decodes first, then to prompt chunks; blocks go
+        to the oldest requests first. A request short of blocks preempts the newest running requests that
+        arrived after it (scheduled this step or not), or, if there are none, yields its own."""
+        planned: list[tuple[Request, int]] = []
+        for kind in ("decode", "prefill"):
+            if kind not in kinds:
                 continue
-            if (request.num_uncomputed_tokens == 1) != (kind == "decode"):
-                continue
-            count = self._chunk(request, budget)
-            if count == 0:
+            for request in self.running:
+                if budget <= 0:
+                    break
+                if (request.num_uncomputed_tokens == 1) != (kind == "decode"):
+                    continue
+                count = self._chunk(request, budget)
+                if count:
+                    planned.append((request, count))
+                    budget -= count
+        preempted = False
+        granted: set[int] = set()
+        for request, count in sorted(planned, key=lambda pair: _priority(pair[0])):
+            if request.status is not RequestStatus.RUNNING:  # preempted for an older request
                 continue
             while not self.block_manager.allocate(request, count):
-                victim = self._newest_unscheduled(chosen)
+                victim = self.running.requests[-1]  # the newest: never older than `request`
                 self.preempt(victim)
                 preempted = True
                 if victim is request:
                     break
             else:
+                granted.add(id(request))
+        for request, count in planned:
+            if id(request) in granted:
                 chosen.append((request, count))
-                scheduled.add(id(request))
-                budget -= count
+            else:
+                budget += count
         return budget, preempted
-
-    def _newest_unscheduled(self, chosen: list[tuple[Request, int]]) -> Request:
-        scheduled = {id(r) for r, _ in chosen}
-        return next(r for r in reversed(self.running.requests) if id(r) not in scheduled)
 
     def _can_admit(self, draining: bool) -> bool:
         if self.config.batching == "continuous":
@@ -188,9 +224,15 @@ class Scheduler:
         """Where admissions come from: the waiting queue, or the forming dynamic/static batch."""
         if self.config.batching == "continuous":
             if self.config.group_by_length and len(self.waiting) > 1:
-                window = min(len(self.waiting), self.max_num_seqs)
-                head = sorted((self.waiting.popleft() for _ in range(window)), key=lambda r: r.num_tokens)
-                self.waiting.extendleft(reversed(head))
+                # Shortest first among the requests that have not started; preempted ones (at the
+                # front, oldest first) resume before any of them.
+                resuming = self._num_resuming(self.waiting)
+                window = min(len(self.waiting) - resuming, self.max_num_seqs)
+                if window > 1:
+                    head = [self.waiting[resuming + i] for i in range(window)]
+                    head.sort(key=lambda r: r.num_tokens)
+                    for i, request in enumerate(head):
+                        self.waiting[resuming + i] = request
             return self.waiting
         if not self.forming and len(self.running) == 0 and self._batch_ready(draining):
             size = min(self.config.batch_size, len(self.waiting))
@@ -213,7 +255,7 @@ class Scheduler:
                 break
             request.num_computed_tokens = cached
             count = self._chunk(request, budget)
-            if count == 0 or not self.block_manager.allocate(request, count):
+            if count == 0 or not self._may_resume(request) or not self.block_manager.allocate(request, count):
                 self.block_manager.free(request)  # give the matched prefix back: nothing changed
                 request.num_computed_tokens = 0
                 break
@@ -223,24 +265,135 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = cached
             queue.popleft()
+            if request.priority is None:
+                request.priority = self._next_priority
+                self._next_priority += 1
             request.status = RequestStatus.RUNNING
             self.running.merge([request])
+            if len(self.running) > 1 and _priority(self.running.requests[-2]) > _priority(request):
+                self.running.requests.sort(key=_priority)  # a resumed request: back to its place
             chosen.append((request, count))
             budget -= count
 
+    def _may_resume(self, request: Request) -> bool:
+        """A request that has not started may always try; a preempted one (behind which nothing has started,
+        so every running request is older) only when the free blocks cover the most that it and every
+        running request may still need. Lower-priority requests admitted later only borrow blocks: they
+        are preempted first when an older one needs them."""
+        if not request.num_preemptions:
+            return True
+        need = self._most_blocks(request) - len(request.block_ids)
+        need += sum(self._most_blocks(r) - len(r.block_ids) for r in self.running)
+        return need <= self.block_manager.num_free_blocks
+
+    def _most_blocks(self, request: Request) -> int:
+        longest = min(len(request.prompt_token_ids) + request.stopping.max_new_tokens, self.max_model_len)
+        return blocks_for(longest, self.block_manager.block_size)
+
     def preempt(self, request: Request) -> None:
-        """Evict a running request: free its blocks and queue it first for recomputation."""
+        """Evict a running request: free its blocks and queue it for recomputation, ahead of every request
+        that has not started and behind the preempted ones that arrived before it."""
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
         queue = self.waiting if self.config.batching == "continuous" else self.forming
-        queue.appendleft(request)
+        position = 0
+        while (
+            position < len(queue)
+            and queue[position].num_preemptions
+            and _priority(queue[position]) < _priority(request)
+        ):
+            position += 1
+        queue.insert(position, request)
+
+    @staticmethod
+    def _num_resuming(queue: deque[Request]) -> int:
+        count = 0
+        while count < len(queue) and queue[count].num_preemptions:
+            count += 1
+        return count
+
+    def repair(self, failed: Iterable[Request] = (), error: BaseException | None = None) -> None:
+        """Make the queues and the block manager consistent again after an exception interrupted the
+        scheduler (or anything it called) at any point.
+
+        `failed` (the interrupted step's requests) finish with ``finish_reason="error"`` and `error`.
+        Running requests whose state is whole stay running, in arrival order; any other request still
+        held (also one caught between two queues) waits, and one that had started computing is queued for
+        recomputation like a preempted one. Then every block count is recomputed from the block tables of
+        the requests that remain.
+        """
+        for request in failed:
+            request.fail(error if error is not None else RuntimeError("the step failed"))
+        held: dict[int, Request] = {}
+        for request in (*self.live.values(), *self.running, *self.waiting, *self.forming, *failed):
+            held.setdefault(id(request), request)
+        in_queue = {id(r) for r in (*self.waiting, *self.forming)}
+        running: list[Request] = []
+        for request in self.running:
+            if (
+                id(request) in held
+                and not request.is_finished
+                and request.status is RequestStatus.RUNNING
+                and id(request) not in in_queue
+                and self._is_whole(request)
+            ):
+                running.append(request)
+                held.pop(id(request))
+        running.sort(key=_priority)
+        self.running = Batch(running)
+        waiting = [r for r in self.waiting if id(r) in held and not r.is_finished]
+        forming = [r for r in self.forming if id(r) in held and not r.is_finished]
+        placed = {id(r) for r in (*waiting, *forming)}
+        self.waiting = deque(dict.fromkeys(waiting))  # ordered and without duplicates
+        self.forming = deque(dict.fromkeys(forming))
+        self.live = {id(r): r for r in (*running, *self.waiting, *self.forming)}
+        resuming = []
+        for request in reversed(held.values()):  # newest arrival first: the oldest ends up in front
+            if request.is_finished:
+                request.block_ids = []  # retired or failed: holds nothing
+                continue
+            self.live[id(request)] = request
+            if request.status is RequestStatus.RUNNING or request.output_token_ids:
+                request.num_preemptions = max(request.num_preemptions, 1)  # recomputed, like a preempted one
+            request.block_ids = []
+            request.num_computed_tokens = 0
+            request.num_hashed_blocks, request.prefix_hash = 0, 0
+            request.status = RequestStatus.WAITING
+            if id(request) in placed:
+                continue
+            if request.num_preemptions:
+                resuming.append(request)
+            else:
+                (self.waiting if self.config.batching == "continuous" else self.forming).appendleft(request)
+        for request in resuming:  # ahead of the requests that have not started
+            self._requeue(request)
+        self.scheduled = []
+        self.block_manager.repair(self.live.values())
+
+    def _is_whole(self, request: Request) -> bool:
+        """A running request's state is consistent: KV blocks for what it computed, something to compute."""
+        computed = request.num_computed_tokens
+        blocks = request.block_ids
+        return (
+            0 <= computed < request.num_tokens
+            and len(blocks) >= blocks_for(computed, self.block_manager.block_size)
+            and len(set(blocks)) == len(blocks)
+            and request.num_hashed_blocks <= min(len(blocks), computed // self.block_manager.block_size)
+        )
 
     def requests(self) -> Iterable[Request]:
         """Every request the scheduler holds, running first."""
         yield from self.running
         yield from self.forming
         yield from self.waiting
+
+
+def _priority(request: Request) -> int:
+    return -1 if request.priority is None else request.priority

@@ -2,19 +2,31 @@
 
 The function is registered once in ``transformers.AttentionInterface``. A patched model keeps its own
 attention implementation for ordinary forward calls (so scoring and training code sees exactly the
-model it had, masks and all); the engine points the model at "hfaccel" only for the duration of its
-own forward passes (`engine_attention`). No mask function is registered for the name, so transformers
-builds no ``[T, S]`` mask for an engine step: causality and sequence boundaries come from the paged
-metadata, which the runner hands over in a forward context (not through HF's ``**kwargs``).
+model it had, masks and all), in every thread, also while the engine steps: the model's configs report
+"hfaccel" as their ``_attn_implementation`` only to the thread running an engine forward, and only for
+its length (`engine_attention`). No mask function is registered for the name, so transformers builds no
+``[T, S]`` mask for an engine step: causality and sequence boundaries come from the paged metadata,
+which the runner hands over in a forward context (not through HF's ``**kwargs``).
+
+How the switch stays per thread: transformers reads ``config._attn_implementation`` (a property over
+``_attn_implementation_internal``) in every attention layer and mask builder at every forward. We wrap
+that property once, on the transformers class that defines it, with a getter that answers "hfaccel"
+when the config is one of the configs of the model the current thread is running an engine step of
+(a thread-local set of config ids), and the stored value otherwise. Nothing is written to the config,
+the config keeps its class (``type``, ``==``, pickling, ``save_pretrained`` and the Auto classes are
+untouched), and a plain ``model(...)`` in any other thread takes exactly the path it took before.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedConfig
 
 import hfaccel.kernels.op  # noqa: F401  (registers torch.ops.hfaccel.paged_attention)
 from hfaccel.kernels.context import current_forward_context
@@ -53,16 +65,87 @@ def register_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 
 
+_local = threading.local()  # .configs: ids of the configs that report "hfaccel" to this thread
+_install_lock = threading.Lock()
+_WRAPPED = "__hfaccel_thread_local__"
+# model -> (its config, ids of every config object its modules read): found once per model.
+_model_configs: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, frozenset[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 @contextmanager
 def engine_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run the model's attention layers on the paged "hfaccel" function inside this block."""
-    config = model.config
-    previous = config._attn_implementation
-    if previous == ATTENTION_NAME:
-        yield
-        return
-    config._attn_implementation = ATTENTION_NAME
+    """Run the model's attention layers on the paged "hfaccel" function inside this block, in this
+    thread only: other threads calling the same model meanwhile see its own attention implementation."""
+    configs = _configs_of(model)
+    previous = getattr(_local, "configs", None)
+    _local.configs = configs if previous is None else previous | configs
     try:
         yield
     finally:
-        config._attn_implementation = previous
+        _local.configs = previous
+
+
+def restore_attention(model: torch.nn.Module) -> None:
+    """Undo what `engine_attention` prepared for `model` (for ``unpatch``).
+
+    Nothing is stored on the model or its configs; this forgets the model's config list. The property
+    wrapper on the transformers config class stays: outside an engine forward it returns exactly the
+    stored value, for every config of every model.
+    """
+    _model_configs.pop(model, None)
+
+
+def _configs_of(model: torch.nn.Module) -> frozenset[int]:
+    root = model.config
+    cached = _model_configs.get(model)
+    if cached is not None and cached[0] is root:
+        return cached[1]
+    found: dict[int, PreTrainedConfig] = {}
+
+    def visit(config: Any) -> None:
+        if not isinstance(config, PreTrainedConfig) or id(config) in found:
+            return
+        found[id(config)] = config
+        for key in getattr(config, "sub_configs", None) or {}:
+            visit(getattr(config, key, None))
+
+    visit(root)
+    for module in model.modules():  # a module may hold its own (text, vision) config object
+        visit(getattr(module, "config", None))
+    for config in found.values():
+        _install(type(config))
+    ids = frozenset(found)
+    _model_configs[model] = (root, ids)
+    return ids
+
+
+def _install(config_class: type) -> None:
+    """Wrap the ``_attn_implementation`` property of the class that defines it for `config_class` (once)."""
+    owner = next((c for c in config_class.__mro__ if "_attn_implementation" in c.__dict__), None)
+    if owner is None:
+        raise TypeError(f"{config_class.__name__} has no _attn_implementation: not a transformers config")
+    prop = owner.__dict__["_attn_implementation"]
+    if getattr(prop.fget, _WRAPPED, False):
+        return
+    if not isinstance(prop, property):
+        raise TypeError(
+            f"{owner.__name__}._attn_implementation is not a property: cannot switch it per thread"
+        )
+    with _install_lock:
+        prop = owner.__dict__["_attn_implementation"]
+        if getattr(prop.fget, _WRAPPED, False):
+            return
+        stored = prop.fget
+
+        def get(self: Any) -> Any:
+            configs = getattr(_local, "configs", None)
+            if configs is not None and id(self) in configs:
+                return ATTENTION_NAME
+            return stored(self)
+
+        setattr(get, _WRAPPED, True)
+        get.__wrapped__ = stored  # type: ignore[attr-defined]
+        get.__doc__ = stored.__doc__
+        owner._attn_implementation = property(get, prop.fset, prop.fdel, prop.__doc__)

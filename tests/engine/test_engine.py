@@ -1,10 +1,20 @@
+import contextlib
+
 import pytest
 import torch
 
 from hfaccel import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.request import StoppingParams
-from tests.helpers import EOS, assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
+from tests.helpers import (
+    EOS,
+    Fault,
+    assert_same_or_near_tie,
+    check_consistent,
+    hf_greedy,
+    tiny_model,
+    varied_prompts,
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +88,10 @@ def test_error_midway_aborts_and_frees_every_block(model, monkeypatch):
     requests = [engine.make_request(p, StoppingParams(max_new_tokens=10)) for p in varied_prompts(4)]
     with pytest.raises(KeyboardInterrupt):
         engine.run(requests)
-    assert all(r.finish_reason == "abort" for r in requests)
+    # The interrupted step's requests failed with the interrupt; the run aborted the others.
+    assert {r.finish_reason for r in requests} <= {"error", "abort"}
+    assert all(isinstance(r.error, KeyboardInterrupt) for r in requests if r.finish_reason == "error")
+    assert any(r.finish_reason == "error" for r in requests)
     assert engine.block_manager.num_free_blocks == engine.num_blocks
     assert not engine.has_unfinished_requests()
     monkeypatch.setattr(engine.runner, "run", real_run)
@@ -138,3 +151,80 @@ def test_run_refusing_a_request_midway_leaves_nothing_queued(model):
         engine.run([ok, too_big])
     assert not engine.has_unfinished_requests() and ok.finish_reason == "abort"
     assert engine.block_manager.num_free_blocks == 4
+
+
+def test_a_raising_stop_check_fails_only_its_request(model):
+    engine = Engine(model, EngineConfig(block_size=8, kv_cache_memory=2_000_000))
+    prompts = varied_prompts(4)
+
+    def broken(ids):
+        if len(ids) == 3:
+            raise ValueError("stop check bug")
+        return False
+
+    bad = engine.add_request(prompts[0], StoppingParams(max_new_tokens=10, stop_check=broken))
+    stop = StoppingParams(max_new_tokens=10, eos_token_ids=frozenset({EOS}))
+    good = [engine.add_request(p, stop) for p in prompts[1:]]
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += engine.step()
+    assert bad in finished and bad.finish_reason == "error" and isinstance(bad.error, ValueError)
+    assert len(bad.output_token_ids) == 3 and bad.block_ids == []
+    for prompt, request in zip(prompts[1:], good):
+        assert request.finish_reason in ("length", "stop") and request.error is None
+        assert_same_or_near_tie(model, prompt, request.output_token_ids, hf_greedy(model, prompt, 10))
+    assert engine.block_manager.num_used_blocks == 0
+    # Engine.run raises the request's error (and aborts the rest of its own requests).
+    again = engine.make_request(prompts[0], StoppingParams(max_new_tokens=10, stop_check=broken))
+    with pytest.raises(ValueError, match="stop check bug"):
+        engine.run([again])
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_stream_refuses_a_request_it_does_not_hold(model):
+    engine = Engine(model, EngineConfig(kv_cache_memory=1_000_000))
+    other = Engine(model, EngineConfig(kv_cache_memory=1_000_000))
+    never_queued = engine.make_request([5, 6, 7], StoppingParams(max_new_tokens=3))
+    with pytest.raises(ValueError, match="not queued on this engine"):
+        engine.stream(never_queued)
+    elsewhere = other.add_request([5, 6, 7], StoppingParams(max_new_tokens=3))
+    with pytest.raises(ValueError, match="not queued on this engine"):
+        engine.stream(elsewhere)
+    assert list(other.stream(elsewhere)) == elsewhere.output_token_ids
+
+
+def test_abort_is_idempotent_in_every_state(model):
+    engine = Engine(model, EngineConfig(block_size=8, kv_cache_memory=1_000_000))
+    never_queued = engine.make_request([5, 6, 7], StoppingParams(max_new_tokens=3))
+    running = engine.add_request(list(range(3, 40)), StoppingParams(max_new_tokens=5))
+    engine.step()
+    waiting = engine.add_request([9, 9, 9], StoppingParams(max_new_tokens=5))
+    done = engine.add_request([8], StoppingParams(max_new_tokens=1))
+    while not done.is_finished:
+        engine.step()
+    for request in (never_queued, running, waiting, done):
+        for _ in range(2):
+            engine.abort(request)
+        assert request.is_finished and request.block_ids == []
+    assert done.finish_reason == "length" and running.finish_reason == "abort"
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests()
+
+
+def test_interrupted_abort_leaves_the_engine_consistent(model):
+    for at in range(1, 200):  # a KeyboardInterrupt at each line event of `abort` in turn
+        engine = Engine(model, EngineConfig(block_size=4, kv_cache_memory=1_000_000))
+        requests = [engine.add_request(p, StoppingParams(max_new_tokens=4)) for p in varied_prompts(4)]
+        engine.step()
+        victim = max(requests, key=lambda r: len(r.block_ids))
+        with Fault(at) as fault, contextlib.suppress(KeyboardInterrupt):
+            engine.abort(victim)
+        check_consistent(engine)
+        engine.abort(victim)  # again: completes the abort, or does nothing
+        assert victim.finish_reason == "abort" and victim.block_ids == []
+        check_consistent(engine)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.block_manager.num_used_blocks == 0
+        if not fault.fired:
+            break
+    assert not fault.fired, "abort has more line events than the sweep covers"

@@ -1,4 +1,5 @@
-"""Hypothesis state machine over a real (tiny) engine: random add / step / cancel / preempt sequences."""
+"""Hypothesis state machine over a real (tiny) engine: random add / step / cancel / preempt sequences, and
+steps interrupted by an exception at a random line of engine code."""
 
 import torch
 from hypothesis import settings
@@ -8,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from hfaccel import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.request import StoppingParams
-from tests.helpers import tiny_model
+from tests.helpers import Fault, check_consistent, tiny_model, untraced_forward
 
 MODEL = tiny_model("llama", layers=1)
 SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
@@ -23,6 +24,7 @@ class EngineMachine(RuleBasedStateMachine):
         )
         self.engine = Engine(MODEL, config)
         assert self.engine.num_blocks == 24
+        untraced_forward(self.engine)  # faults are injected in engine code only: the model runs untraced
         self.requests = []
         self.finish_events = {}
         self.snapshots = {}  # block id -> K contents when first seen cached and referenced
@@ -48,6 +50,25 @@ class EngineMachine(RuleBasedStateMachine):
             assert last.num_decode_tokens + last.num_prefill_tokens <= 16
             assert last.num_seqs <= 6
 
+    @rule(at=st.integers(1, 800), error=st.sampled_from([KeyboardInterrupt, RuntimeError, MemoryError]))
+    def faulty_step(self, at, error):
+        """The next step raises at its `at`-th line event of engine code (if it has that many)."""
+        finished, raised = [], None
+        with Fault(at, error) as fault:
+            try:
+                finished = self.engine.step()
+            except BaseException as exc:  # noqa: BLE001 - the injected fault, checked below
+                raised = exc
+        if raised is not None:
+            assert fault.fired and isinstance(raised, error), raised
+        for request in finished:
+            self.finish_events[id(request)] = self.finish_events.get(id(request), 0) + 1
+        for request in self.requests:  # the interrupted step's requests failed: not returned, but finished
+            if request.is_finished and id(request) not in self.finish_events:
+                assert raised is not None and request.finish_reason == "error"
+                assert request.error is raised and request.block_ids == []
+                self.finish_events[id(request)] = 1
+
     @precondition(lambda self: any(not r.is_finished for r in self.requests))
     @rule(index=st.integers(0, 1000))
     def cancel(self, index):
@@ -62,6 +83,10 @@ class EngineMachine(RuleBasedStateMachine):
     def preempt(self, index):
         running = self.engine.scheduler.running.requests
         self.engine.scheduler.preempt(running[index % len(running)])
+
+    @invariant()
+    def bookkeeping_is_consistent(self):
+        check_consistent(self.engine)
 
     @invariant()
     def blocks_are_accounted_for(self):
