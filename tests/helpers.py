@@ -163,11 +163,11 @@ def untraced_forward(engine: Engine) -> None:
     """The model's own Python frames need no tracing (they are not engine code): skip them for speed."""
     real = engine.runner.executor.forward
 
-    def forward(*args):
+    def forward(*args, **kwargs):
         tracer = sys.gettrace()
         sys.settrace(None)
         try:
-            return real(*args)
+            return real(*args, **kwargs)
         finally:
             sys.settrace(tracer)
 
