@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 from hfaccel.config import EngineConfig
 from hfaccel.engine.loop import Submission, Update
 from hfaccel.engine.request import Request
+from hfaccel.engine.speculative.proposer import speculative_stats
 from hfaccel.patches.attention import register_attention
 from hfaccel.patches.generate import PatchState, fall_back, patched_generate
 from hfaccel.patches.models import check_model
@@ -508,6 +509,8 @@ def _completion(plan: Request | _Done, tokenizer: Any) -> Completion:
         "num_cached_prompt_tokens": plan.num_cached_prompt_tokens,
         "num_preemptions": plan.num_preemptions,
     }
+    if plan.spec_drafted:
+        metrics.update(speculative_stats(plan))
     tokens = list(plan.output_token_ids)
     text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
     logprobs = list(plan.logprobs) if plan.sampling.output_logprobs else None

@@ -11,6 +11,7 @@ import torch
 from hfaccel.kernels.selection import BACKEND_NAMES as BACKENDS
 
 COMPILE_MODES = ("auto", "off", "decode", "all")
+SPECULATIVE_METHODS = (None, "ngram")
 SCHEDULING_POLICIES = ("mixed", "prefill_first", "decode_first")
 BATCHING_STRATEGIES = ("continuous", "dynamic", "static")
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -55,6 +56,11 @@ class EngineConfig:
             and the backend allow it; never on a CPU).
         cuda_graph_sizes: the decode buckets (batch sizes) steps are padded to; ``None``: 1, 2, 4, 8, then
             every multiple of 8 up to ``max_num_seqs``. A larger decode batch runs eager.
+        speculative: speculative decoding: ``None`` (off), ``"ngram"`` (prompt lookup: drafts copied from
+            the request's own context, no second model).
+        num_speculative_tokens: drafted tokens verified per request per step (k).
+        speculative_min_acceptance: a request stops speculating once it has had 16+ drafts and accepted
+            less than this share of them (drafts that keep failing only cost compute).
         group_by_length: admit waiting prompts of similar length together (shortest first within a
             window of ``max_num_seqs`` waiting requests).
     """
@@ -75,6 +81,9 @@ class EngineConfig:
     max_delay_ms: float = 50.0
     group_by_length: bool = False
     compile: str = "auto"
+    speculative: str | None = None
+    num_speculative_tokens: int = 4
+    speculative_min_acceptance: float = 0.25
     cuda_graphs: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None
 
@@ -120,6 +129,12 @@ class EngineConfig:
             or (self.max_delay_ms < 0)
         ):
             raise ValueError(f"max_delay_ms must be a number >= 0, got {self.max_delay_ms!r}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        _require_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        minimum = self.speculative_min_acceptance
+        if isinstance(minimum, bool) or not isinstance(minimum, (int, float)) or not 0 <= minimum <= 1:
+            raise ValueError(f"speculative_min_acceptance must be in [0, 1], got {minimum!r}")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):

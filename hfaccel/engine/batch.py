@@ -78,8 +78,10 @@ class PackedStep:
     input_ids: list[int]
     positions: list[int]
     logits_indices: list[int]  # packed positions whose logits are sampled
-    sampled_requests: list[Request]  # the N requests that get a token this step
+    sampled_requests: list[Request]  # the requests that get tokens this step
     layout: StepLayout
+    # Logits rows of each sampled request, in order: 1, or 1 + k for a request verifying k drafts.
+    rows_per_request: list[int] | None = None
 
 
 def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -> PackedStep:
@@ -94,12 +96,18 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
     tables: list[list[int]] = []
     logits_indices: list[int] = []
     sampled: list[Request] = []
+    rows: list[int] = []
     for i in order:
         request, count = step.requests[i], step.num_tokens[i]
         start = request.num_computed_tokens
         end = start + count
+        drafts = request.spec_token_ids
+        verifying = bool(drafts) and request.num_uncomputed_tokens == 1 and count == 1 + len(drafts)
         if count == 1:
             input_ids.append(request.token_at(start))
+        elif verifying:  # the last token, then the drafts: logits at every one of them
+            input_ids.append(request.token_at(start))
+            input_ids.extend(drafts)
         else:
             input_ids.extend(request.all_token_ids[start:end])
         positions.extend(range(start, end))
@@ -108,9 +116,14 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
         query_lens.append(count)
         seq_lens.append(end)
         tables.append(blocks)
-        if end == request.num_tokens:  # the step reaches the sequence's end: its last logits are sampled
+        if verifying:
+            logits_indices.extend(range(len(input_ids) - count, len(input_ids)))
+            sampled.append(request)
+            rows.append(count)
+        elif end == request.num_tokens:  # the step reaches the sequence's end: its last logits are sampled
             logits_indices.append(len(input_ids) - 1)
             sampled.append(request)
+            rows.append(1)
     layout = StepLayout(
         query_lens=query_lens,
         seq_lens=seq_lens,
@@ -118,4 +131,4 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
         slot_mapping=slots,
         num_decodes=num_leading_decodes(query_lens, decode_query_len),
     )
-    return PackedStep(input_ids, positions, logits_indices, sampled, layout)
+    return PackedStep(input_ids, positions, logits_indices, sampled, layout, rows)

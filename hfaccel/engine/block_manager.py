@@ -182,6 +182,22 @@ class BlockManager:
             if count == 0:
                 self._free[block_id] = None
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks of `request` past what `num_tokens` tokens need (the lookahead blocks of
+        rejected drafts). Same order as `free`: the table shrinks first, then the counts drop."""
+        keep = max(blocks_for(num_tokens, self.block_size), request.num_hashed_blocks)
+        if len(request.block_ids) <= keep:
+            return
+        tail = request.block_ids[keep:]
+        request.block_ids = request.block_ids[:keep]
+        for block_id in reversed(tail):
+            count = self._ref_counts[block_id] - 1
+            if count < 0:
+                raise AssertionError(f"block {block_id} freed more often than allocated")
+            self._ref_counts[block_id] = count
+            if count == 0:
+                self._free[block_id] = None
+
     def repair(self, holders: Iterable[Request]) -> None:
         """Rebuild the reference counts, the free queue and the prefix-cache index from the block tables
         of `holders` (every request that may hold blocks), after an exception interrupted an update.

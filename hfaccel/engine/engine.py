@@ -19,8 +19,9 @@ from hfaccel.engine.executor import ModelExecutor, make_executor
 from hfaccel.engine.metrics import StepStats
 from hfaccel.engine.request import GREEDY, Request, SamplingParams, StoppingParams
 from hfaccel.engine.runner import ModelRunner, kv_bytes_per_token
-from hfaccel.engine.sampler import sample
 from hfaccel.engine.scheduler import Scheduler
+from hfaccel.engine.speculative.proposer import make_proposer, speculative_stats
+from hfaccel.engine.speculative.verify import sample_step
 from hfaccel.kernels import get_backend
 
 logger = logging.getLogger("hfaccel")
@@ -73,6 +74,7 @@ class Engine:
             decode_buckets=self.config.decode_buckets,
         )
         self.warmup_seconds: float | None = None
+        self.proposer = make_proposer(self.config)
         model_state = model_state or self.executor.state_token
         self._model_state = model_state if self.config.enable_prefix_caching else None
         self._model_token = model_state() if self._model_state is not None else None
@@ -154,6 +156,8 @@ class Engine:
         if request_id is None:
             request_id = next(self._next_id)
         request = Request(request_id, ids, stopping, sampling=sampling)
+        # Per-step scores/logits/logprobs are recorded one token at a time: such requests do not speculate.
+        request.speculate = not (sampling.output_scores or sampling.output_logits or sampling.output_logprobs)
         if sampling.do_sample:
             request.seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, ()).item())
         self.scheduler.check(request)
@@ -201,8 +205,10 @@ class Engine:
                 request.metrics.first_scheduled_time = start
         packed = pack_step(step, self.config.block_size, self.runner.backend.capabilities.decode_query_len)
         logits = self.runner.run(packed)
-        tokens = sample(logits, packed.sampled_requests)
+        tokens = sample_step(logits, packed.sampled_requests, packed.rows_per_request)
         finished = self.scheduler.update(step, packed.sampled_requests, tokens)
+        if self.proposer is not None:
+            self._propose()
         num_decode = sum(1 for n in step.num_tokens if n == 1)
         self.step_stats.append(
             StepStats(
@@ -218,9 +224,32 @@ class Engine:
             )
         )
         self.num_steps += 1
-        self.num_generated_tokens += len(tokens)
+        self.num_generated_tokens += sum(len(t) if isinstance(t, list) else 1 for t in tokens)
         self.scheduler.scheduled = []  # the step is done: nothing of it is left to fail
         return finished
+
+    def _propose(self) -> None:
+        """Draft the next step's tokens for every decoding request that speculates; a request whose
+        acceptance stays below `speculative_min_acceptance` (after 16 drafts) stops speculating."""
+        k = self.config.num_speculative_tokens
+        candidates, budgets = [], []
+        for request in self.scheduler.running:
+            if not request.speculate or request.is_finished or request.num_uncomputed_tokens != 1:
+                continue
+            drafted = request.spec_drafted
+            if drafted >= 16 and request.spec_accepted < self.config.speculative_min_acceptance * drafted:
+                request.speculate = False
+                continue
+            # The step emits up to k + 1 tokens: never past max_new_tokens or the context.
+            room = min(
+                request.stopping.max_new_tokens - len(request.output_token_ids),
+                self.max_model_len - request.num_tokens,
+            )
+            if room - 1 > 0:
+                candidates.append(request)
+                budgets.append(min(k, room - 1))
+        for request, drafts in zip(candidates, self.proposer.propose(candidates, budgets)):
+            request.spec_token_ids = list(drafts)
 
     def check_model_state(self) -> bool:
         """Forget the prefix cache if `model_state` says the model changed since the last check; returns
@@ -327,6 +356,7 @@ class Engine:
             "prefix_cache_queried_tokens": cache.queried_tokens,
             "prefix_cache_hit_tokens": cache.hit_tokens,
             "prefix_cache_hit_rate": cache.hit_rate,
+            **speculative_stats(self.scheduler),
         }
 
     def __repr__(self) -> str:

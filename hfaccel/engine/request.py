@@ -134,6 +134,13 @@ class Request:
     # same tokens whatever the batch, the prefix cache or a preemption (recomputation draws nothing).
     seed: int | None = None
     generator: Any = field(default=None, repr=False)
+    # Speculative decoding: the drafts the next step verifies (not part of the tokens yet), whether this
+    # request still speculates (opt-out, or turned off for low acceptance), and its counters.
+    spec_token_ids: list[int] = field(default_factory=list)
+    speculate: bool = True
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_steps: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -84,7 +84,8 @@ class ModelRunner:
         self._host = {
             "input_ids": torch.zeros((1, max_num_tokens), dtype=torch.long, pin_memory=pin),
             "positions": torch.zeros((1, max_num_tokens), dtype=torch.long, pin_memory=pin),
-            "logits_indices": torch.zeros((max_num_seqs,), dtype=torch.long, pin_memory=pin),
+            # Sampled rows: one per sequence, or 1 + k for a sequence verifying k drafts.
+            "logits_indices": torch.zeros((max_num_tokens,), dtype=torch.long, pin_memory=pin),
         }
         self._dev = (
             self._host

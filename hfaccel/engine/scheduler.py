@@ -51,6 +51,7 @@ class Scheduler:
         # The current step's choices so far (request, tokens); the engine clears it when the step is done.
         self.scheduled: list[tuple[Request, int]] = []
         self._next_priority = 0
+        self.spec_drafted = self.spec_accepted = self.spec_steps = 0  # speculative totals
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -137,17 +138,38 @@ class Scheduler:
         chosen.sort(key=lambda pair: pair[1] != 1)  # one-token sequences first (stable)
         return ScheduledStep([r for r, _ in chosen], [n for _, n in chosen])
 
-    def update(self, step: ScheduledStep, sampled: list[Request], token_ids: list[int]) -> list[Request]:
+    def update(
+        self, step: ScheduledStep, sampled: list[Request], token_ids: list[int] | list[list[int]]
+    ) -> list[Request]:
         """Advance the computed tokens, record sampled tokens, and retire finished requests.
 
+        `token_ids` has one token per sampled request, or a list per request: the tokens a verification
+        emitted (its accepted drafts, then one more). Rejected drafts are rolled back: their KV is not
+        counted as computed, and the lookahead blocks past what the request now needs are freed.
         Returns the requests that finished in this step.
         """
+        emitted = {id(r): t if isinstance(t, list) else [t] for r, t in zip(sampled, token_ids)}
         for request, count in zip(step.requests, step.num_tokens):
+            drafts = len(request.spec_token_ids)
+            if drafts and count == 1 + drafts:  # a verification: keep the accepted drafts' KV only
+                accepted = len(emitted.get(id(request), [None])) - 1
+                count = 1 + accepted
+                request.spec_drafted += drafts
+                request.spec_accepted += accepted
+                request.spec_steps += 1
+                self.spec_drafted += drafts
+                self.spec_accepted += accepted
+                self.spec_steps += 1
+            request.spec_token_ids = []
             request.num_computed_tokens += count
+            self.block_manager.trim(request, request.num_computed_tokens)
             self.block_manager.cache_full_blocks(request)
         now = time.perf_counter()
-        for request, token_id in zip(sampled, token_ids):
-            request.append_token(token_id, self.max_model_len, now)
+        for request, tokens in zip(sampled, (emitted[id(r)] for r in sampled)):
+            for token_id in tokens:
+                request.append_token(token_id, self.max_model_len, now)
+                if request.is_finished:  # a stop inside the accepted drafts: the rest is dropped
+                    break
         finished = self.running.filter(lambda r: not r.is_finished)
         for request in finished:
             self.block_manager.free(request)
@@ -157,10 +179,14 @@ class Scheduler:
     # ----------------------------------------------------------------- internals
 
     def _chunk(self, request: Request, budget: int) -> int:
-        """Tokens `request` may compute this step within `budget` (0: not this step)."""
+        """Tokens `request` may compute this step within `budget` (0: not this step). A decoding request
+        computes its last token plus its drafts (as many as the budget leaves room for)."""
         remaining = request.num_uncomputed_tokens
         if remaining == 1:
-            return 1 if budget >= 1 else 0
+            if budget < 1:
+                return 0
+            del request.spec_token_ids[budget - 1 :]
+            return 1 + len(request.spec_token_ids)
         if not self.config.chunked_prefill:
             return remaining if remaining <= budget else 0
         cap = self.config.long_prefill_token_threshold or remaining
@@ -187,10 +213,17 @@ class Scheduler:
                     budget -= count
         preempted = False
         granted: set[int] = set()
+        slot = {id(r): i for i, (r, _) in enumerate(planned)}
         for request, count in sorted(planned, key=lambda pair: _priority(pair[0])):
             if request.status is not RequestStatus.RUNNING:  # preempted for an older request
                 continue
             while not self.block_manager.allocate(request, count):
+                if request.spec_token_ids:  # drop the drafts before preempting anyone for their lookahead
+                    request.spec_token_ids.clear()
+                    budget += count - 1
+                    count = 1
+                    planned[slot[id(request)]] = (request, 1)
+                    continue
                 victim = self.running.requests[-1]  # the newest: never older than `request`
                 self.preempt(victim)
                 preempted = True
@@ -296,6 +329,7 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -16,11 +16,17 @@ SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
 
 
 class EngineMachine(RuleBasedStateMachine):
+    extra_config: dict = {}
+
     def __init__(self):
         super().__init__()
         # 24 blocks of 4 tokens: small enough that admission waits and preemption happens.
         config = EngineConfig(
-            block_size=4, max_num_seqs=6, max_num_batched_tokens=16, kv_cache_memory=24 * 1024
+            block_size=4,
+            max_num_seqs=6,
+            max_num_batched_tokens=16,
+            kv_cache_memory=24 * 1024,
+            **self.extra_config,
         )
         self.engine = Engine(MODEL, config)
         assert self.engine.num_blocks == 24
@@ -130,3 +136,21 @@ class EngineMachine(RuleBasedStateMachine):
 
 TestEngineMachine = EngineMachine.TestCase
 TestEngineMachine.settings = settings(max_examples=40, stateful_step_count=40, deadline=None)
+
+
+class SpeculativeEngineMachine(EngineMachine):
+    """The same machine with n-gram speculation on, plus a rule that plants random drafts (mostly
+    rejected): lookahead allocation and rollback must keep every invariant."""
+
+    extra_config = {"speculative": "ngram", "num_speculative_tokens": 3}
+
+    @rule(seed=st.integers(0, 10**6), k=st.integers(1, 3))
+    def plant_drafts(self, seed, k):
+        g = torch.Generator().manual_seed(seed)
+        for request in self.engine.scheduler.running:
+            if request.num_uncomputed_tokens == 1 and not request.is_finished:
+                request.spec_token_ids = torch.randint(3, 256, (k,), generator=g).tolist()
+
+
+TestSpeculativeEngineMachine = SpeculativeEngineMachine.TestCase
+TestSpeculativeEngineMachine.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)

@@ -6,42 +6,10 @@ never changes what is emitted (verification does), only how many tokens a step y
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Any
 
 from hfaccel.engine.request import Request
 from hfaccel.engine.speculative.ngram import propose_ngram
-
-
-@dataclass
-class SpeculativeStats:
-    """Drafting counters of one request (or a whole run)."""
-
-    steps: int = 0  # verification steps with at least one draft
-    drafted: int = 0
-    accepted: int = 0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Mean drafts kept per verification step."""
-        return self.accepted / self.steps if self.steps else 0.0
-
-    def record(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.steps += 1
-            self.drafted += drafted
-            self.accepted += accepted
-
-    def as_dict(self) -> dict[str, float]:
-        return {
-            "spec_drafted": self.drafted,
-            "spec_accepted": self.accepted,
-            "spec_acceptance_rate": self.acceptance_rate,
-            "spec_mean_accepted_length": self.mean_accepted_length,
-        }
 
 
 class NgramProposer:
@@ -59,3 +27,24 @@ class NgramProposer:
             propose_ngram(r.all_token_ids, k, self.max_n, self.min_n) if k > 0 else []
             for r, k in zip(requests, budgets)
         ]
+
+
+def make_proposer(config: Any) -> NgramProposer | None:
+    """The draft source an `EngineConfig` asks for (None: no speculation)."""
+    if config.speculative is None:
+        return None
+    if config.speculative == "ngram":
+        return NgramProposer()
+    raise ValueError(f"unknown speculative method {config.speculative!r}")
+
+
+def speculative_stats(source: Any) -> dict[str, float]:
+    """Drafted / accepted counters of a request or a scheduler, with the acceptance rate and the mean
+    number of drafts kept per verification step."""
+    drafted, accepted, steps = source.spec_drafted, source.spec_accepted, source.spec_steps
+    return {
+        "spec_drafted": drafted,
+        "spec_accepted": accepted,
+        "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "spec_mean_accepted_length": accepted / steps if steps else 0.0,
+    }

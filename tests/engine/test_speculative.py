@@ -1,0 +1,144 @@
+"""Speculative decoding inside the continuous batch: greedy output identical to decoding one token at a
+time, sampled output distributed as the target's, drafts rolled back without a leaked block."""
+
+import pytest
+import torch
+
+import hfaccel
+from tests.helpers import FAMILIES, hf_greedy, tiny_model, varied_prompts
+
+
+def copy_prompts(count=8, seed=3):
+    """Prompts that repeat themselves: their continuations copy earlier text, so lookup drafts hit."""
+    return [(p * 4)[:96] for p in varied_prompts(count, seed=seed)]
+
+
+def run(model, prompts, **kwargs):
+    config = {
+        k: kwargs.pop(k) for k in list(kwargs) if k in ("speculative", "num_speculative_tokens", "block_size")
+    }
+    hfaccel.patch(model, **config)
+    try:
+        out = hfaccel.generate(model, prompts, progress=False, **kwargs)
+        return out, model._hfaccel.engine.stats()
+    finally:
+        hfaccel.unpatch(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_with_ngram_speculation_equals_hf(family):
+    model = tiny_model(family)
+    prompts = copy_prompts()
+    out, stats = run(model, prompts, speculative="ngram", num_speculative_tokens=4, max_new_tokens=20)
+    for completion, prompt in zip(out, prompts):
+        assert completion.token_ids == hf_greedy(model, prompt, 20)
+    assert stats["spec_drafted"] > 0 and stats["spec_accepted"] > 0
+    assert stats["kv_blocks_used"] == 0
+    drafted = [c for c in out if "spec_drafted" in c.metrics]
+    assert drafted and all(0 <= c.metrics["spec_acceptance_rate"] <= 1 for c in drafted)
+
+
+def test_speculation_respects_eos_and_max_new_tokens():
+    model = tiny_model("llama")
+    prompts = copy_prompts(6, seed=9)
+    plain, _ = run(model, prompts, max_new_tokens=7, eos_token_id=[5, 9, 17, 200])
+    spec, _ = run(
+        model,
+        prompts,
+        speculative="ngram",
+        num_speculative_tokens=4,
+        max_new_tokens=7,
+        eos_token_id=[5, 9, 17, 200],
+    )
+    assert [c.token_ids for c in spec] == [c.token_ids for c in plain]
+    assert [c.finish_reason for c in spec] == [c.finish_reason for c in plain]
+    assert all(len(c.token_ids) <= 7 for c in spec)
+
+
+@pytest.mark.slow
+def test_greedy_with_speculation_equals_hf_on_smollm2(smollm2):
+    model, tokenizer = smollm2
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    prompts = [[{"role": "user", "content": f"Repeat exactly: {text}"}]]
+    plain = hfaccel.generate(model, prompts, tokenizer=tokenizer, max_new_tokens=40, progress=False)
+    spec, stats = run(model, [list(plain[0].prompt_token_ids)], speculative="ngram", max_new_tokens=40)
+    assert spec[0].token_ids == plain[0].token_ids
+    assert stats["spec_accepted"] > 0
+
+
+def _warped_probs(model, ids, top_k):
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].float()
+    cut = logits.topk(top_k).values[-1]
+    return torch.softmax(logits.masked_fill(logits < cut, -float("inf")), dim=-1)
+
+
+def test_sampled_speculation_follows_the_target_distribution():
+    """The second sampled token (the first that goes through verification) against its exact marginal
+    distribution under the target: total variation, against the null distribution of that distance for
+    the same number of exact draws (as the plain sampler's test does)."""
+    model = tiny_model("llama", seed=4)
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]  # lookup proposes 9, 7, 8 ...
+    top_k = 6
+    first = _warped_probs(model, prompt, top_k)
+    exact = torch.zeros_like(first)
+    for token in first.nonzero().flatten().tolist():
+        exact += first[token] * _warped_probs(model, prompt + [token], top_k)
+    n = 2000
+    # Draft the token with the largest marginal mass (often accepted, often not): the acceptance rule,
+    # not the draft source, is what decides the distribution here.
+    likely = int(exact.argmax())
+
+    class FixedProposer:
+        def propose(self, requests, budgets):
+            return [[likely] * min(k, 2) for k in budgets]
+
+    hfaccel.patch(model, speculative="ngram", num_speculative_tokens=3)
+    try:
+        model._hfaccel.get_engine(model).proposer = FixedProposer()
+        spec = hfaccel.generate(
+            model,
+            [prompt] * n,
+            seed=7,
+            progress=False,
+            do_sample=True,
+            top_k=top_k,
+            max_new_tokens=4,
+            min_new_tokens=4,
+        )
+        stats = model._hfaccel.engine.stats()
+    finally:
+        hfaccel.unpatch(model)
+    assert 0.05 < stats["spec_acceptance_rate"] < 0.95, stats
+
+    def distance(counts):
+        return 0.5 * float((counts / n - exact).abs().sum())
+
+    observed = distance(torch.bincount(torch.tensor([c.token_ids[1] for c in spec]), minlength=len(exact)))
+    g = torch.Generator().manual_seed(0)
+    null = [
+        distance(
+            torch.bincount(torch.multinomial(exact, n, replacement=True, generator=g), minlength=len(exact))
+        )
+        for _ in range(200)
+    ]
+    assert observed < max(null) * 1.15, (observed, max(null))
+
+
+def test_low_acceptance_turns_speculation_off_for_that_request():
+    from hfaccel import EngineConfig
+    from hfaccel.engine.engine import Engine
+    from hfaccel.engine.request import StoppingParams
+
+    model = tiny_model("llama")
+    config = EngineConfig(speculative="ngram", num_speculative_tokens=4, speculative_min_acceptance=0.99)
+    engine = Engine(model, config)
+    prompts = [(p * 3)[:60] for p in varied_prompts(4, seed=5)]
+    requests = [engine.make_request(p, StoppingParams(max_new_tokens=60, min_new_tokens=60)) for p in prompts]
+    engine.run(requests)
+    stopped = [r for r in requests if not r.speculate]
+    assert stopped, "no request stopped speculating"
+    for request in stopped:
+        assert request.spec_drafted >= 16 and request.spec_accepted < 0.99 * request.spec_drafted
+        assert request.spec_drafted <= 16 + 4 * 2  # it stopped soon after the threshold was reached
+    assert engine.block_manager.num_used_blocks == 0
