@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-SUITES = ("offline", "prefix", "chunked", "batching", "concurrency", "step", "kernels")
+SUITES = ("offline", "prefix", "chunked", "batching", "concurrency", "speculative", "step", "kernels")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(SUITES),
         help="comma-separated: offline (vs HF), prefix (caching on/off), chunked (prefill chunking on/off), "
         "batching (static/dynamic/continuous), concurrency (many callers: HF vs hfaccel generate per thread), "
-        "step (decode step vs HF and the matmul floor), kernels (attention backends that run natively here)",
+        "speculative (prompt-lookup drafts on/off), step (decode step vs HF and the matmul floor), kernels "
+        "(attention backends that run natively here)",
     )
     bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
     bench.add_argument("--num-requests", type=int, default=32)
@@ -120,6 +121,10 @@ def run_bench(args: argparse.Namespace) -> None:
             requests_per_caller=args.requests_per_caller,
             max_new_tokens=args.concurrency_new_tokens,
         )
+    if "speculative" in suites:
+        from hfaccel.bench.speculative import run_speculative_benchmark
+
+        run_speculative_benchmark(model, tokenizer)
 
 
 if __name__ == "__main__":

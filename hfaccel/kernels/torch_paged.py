@@ -42,7 +42,13 @@ class TorchMetadata:
 
     common: AttentionMetadata
     decode_blocks: torch.Tensor | None = None  # [num_decodes * nb] block ids, nb = longest context's blocks
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, nb * block_size]: True where context
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, Q, nb * block_size]: True where visible
+    # Decode rows with up to Q > 1 queries (speculative verification): each sequence's queries padded to
+    # Q (`decode_query_index` into the packed tokens), and where the real rows' outputs go.
+    decode_queries: int = 1
+    decode_query_index: torch.Tensor | None = None  # [num_decodes * Q]
+    decode_out_src: torch.Tensor | None = None  # rows of the [num_decodes * Q] output that are real
+    decode_out_dst: torch.Tensor | None = None  # their packed token index
     prefills: list[PrefillSpan] = field(default_factory=list)
     write_slots: torch.Tensor | None = None  # slot_mapping with padding sent to the scratch block
 
@@ -79,10 +85,32 @@ class TorchMetadataBuilder(MetadataBuilder):
         if num_decodes:
             # Gather whole blocks (contiguous rows of block_size * Hkv * D), not single slots: far faster.
             lens = layout.seq_lens[:num_decodes]
+            queries = layout.query_lens[:num_decodes]
             nb = -(-max(lens) // block_size)
             meta.decode_blocks = block_tables[:num_decodes, :nb].reshape(-1).long()
-            seen = torch.tensor(lens, device=device)
-            meta.decode_mask = (self._positions[None, : nb * block_size] < seen[:, None])[:, None, None, :]
+            slots = self._positions[: nb * block_size]
+            q_max = max(queries)
+            if q_max == 1:
+                seen = torch.tensor(lens, device=device)
+                meta.decode_mask = (slots[None, :] < seen[:, None])[:, None, None, :]
+            else:
+                index, last_position, src, dst = [], [], [], []
+                start = 0
+                for b, (q, length) in enumerate(zip(queries, lens)):
+                    for i in range(q_max):
+                        j = min(i, q - 1)  # padding rows repeat the last query; their output is dropped
+                        index.append(start + j)
+                        last_position.append(length - q + j)
+                        if i < q:
+                            src.append(b * q_max + i)
+                            dst.append(start + i)
+                    start += q
+                visible = torch.tensor(last_position, device=device).view(num_decodes, q_max)
+                meta.decode_mask = (slots[None, None, :] <= visible[:, :, None])[:, None]
+                meta.decode_queries = q_max
+                meta.decode_query_index = torch.tensor(index, device=device)
+                meta.decode_out_src = torch.tensor(src, device=device)
+                meta.decode_out_dst = torch.tensor(dst, device=device)
         start = common.num_decode_tokens
         tables = block_tables.long()
         for i in range(num_decodes, common.num_seqs):
@@ -108,7 +136,7 @@ class TorchPagedAttention(AttentionBackend):
         head_dims=None,
         devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
         cuda_graph_decode=False,  # gather sizes follow the longest context: not one shape per bucket
-        decode_query_len=1,
+        decode_query_len=8,  # verification rows of 1 + k tokens (k <= 7) share the batched decode call
     )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
@@ -169,7 +197,11 @@ def attend(
     )
     if meta.decode_blocks is not None:  # padded sequences are skipped: their rows stay zero
         d = common.num_decodes
-        out[:d] = _decode(query[:d], k_cache, v_cache, meta, scale)
+        if meta.decode_queries == 1:
+            out[:d] = _decode(query[:d], k_cache, v_cache, meta, scale)
+        else:
+            rows = _decode(query.index_select(0, meta.decode_query_index), k_cache, v_cache, meta, scale)
+            out.index_copy_(0, meta.decode_out_dst, rows.index_select(0, meta.decode_out_src))
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     for span in meta.prefills:
@@ -190,14 +222,21 @@ def attend(
 def _decode(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TorchMetadata, scale: float
 ) -> torch.Tensor:
-    # Query heads sharing a KV head become rows of one [Hkv, rep] group: no repeat of K/V is needed.
-    num_seqs, num_heads, head_dim = query.shape
+    """``query`` ``[B * Q, Hq, D]`` (Q queries per sequence) over each sequence's gathered blocks."""
+    # Query heads sharing a KV head become rows of one [Hkv, rep * Q] group: no repeat of K/V is needed.
+    rows, num_heads, head_dim = query.shape
+    q_len = meta.decode_queries
+    num_seqs = rows // q_len
     num_kv_heads = k_cache.shape[2]
-    q = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    rep = num_heads // num_kv_heads
+    q = query.view(num_seqs, q_len, num_kv_heads, rep, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, num_kv_heads, rep * q_len, head_dim)
     shape = (num_seqs, -1, num_kv_heads, head_dim)
     k = (
         k_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
     )  # [B, Hkv, S, D]
     v = v_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scale)
-    return o.reshape(num_seqs, num_heads, head_dim)
+    mask = meta.decode_mask if q_len == 1 else meta.decode_mask.repeat(1, 1, rep, 1)  # rows: (rep, Q)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, rep * Q, D]
+    o = o.view(num_seqs, num_kv_heads, rep, q_len, head_dim).permute(0, 3, 1, 2, 4)
+    return o.reshape(rows, num_heads, head_dim)

@@ -25,14 +25,14 @@ def dense_reference(q, k, v, scale):
     return out.transpose(0, 1)
 
 
-def run_step(seqs, dtype, seed=0):
+def run_step(seqs, dtype, seed=0, decode_query_len=1):
     """seqs: list of (context_before, new_tokens). Returns packed output and the per-seq references."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = 64
     k_cache = torch.zeros(num_blocks, BLOCK, HKV, D, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(num_blocks, generator=g).tolist()
-    order = sorted(range(len(seqs)), key=lambda i: seqs[i][1] != 1)
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i][1] > decode_query_len)
     queries, keys, values, slots, qsl, lens, tables, refs = [], [], [], [], [0], [], [], []
     for i in order:
         before, new = seqs[i]
@@ -57,7 +57,7 @@ def run_step(seqs, dtype, seed=0):
         seq_lens=lens,
         block_tables=tables,
         slot_mapping=slots,
-        num_decodes=sum(1 for s in seqs if s[1] == 1),
+        num_decodes=sum(1 for s in seqs if s[1] <= decode_query_len),
     )
     backend = TorchPagedAttention()
     builder = backend.make_builder(8, 64, 16, BLOCK, torch.device("cpu"), num_blocks=num_blocks)
@@ -83,6 +83,15 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 )
 def test_matches_dense_causal_attention(seqs, dtype):
     out, ref = run_step(seqs, dtype)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_query_decode_rows_match_dense_causal_attention(dtype):
+    """Verification rows (1 + k queries continuing a context) on the batched decode path, mixed with
+    one-query decodes, a short fresh prompt and a long prefill."""
+    seqs = [(10, 3), (20, 5), (4, 1), (0, 2), (7, 12)]
+    out, ref = run_step(seqs, dtype, decode_query_len=8)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
