@@ -20,7 +20,7 @@ from hfaccel.config import EngineConfig
 from hfaccel.engine.loop import Submission, Update
 from hfaccel.engine.request import Request
 from hfaccel.engine.speculative.proposer import speculative_stats
-from hfaccel.patches.attention import register_attention
+from hfaccel.patches.attention import register_attention, restore_attention
 from hfaccel.patches.generate import PatchState, fall_back, patched_generate
 from hfaccel.patches.models import check_model
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
@@ -132,6 +132,7 @@ def unpatch(model: Any) -> Any:
     else:
         model.generate = state.instance_generate
     state.release("hfaccel.unpatch released the engine")
+    restore_attention(model)
     return model
 
 
