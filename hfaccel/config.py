@@ -61,6 +61,9 @@ class EngineConfig:
         num_speculative_tokens: drafted tokens verified per request per step (k).
         speculative_min_acceptance: a request stops speculating once it has had 16+ drafts and accepted
             less than this share of them (drafts that keep failing only cost compute).
+        num_microbatches: split each step into up to this many microbatches of whole sequences, each
+            run through the model on its own (pipeline parallelism overlaps them across stages; on one
+            process they run in turn).
         group_by_length: admit waiting prompts of similar length together (shortest first within a
             window of ``max_num_seqs`` waiting requests).
     """
@@ -84,6 +87,7 @@ class EngineConfig:
     speculative: str | None = None
     num_speculative_tokens: int = 4
     speculative_min_acceptance: float = 0.25
+    num_microbatches: int = 1
     cuda_graphs: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None
 
@@ -132,6 +136,7 @@ class EngineConfig:
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
         _require_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        _require_positive_int("num_microbatches", self.num_microbatches)
         minimum = self.speculative_min_acceptance
         if isinstance(minimum, bool) or not isinstance(minimum, (int, float)) or not 0 <= minimum <= 1:
             raise ValueError(f"speculative_min_acceptance must be in [0, 1], got {minimum!r}")

@@ -33,10 +33,41 @@ _FAMILIES = {
 }
 FAMILIES = tuple(_FAMILIES)
 
+# Mixture-of-experts families: 4 experts, 2 per token (Qwen2-MoE with a shared expert too).
+_MOE_FAMILIES = {
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 64,
+        },
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16},
+    ),
+}
+MOE_FAMILIES = tuple(_MOE_FAMILIES)
+
 
 def tiny_model(family: str = "llama", seed: int = 0, layers: int = 2, max_positions: int = 512):
     """A small random decoder (GQA: 4 query heads, 2 KV heads) in float32, eval mode."""
-    config_cls, model_cls, extra = _FAMILIES[family]
+    if family in _MOE_FAMILIES:
+        import transformers
+
+        config_name, model_name, extra = _MOE_FAMILIES[family]
+        config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
+    else:
+        config_cls, model_cls, extra = _FAMILIES[family]
     config = config_cls(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -56,7 +87,7 @@ def tiny_model(family: str = "llama", seed: int = 0, layers: int = 2, max_positi
     # Larger weights than the default init: logits with clear winners, so greedy paths are not all ties.
     with torch.no_grad():
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # MoE experts are stored as 3-D tensors
                 p.normal_(0.0, 0.08)
     return model
 

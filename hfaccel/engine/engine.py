@@ -72,6 +72,7 @@ class Engine:
             compile_mode=resolve_compile_mode(self.config.compile, self.device),
             cuda_graphs=self._use_cuda_graphs(backend),
             decode_buckets=self.config.decode_buckets,
+            num_microbatches=self.config.num_microbatches,
         )
         self.warmup_seconds: float | None = None
         self.proposer = make_proposer(self.config)

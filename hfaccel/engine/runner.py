@@ -9,6 +9,7 @@ and, through the backend's builder, the attention metadata. The model is reached
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -17,6 +18,7 @@ from tqdm.auto import tqdm
 from hfaccel.engine.batch import PackedStep
 from hfaccel.engine.decode_buckets import CapturedDecodeGraphs, GraphKey, choose_bucket, warmup_layout
 from hfaccel.engine.executor import ModelExecutor
+from hfaccel.engine.microbatch import split_microbatches
 from hfaccel.kernels.context import ForwardContext, forward_context
 from hfaccel.kernels.metadata import AttentionBackend
 
@@ -38,6 +40,7 @@ class ModelRunner:
         cuda_graphs: bool = False,
         decode_buckets: tuple[int, ...] = (),
         compile_dynamic: bool = True,
+        num_microbatches: int = 1,
     ) -> None:
         if compile_mode not in ("off", "decode", "all"):
             raise ValueError(f"compile_mode must be 'off', 'decode' or 'all', got {compile_mode!r}")
@@ -46,6 +49,8 @@ class ModelRunner:
                 f"cuda_graphs=True is not possible here: {self._no_graphs_reason(executor, backend)}"
             )
         self.executor = executor
+        self.num_microbatches = num_microbatches
+        self.microbatch_log: deque[list[int]] = deque(maxlen=1000)  # sequences per microbatch, per split step
         self.compile_mode = compile_mode
         self.cuda_graphs = cuda_graphs
         self.compile_dynamic = compile_dynamic
@@ -129,6 +134,17 @@ class ModelRunner:
         replayed graph); any other step runs eager, or compiled with a dynamic token count under
         ``compile="all"``. `bucket` forces the padding (warm-up).
         """
+        if self.num_microbatches > 1 and bucket is None and packed.layout.num_seqs > 1:
+            parts = split_microbatches(
+                packed, self.num_microbatches, self.backend.capabilities.decode_query_len
+            )
+            if len(parts) > 1:
+                self.microbatch_log.append([len(p.layout.query_lens) for p in parts])
+                # Each part runs alone; clone: a replayed graph's output buffer is reused by the next part.
+                return torch.cat([self._run_one(part, None).clone() for part in parts])
+        return self._run_one(packed, bucket)
+
+    def _run_one(self, packed: PackedStep, bucket: int | None) -> torch.Tensor:
         if self._copied is not None:
             self._copied.synchronize()
         if bucket is None and self.decode_buckets:

@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"})
 
 
 def check_model(model: torch.nn.Module) -> None:
