@@ -22,7 +22,7 @@ from hfaccel.engine.request import Request
 from hfaccel.engine.speculative.proposer import speculative_stats
 from hfaccel.patches.attention import register_attention, restore_attention
 from hfaccel.patches.generate import PatchState, fall_back, patched_generate
-from hfaccel.patches.models import check_model
+from hfaccel.patches.models import check_model, window_reason
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 from hfaccel.patches.pipeline import install_pipeline_batching
 
@@ -483,6 +483,12 @@ def _plan(
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     reason = unsupported_reason(prepared)
+    if reason is None:
+        model._prepare_special_tokens(prepared, True, device=device)  # one unpadded row: no mask needed
+        stopping, sampling = request_params(
+            model, prepared, input_ids, has_default_max, has_default_min, tokenizer, output_logprobs=logprobs
+        )
+        reason = window_reason(model, len(ids) + stopping.max_new_tokens)
     if reason is not None:
         fall_back(state, reason)
         output = state.run_original(input_ids, generation_config=copy.deepcopy(prepared), tokenizer=tokenizer)
@@ -490,10 +496,6 @@ def _plan(
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         rows = [row[len(ids) :].tolist() for row in output]
         return [_Done(ids, new, "stop" if new and new[-1] in eos_ids else "length") for new in rows]
-    model._prepare_special_tokens(prepared, True, device=device)  # one unpadded row: no mask needed
-    stopping, sampling = request_params(
-        model, prepared, input_ids, has_default_max, has_default_min, tokenizer, output_logprobs=logprobs
-    )
     if stopping.max_new_tokens <= 0:
         return [_Done(ids) for _ in range(copies)]
     engine = state.get_engine(model)

@@ -23,6 +23,7 @@ from hfaccel.config import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.loop import EngineLoop, LoopClosed
 from hfaccel.engine.request import Request
+from hfaccel.patches.models import window_reason
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 
 # Arguments of HF generate that the engine does not serve, with the reason shown to the user.
@@ -158,6 +159,12 @@ def patched_generate(
             f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
         )
     stopping, sampling = request_params(self, config, input_ids, has_default_max, has_default_min, tokenizer)
+    reason = None if is_left_padding(attention_mask) else "an attention mask that is not left padding"
+    longest = int(attention_mask.sum(dim=1).max()) + stopping.max_new_tokens
+    reason = reason or window_reason(self, longest)
+    if reason is not None:  # HF keeps masked positions in place; past a sliding window attention differs
+        fall_back(state, reason)
+        return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
     prompts = input_ids.repeat_interleave(copies, dim=0)
     if stopping.max_new_tokens <= 0:
         return _output(config, prompts, [])
@@ -185,6 +192,12 @@ def _stream_one(loop: EngineLoop, request: Request, input_ids: torch.Tensor, str
                     streamer.put(torch.tensor([token]))
     finally:
         streamer.end()
+
+
+def is_left_padding(attention_mask: torch.Tensor) -> bool:
+    """Whether every row of a 2-D mask is zeros then ones (left padding), with at least one token."""
+    mask = attention_mask.bool()
+    return bool((mask[:, 1:] >= mask[:, :-1]).all()) and bool(mask[:, -1].all())
 
 
 def _given(value: Any) -> bool:

@@ -33,6 +33,22 @@ def check_model(model: torch.nn.Module) -> None:
         )
 
 
+def sliding_window(model: torch.nn.Module) -> int | None:
+    """The attention window of a model whose layers use one (None: full attention)."""
+    config = model.config.get_text_config(decoder=True)
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window and getattr(config, "use_sliding_window", True) else None
+
+
+def window_reason(model: torch.nn.Module, longest: int) -> str | None:
+    """Why a sequence of `longest` tokens must go to HF: past the sliding window the paged kernels'
+    full attention would differ from the model's windowed attention (served up to the window only)."""
+    window = sliding_window(model)
+    if window is not None and longest > window:
+        return f"sequences longer than the model's sliding window ({window} tokens)"
+    return None
+
+
 def max_model_len(model: torch.nn.Module, requested: int | None) -> int:
     """Longest sequence the engine serves exactly for this model.
 
