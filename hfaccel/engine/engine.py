@@ -207,7 +207,11 @@ class Engine:
         packed = pack_step(step, self.config.block_size, self.runner.backend.capabilities.decode_query_len)
         logits = self.runner.run(packed)
         tokens = sample_step(logits, packed.sampled_requests, packed.rows_per_request)
+        kept = {id(r): list(r.block_ids) for r in step.requests if r.keep_kv}
         finished = self.scheduler.update(step, packed.sampled_requests, tokens)
+        for request in finished:  # freed just now, not reused yet: copy the KV out for the caller
+            if id(request) in kept:
+                request.kv_snapshot = self.runner.gather_kv(kept[id(request)], request.num_computed_tokens)
         if self.proposer is not None:
             self._propose()
         num_decode = sum(1 for n in step.num_tokens if n == 1)

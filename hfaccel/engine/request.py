@@ -136,6 +136,10 @@ class Request:
     generator: Any = field(default=None, repr=False)
     # Speculative decoding: the drafts the next step verifies (not part of the tokens yet), whether this
     # request still speculates (opt-out, or turned off for low acceptance), and its counters.
+    # return_dict_in_generate with a cache: the request's K/V per layer, ``[tokens, Hkv, D]``, copied out
+    # of its blocks when it finishes (before they can be reused).
+    keep_kv: bool = False
+    kv_snapshot: list[tuple[Any, Any]] | None = field(default=None, repr=False)
     spec_token_ids: list[int] = field(default_factory=list)
     speculate: bool = True
     spec_drafted: int = 0

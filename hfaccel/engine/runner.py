@@ -217,6 +217,16 @@ class ModelRunner:
             self.run(PackedStep([], [], [], [], warmup_layout()), bucket=bucket)
         return time.perf_counter() - start
 
+    def gather_kv(self, block_ids: list[int], num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the first `num_tokens` tokens' K and V, ``[num_tokens, Hkv, D]`` per layer."""
+        positions = torch.arange(num_tokens, device=self.device)
+        table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        return [
+            (k.view(-1, *k.shape[2:]).index_select(0, slots), v.view(-1, *v.shape[2:]).index_select(0, slots))
+            for k, v in self.kv_caches
+        ]
+
 
 def kv_bytes_per_token(executor: ModelExecutor, dtype: torch.dtype) -> int:
     """Bytes of K and V one token takes across all layers."""

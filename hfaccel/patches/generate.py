@@ -174,11 +174,13 @@ def patched_generate(
     requests = [
         loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, sampling) for i in range(len(rows))
     ]
+    for request in requests:  # HF returns the cache with return_dict_in_generate (and use_cache)
+        request.keep_kv = bool(config.return_dict_in_generate and config.use_cache is not False)
     if streamer is not None:
         _stream_one(loop, requests[0], input_ids, streamer)
     else:
         loop.run(requests, progress=state.progress)
-    return _output(config, prompts, requests)
+    return _output(config, prompts, requests, self)
 
 
 def _stream_one(loop: EngineLoop, request: Request, input_ids: torch.Tensor, streamer: Any) -> None:
@@ -205,11 +207,11 @@ def _given(value: Any) -> bool:
 
 
 def _output(
-    config: GenerationConfig, prompts: torch.Tensor, requests: list[Request]
+    config: GenerationConfig, prompts: torch.Tensor, requests: list[Request], model: Any = None
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """HF's layout: each prompt as given, its new tokens, right-padded with the pad id; and, for
     ``return_dict_in_generate``, per-step ``scores``/``logits`` of shape ``[B, V]`` (a row that had
-    already finished holds -inf there: it was not computed)."""
+    already finished holds -inf there: it was not computed) and ``past_key_values``."""
     pad = config._pad_token_tensor
     pad_id = int(pad.flatten()[0]) if pad is not None else 0
     width = max((len(r.output_token_ids) for r in requests), default=0)
@@ -221,11 +223,44 @@ def _output(
     sequences = out.to(prompts.device)
     if not config.return_dict_in_generate:
         return sequences
+    cache = None
+    if requests and all(r.kv_snapshot is not None for r in requests) and model is not None:
+        cache = _dynamic_cache(model, requests, prompts.shape[1], width, prompts.device)
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
         scores=_per_step(requests, "scores", width) if config.output_scores else None,
         logits=_per_step(requests, "logits", width) if config.output_logits else None,
+        past_key_values=cache,
     )
+
+
+def _dynamic_cache(model: Any, requests: list[Request], prompt_width: int, width: int, device: Any) -> Any:
+    """The `DynamicCache` HF's generate would return, gathered from the requests' paged KV: per layer
+    ``[B, Hkv, prompt_width + width - 1, D]``, each row's prompt right-aligned (left padding, as given)
+    and its generated tokens after it. Padding positions hold zeros (HF holds the pad tokens' KV there:
+    masked for the left padding; for a row that finished before the longest one, HF's cache has the
+    KV of the pad tokens it kept generating)."""
+    from transformers import DynamicCache
+
+    length = prompt_width + width - 1
+    cache = DynamicCache(config=model.config)
+    for layer in range(len(requests[0].kv_snapshot)):
+        k0 = requests[0].kv_snapshot[layer][0]
+        keys = torch.zeros(
+            (len(requests), k0.shape[1], length, k0.shape[2]), dtype=k0.dtype, device=k0.device
+        )
+        values = torch.zeros_like(keys)
+        for i, request in enumerate(requests):
+            k, v = request.kv_snapshot[layer]
+            prompt_len = len(request.prompt_token_ids)
+            start = prompt_width - prompt_len
+            count = min(k.shape[0], length - start)
+            keys[i, :, start : start + count] = k[:count].transpose(0, 1)
+            values[i, :, start : start + count] = v[:count].transpose(0, 1)
+        cache.update(keys.to(device), values.to(device), layer)
+    for request in requests:
+        request.kv_snapshot = None
+    return cache
 
 
 def _per_step(requests: list[Request], name: str, steps: int) -> tuple[torch.Tensor, ...]:

@@ -64,7 +64,9 @@ def test_sliding_window_models_past_the_window_fall_back_never_truncate():
     try:
         with pytest.warns(UserWarning, match="sliding window"):
             out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
-        completions = hfaccel.generate(model, [prompt], max_new_tokens=12, progress=False)  # warned once already
+        completions = hfaccel.generate(
+            model, [prompt], max_new_tokens=12, progress=False
+        )  # warned once already
     finally:
         hfaccel.unpatch(model)
     assert torch.equal(out, expected)
