@@ -28,6 +28,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -317,9 +318,24 @@ def _rowwise_forward(module: nn.Module, split: bool, tp: TPState, x: torch.Tenso
     return y if bias is None else y + bias
 
 
+# Collective calls and seconds spent in them (waiting for the other ranks included), for benchmarks.
+comm_stats = {"calls": 0, "seconds": 0.0}
+
+
+@contextmanager
+def _timed() -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        comm_stats["calls"] += 1
+        comm_stats["seconds"] += time.perf_counter() - start
+
+
 def _all_reduce(y: torch.Tensor, tp: TPState) -> torch.Tensor:
     y = y.contiguous()
-    dist.all_reduce(y, group=tp.group)
+    with _timed():
+        dist.all_reduce(y, group=tp.group)
     return y
 
 
@@ -328,7 +344,8 @@ def _reduce_scatter_tokens(y: torch.Tensor, tp: TPState) -> torch.Tensor:
     batch, tokens, *rest = y.shape
     full = y.reshape(batch * tokens, *rest).contiguous()
     out = full.new_empty((full.shape[0] // tp.size, *rest))
-    dist.reduce_scatter_tensor(out, full, group=tp.group)
+    with _timed():
+        dist.reduce_scatter_tensor(out, full, group=tp.group)
     return out.view(batch, tokens // tp.size, *rest)
 
 
@@ -336,5 +353,6 @@ def _gather_last(y: torch.Tensor, tp: TPState) -> torch.Tensor:
     """Every rank's last-dimension shard, concatenated in rank order."""
     y = y.contiguous()
     out = y.new_empty((tp.size * y.shape[0], *y.shape[1:]))  # ranks' tensors stacked on dimension 0
-    dist.all_gather_into_tensor(out, y, group=tp.group)
+    with _timed():
+        dist.all_gather_into_tensor(out, y, group=tp.group)
     return torch.cat(out.chunk(tp.size, dim=0), dim=-1)

@@ -193,7 +193,8 @@ def shard_model(
     )
     tied = _tied_embeddings(model)
     styles = torch_plan(model, plan, tp)
-    with torch.no_grad():
+    # Not inference tensors, even when patched under torch.inference_mode() (they track no version).
+    with torch.inference_mode(False), torch.no_grad():
         parallelize_module(model, mesh, styles)
         if runtime == "local":
             run_locally(model, styles, tp)

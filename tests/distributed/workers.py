@@ -47,13 +47,15 @@ def parity(
     prompts = varied_prompts(12)
     reference = _greedy_reference(unsharded, prompts)
     if runtime == "local":
-        hfaccel.patch(
-            model,
-            tensor_parallel_size=2,
-            sequence_parallel=sequence_parallel,
-            max_num_batched_tokens=16,
-            kv_cache_memory=SMALL_KV,
-        )
+        # Under inference_mode (as the demo patches): the shards must not become inference tensors.
+        with torch.inference_mode(sequence_parallel):
+            hfaccel.patch(
+                model,
+                tensor_parallel_size=2,
+                sequence_parallel=sequence_parallel,
+                max_num_batched_tokens=16,
+                kv_cache_memory=SMALL_KV,
+            )
     else:
         from hfaccel.patches.tp_plan import shard_model
 
