@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.hfaccel-installed
 # The CPU build of torch that lies on this machine's disk; a real user with torch already installed keeps theirs.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install demo test test-kernels test-compile lint bench clean
+.PHONY: install demo test test-kernels test-compile test-dist lint bench clean
 
 install: $(STAMP)
 
@@ -30,6 +30,11 @@ test-kernels: $(STAMP)
 # torch.compile of the decode step on every family and on SmolLM2 (a cold compile costs 10-30 s per graph).
 test-compile: $(STAMP)
 	HFACCEL_FULL_COMPILE_TESTS=1 $(PY) -m pytest tests/engine/test_compile.py -q
+
+# Tensor/sequence parallelism on every family, replicated KV heads, the DTensor runtime and a model sharded by
+# transformers (2 gloo processes per test; make test runs Llama TP and TP+SP and the refusals).
+test-dist: $(STAMP)
+	HFACCEL_FULL_DIST_TESTS=1 $(PY) -m pytest tests/distributed -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hfaccel tests examples
