@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.hfaccel-installed
 # The CPU build of torch that lies on this machine's disk; a real user with torch already installed keeps theirs.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install demo test test-kernels test-compile test-faults lint bench clean
+.PHONY: install demo test test-kernels test-compile test-faults test-dist lint bench clean
 
 install: $(STAMP)
 
@@ -34,6 +34,11 @@ test-compile: $(STAMP)
 # An exception at every line event of the reference engine steps (make test samples them).
 test-faults: $(STAMP)
 	HFACCEL_FULL_FAULT_TESTS=1 $(PY) -m pytest tests/engine/test_fault_injection.py -q
+
+# Tensor/sequence parallelism on every family, replicated KV heads, the DTensor runtime and a model sharded by
+# transformers (2 gloo processes per test; make test runs Llama TP and TP+SP and the refusals).
+test-dist: $(STAMP)
+	HFACCEL_FULL_DIST_TESTS=1 $(PY) -m pytest tests/distributed -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hfaccel tests examples

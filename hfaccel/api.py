@@ -25,6 +25,7 @@ from hfaccel.patches.generate import PatchState, fall_back, patched_generate
 from hfaccel.patches.models import check_model, window_reason
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 from hfaccel.patches.pipeline import install_pipeline_batching
+from hfaccel.patches.tp_plan import setup_tensor_parallel
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
@@ -85,6 +86,9 @@ def patch(
     *,
     strict: bool | None = None,
     progress: bool | None = None,
+    tensor_parallel_size: int | None = None,
+    device_mesh: Any = None,
+    sequence_parallel: bool | None = None,
     **overrides: Any,
 ) -> Any:
     """Make `model.generate` run on the hfaccel engine; returns the same model object.
@@ -95,9 +99,23 @@ def patch(
     back to the original ``generate`` with one warning, or raise ValueError with ``strict=True``.
     ``progress=True`` shows a progress bar inside ``model.generate``. Calling it again on a patched
     model updates only what is given. Unknown or invalid config values raise ValueError.
+
+    Tensor parallelism (docs/parallelism.md): ``tensor_parallel_size=N`` (or ``device_mesh=`` a 1-D
+    ``DeviceMesh``) shards the model in place over N processes from its transformers TP plan; every rank
+    runs the same script and makes the same calls. ``sequence_parallel=True`` also shards the tokens of
+    steps that hold prefill tokens. A model transformers sharded at load (``tp_plan="auto"``) is served
+    as it is. Refusals (sizes that do not divide the heads, no process group) raise ValueError before
+    anything is sharded.
     """
     state: PatchState | None = getattr(model, "_hfaccel", None)
+    parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
     if state is not None:
+        if any(p is not None for p in parallel):  # tensor parallelism is fixed at the first patch
+            if model.__dict__.get("_hfaccel_tp") is None:
+                raise ValueError("tensor parallelism is set at a model's first patch: unpatch it first")
+            setup_tensor_parallel(
+                model, *parallel, (config or state.config).with_overrides(**overrides).batching
+            )
         if config is not None or overrides:
             new_config = (config or state.config).with_overrides(**overrides)
             state.release("hfaccel.patch changed the engine config: its engine was rebuilt")
@@ -108,6 +126,7 @@ def patch(
         return model
     check_model(model)
     engine_config = (config or EngineConfig()).with_overrides(**overrides)
+    setup_tensor_parallel(model, *parallel, engine_config.batching)  # shards the model when N > 1
     register_attention()
     model._hfaccel = PatchState(
         config=engine_config,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
 import torch
 
-SUITES = ("offline", "prefix", "chunked", "batching", "concurrency", "speculative", "step", "kernels")
+SUITES = ("offline", "prefix", "chunked", "batching", "concurrency", "speculative", "step", "kernels", "tp")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -19,6 +20,12 @@ def main(argv: list[str] | None = None) -> None:
     demo = sub.add_parser("demo", help="answer chat prompts with SmolLM2 through hfaccel, and compare speed")
     demo.add_argument("--dtype", choices=_DTYPES, default="float32")
     demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the model over N processes: torchrun --nproc-per-node N -m hfaccel demo --tensor-parallel-size N",
+    )
     sub.add_parser(
         "doctor", help="what this machine can run, and a correctness check of every attention backend"
     )
@@ -30,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated: offline (vs HF), prefix (caching on/off), chunked (prefill chunking on/off), "
         "batching (static/dynamic/continuous), concurrency (many callers: HF vs hfaccel generate per thread), "
         "speculative (prompt-lookup drafts on/off), step (decode step vs HF and the matmul floor), kernels "
-        "(attention backends that run natively here)",
+        "(attention backends that run natively here), tp (TP=1 with 2 threads vs TP=2 with 1 thread each, 2 "
+        "gloo processes)",
     )
     bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
     bench.add_argument("--num-requests", type=int, default=32)
@@ -64,7 +72,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "demo":
         from hfaccel.bench.demo import run_demo
 
-        run_demo(dtype=_DTYPES[args.dtype], max_new_tokens=args.max_new_tokens)
+        # Under torchrun every rank runs the demo (the same calls); only rank 0 prints.
+        quiet = int(os.environ.get("RANK", "0")) != 0
+        with (
+            open(os.devnull, "w") as sink,
+            contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext(),
+        ):
+            run_demo(
+                dtype=_DTYPES[args.dtype],
+                max_new_tokens=args.max_new_tokens,
+                tensor_parallel_size=args.tensor_parallel_size,
+            )
     else:
         run_bench(args)
 
@@ -80,6 +98,13 @@ def run_bench(args: argparse.Namespace) -> None:
     if unknown:
         raise SystemExit(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
     dtype = _DTYPES[args.dtype]
+    if "tp" in suites:  # its own processes and its own SmolLM2-sized model (divisible heads)
+        from hfaccel.bench.parallel import run_parallel_benchmark
+
+        run_parallel_benchmark()
+        suites = [s for s in suites if s != "tp"]
+        if not suites:
+            return
     if "kernels" in suites:
         from hfaccel.bench.kernels import run_kernel_benchmark
 

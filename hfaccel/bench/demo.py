@@ -36,8 +36,13 @@ def _new_tokens(sequences: torch.Tensor, width: int, eos_id: int, pad_id: int) -
     return rows
 
 
-def run_demo(dtype: torch.dtype = torch.float32, max_new_tokens: int = 64) -> None:
-    """Answer the demo prompts with the patched model and compare tokens/s with HF generate."""
+def run_demo(
+    dtype: torch.dtype = torch.float32, max_new_tokens: int = 64, tensor_parallel_size: int = 1
+) -> None:
+    """Answer the demo prompts with the patched model and compare tokens/s with HF generate.
+
+    ``tensor_parallel_size=N`` (under ``torchrun --nproc-per-node N``) shards the model N ways when it is
+    patched (docs/parallelism.md); the HF baseline runs unsharded on every rank."""
     print("loading SmolLM2-135M-Instruct (embedded GGUF, offline)...")
     model, tokenizer = load_default_model(dtype)
     tokenizer.padding_side = "left"
@@ -54,7 +59,7 @@ def run_demo(dtype: torch.dtype = torch.float32, max_new_tokens: int = 64) -> No
         reference = model.generate(**args)
         timings["HF generate (one padded batch)"] = (time.perf_counter() - start, reference)
 
-        hfaccel.patch(model)
+        hfaccel.patch(model, tensor_parallel_size=tensor_parallel_size if tensor_parallel_size > 1 else None)
         model.generate(**{**args, "max_new_tokens": 2})  # builds the engine and its KV cache once
         start = time.perf_counter()
         ours = model.generate(**args)

@@ -57,6 +57,13 @@ class Engine:
         kv_dtype = self.config.kv_dtype(self.model_dtype)
         block_size = self.config.block_size
         backend = get_backend(self.config.backend, self.device, kv_dtype, self.executor.head_dim)
+        # --- tensor parallel (hfaccel/distributed/sync.py): ranks agree on the block count, check that each
+        # step is the same step on every rank, and take rank 0's sampled tokens. None in one process.
+        self.step_sync = getattr(self.executor, "step_sync", None)
+        if self.step_sync is not None:
+            self.step_sync.check_config(self.config)
+        token_padding = getattr(self.executor, "max_token_padding", 0)  # sequence-parallel prefill padding
+        # ---
         self.num_blocks = self._num_blocks(kv_bytes_per_token(self.executor, kv_dtype) * block_size)
         self.block_manager = BlockManager(self.num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config, self.max_model_len)
@@ -67,7 +74,7 @@ class Engine:
             block_size,
             kv_dtype,
             max_num_seqs=self.config.max_num_seqs,
-            max_num_tokens=max(self.config.max_num_batched_tokens, self.config.max_num_seqs),
+            max_num_tokens=max(self.config.max_num_batched_tokens, self.config.max_num_seqs) + token_padding,
             max_blocks_per_seq=blocks_for(self.max_model_len, block_size),
             compile_mode=resolve_compile_mode(self.config.compile, self.device),
             cuda_graphs=self._use_cuda_graphs(backend),
@@ -104,6 +111,8 @@ class Engine:
         # More blocks than max_num_seqs full-length sequences can never be used.
         useful = self.config.max_num_seqs * blocks_for(self.max_model_len, self.config.block_size)
         num_blocks = min(budget // bytes_per_block, useful)
+        if self.step_sync is not None:  # tensor parallel: the same blocks on every rank
+            num_blocks = self.step_sync.min_int(num_blocks)
         if num_blocks < 1:
             raise ValueError(
                 f"kv_cache_memory gives {budget} bytes, less than one KV block ({bytes_per_block} bytes); "
@@ -205,8 +214,12 @@ class Engine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = start
         packed = pack_step(step, self.config.block_size, self.runner.backend.capabilities.decode_query_len)
+        if self.step_sync is not None:  # tensor parallel: every rank runs this very step
+            self.step_sync.check_step(step, packed)
         logits = self.runner.run(packed)
         tokens = sample_step(logits, packed.sampled_requests, packed.rows_per_request)
+        if self.step_sync is not None:  # tensor parallel: rank 0's tokens everywhere
+            tokens = self.step_sync.agree_tokens(tokens)
         kept = {id(r): list(r.block_ids) for r in step.requests if r.keep_kv}
         finished = self.scheduler.update(step, packed.sampled_requests, tokens)
         for request in finished:  # freed just now, not reused yet: copy the KV out for the caller

@@ -153,6 +153,11 @@ class ModelRunner:
         # A dynamic-shape graph specialises sizes 0 and 1: pad its token and sampled-row counts to 2+.
         floor = 2 if compiled is not None and bucket is None else 0
         tokens = bucket or max(len(packed.input_ids), floor)
+        # Sequence parallel (hfaccel/patches/tp_executor.py): a step with prefill tokens is padded to a
+        # multiple of the TP size; padded tokens have slot -1 and belong to no sequence.
+        pad_tokens = getattr(self.executor, "pad_tokens", None)
+        if pad_tokens is not None and bucket is None:
+            tokens = pad_tokens(packed.layout, tokens)
         input_ids = self._stage("input_ids", packed.input_ids, tokens)
         positions = self._stage("positions", packed.positions, tokens)
         logits_indices = self._stage(

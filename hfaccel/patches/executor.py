@@ -72,4 +72,15 @@ def _attention_scale(model: Any, head_dim: int) -> float:
     return head_dim**-0.5
 
 
-register_executor_factory(HFExecutor)
+def make_hf_executor(model: Any) -> HFExecutor:
+    """The executor of an HF model: a `TPExecutor` when the model is tensor-parallel (sharded by
+    ``hfaccel.patch(..., tensor_parallel_size=N)`` or by transformers at load)."""
+    tp = model.__dict__.get("_hfaccel_tp")
+    if tp is not None:
+        from hfaccel.patches.tp_executor import TPExecutor
+
+        return TPExecutor(model, tp)
+    return HFExecutor(model)
+
+
+register_executor_factory(make_hf_executor)

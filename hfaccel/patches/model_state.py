@@ -94,7 +94,8 @@ class ModelStateTracker:
                 if child is not None and id(child) not in seen:
                     seen.add(id(child))
                     modules.append(child)
-        present = [t for t in tensors if t is not None]
+        # A DTensor (a tensor-parallel shard) is fingerprinted by its local tensor: the rank's own data.
+        present = [getattr(t, "_local_tensor", t) for t in tensors if t is not None]
         layout = tuple((id(t), t.data_ptr(), t.dtype, t.device, t.shape) for t in present)
         if layout != self._layout:
             self._plan = _sampling_plan(present, self.samples)

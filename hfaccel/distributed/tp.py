@@ -1,0 +1,358 @@
+"""Tensor parallelism (TP) and sequence parallelism (SP) for serving, on torch's DTensor.
+
+The model is sharded with ``torch.distributed.tensor.parallel.parallelize_module`` and torch's own
+styles (`ColwiseParallel`, `RowwiseParallel`, `PrepareModuleInput`, `PrepareModuleOutput`); which module
+gets which style comes from the model's Hugging Face plan (`hfaccel/patches/tp_plan.py`). Every style
+hands on local tensors (``use_local_output=True``), so an attention layer sees only its rank's heads and
+the paged KV cache holds only the rank's KV heads.
+
+Sequence parallelism shards the token dimension of the residual stream (the norms, the residual adds)
+between the attention and MLP blocks, and only in steps that hold prefill tokens: the seed's rule is
+that SP is invalid for single-token decode. So the SP styles here are *gated per step*: the executor
+decides, from the step's metadata, whether the step is a sequence-parallel one (`sequence_parallel_step`)
+and the styles consult that flag at every call (`sequence_parallel_active`). In a decode-only step they
+are pass-throughs and the model runs plain TP; in a prefill step the layouts change:
+
+    embed_tokens (vocab-sharded)   all-reduce -> Replicate        | reduce-scatter -> Shard(1) (tokens)
+    self_attn / mlp inputs         (already replicated)           | all-gather Shard(1) -> Replicate
+    o_proj / down_proj (rowwise)   all-reduce -> Replicate        | reduce-scatter -> Shard(1)
+    final norm output              (already replicated)           | all-gather Shard(1) -> Replicate
+
+(an all-reduce is a reduce-scatter plus an all-gather: SP moves the same bytes as TP, and the norms and
+residual adds run on 1/N of the tokens). A prefill step's packed tokens are padded to a multiple of N by
+the runner (padded tokens have slot -1: they write no KV and are read by nobody).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, RowwiseParallel
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+_local = threading.local()
+
+
+@dataclass
+class TPState:
+    """How a model is sharded: kept on the model (``model._hfaccel_tp``) for as long as it is sharded.
+
+    Attributes:
+        mesh: the 1-D device mesh of the tensor-parallel group.
+        size: ranks in the group (N).
+        rank: this process's rank within the group.
+        src: the global rank of the group's rank 0 (it samples for everyone).
+        sequence_parallel: shard the token dimension in prefill steps.
+        sharded_by: ``"hfaccel"`` (`parallelize_module` at patch time) or ``"transformers"`` (at load).
+        kv_replicated: KV heads fewer than N: each rank holds a copy of the KV head its query heads use.
+    """
+
+    mesh: Any
+    size: int
+    rank: int
+    src: int
+    sequence_parallel: bool
+    sharded_by: str
+    kv_replicated: bool = False
+
+    @property
+    def group(self) -> Any:
+        return self.mesh.get_group()
+
+
+# ----------------------------------------------------------------------------------- process group / mesh
+
+
+def tp_mesh(tensor_parallel_size: int | None, device_mesh: Any, device: torch.device) -> Any:
+    """The 1-D mesh to shard over: `device_mesh` itself, or one of `tensor_parallel_size` ranks.
+
+    Without a process group, one is started from torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``); with neither, ValueError. A world larger than N is split into groups of N
+    consecutive ranks (each group serves independently: data parallel replicas).
+    """
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise ValueError(
+                f"device_mesh must be a 1-D DeviceMesh (the tensor-parallel dimension), got {device_mesh.ndim}-D; "
+                "pass mesh['tp']"
+            )
+        if tensor_parallel_size is not None and tensor_parallel_size != device_mesh.size():
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} disagrees with the device_mesh of size "
+                f"{device_mesh.size()}"
+            )
+        return device_mesh
+    n = tensor_parallel_size
+    if not dist.is_initialized():
+        env = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        if not all(name in os.environ for name in env):
+            raise ValueError(
+                f"tensor_parallel_size={n} needs {n} processes: launch with `torchrun --nproc-per-node {n} ...` "
+                "or call torch.distributed.init_process_group first (no process group and no torchrun "
+                f"environment: {', '.join(name for name in env if name not in os.environ)} unset)"
+            )
+        world = int(os.environ["WORLD_SIZE"])
+        if n > world:
+            raise ValueError(f"tensor_parallel_size={n} is larger than the world ({world} processes)")
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    world = dist.get_world_size()
+    if n > world:
+        raise ValueError(f"tensor_parallel_size={n} is larger than the world ({world} processes)")
+    if world % n:
+        raise ValueError(f"tensor_parallel_size={n} does not divide the world size {world}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if n == world:
+        return init_device_mesh(device.type, (n,), mesh_dim_names=("tp",))
+    return init_device_mesh(device.type, (world // n, n), mesh_dim_names=("dp", "tp"))["tp"]
+
+
+def check_world_size(tensor_parallel_size: Any) -> None:
+    """A usable ``tensor_parallel_size`` (an int >= 1), or ValueError."""
+    n = tensor_parallel_size
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be a positive integer, got {n!r}")
+    if dist.is_initialized() and n > dist.get_world_size():
+        raise ValueError(
+            f"tensor_parallel_size={n} is larger than the world ({dist.get_world_size()} processes)"
+        )
+    if not dist.is_initialized() and "WORLD_SIZE" in os.environ and n > int(os.environ["WORLD_SIZE"]):
+        raise ValueError(
+            f"tensor_parallel_size={n} is larger than the world ({os.environ['WORLD_SIZE']} processes)"
+        )
+
+
+def group_src(mesh: Any) -> int:
+    """The global rank of the mesh's first rank."""
+    return int(mesh.mesh.flatten()[0])
+
+
+# ----------------------------------------------------------------------------------- the per-step SP flag
+
+
+@contextmanager
+def sequence_parallel_step(active: bool) -> Iterator[None]:
+    """Within the block (one model forward), the gated SP styles shard tokens iff `active`."""
+    previous = getattr(_local, "sp", False)
+    _local.sp = active
+    try:
+        yield
+    finally:
+        _local.sp = previous
+
+
+def sequence_parallel_active() -> bool:
+    """Whether the forward running in this thread is a sequence-parallel (prefill) step."""
+    return getattr(_local, "sp", False)
+
+
+# ----------------------------------------------------------------------------------- the styles
+
+_REPLICATE, _TOKENS = Replicate(), Shard(1)  # the packed step is [1, T, hidden]: tokens are dimension 1
+
+
+class PrefillRowwiseParallel(RowwiseParallel):
+    """`RowwiseParallel` whose partial output is all-reduced (Replicate) in a TP step and
+    reduce-scattered over the tokens (Shard(1)) in a sequence-parallel step."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if sequence_parallel_active():
+            output_layouts = (_TOKENS,)
+        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
+class PrefillGatherInput(PrepareModuleInput):
+    """`PrepareModuleInput` Shard(1) -> Replicate of a block's ``hidden_states`` (positional or keyword),
+    in sequence-parallel steps only: the attention and MLP blocks see every token of the step."""
+
+    def __init__(self) -> None:
+        super().__init__(input_layouts=(_TOKENS,), desired_input_layouts=(_REPLICATE,), use_local_output=True)
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        module.register_forward_pre_hook(partial(self._gate, device_mesh), with_kwargs=True)
+        return module
+
+    def _gate(self, mesh: Any, module: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
+        if not sequence_parallel_active():
+            return None
+        if args:
+            args = (self._prepare_input_arg(args[0], mesh, _TOKENS, _REPLICATE), *args[1:])
+        else:
+            kwargs = dict(kwargs)
+            kwargs["hidden_states"] = self._prepare_input_arg(
+                kwargs["hidden_states"], mesh, _TOKENS, _REPLICATE
+            )
+        return args, kwargs
+
+
+class PrefillGatherOutput(PrepareModuleOutput):
+    """`PrepareModuleOutput` Shard(1) -> Replicate, in sequence-parallel steps only (after the final norm:
+    the LM head picks the sampled rows by their packed positions)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            output_layouts=(_TOKENS,), desired_output_layouts=(_REPLICATE,), use_local_output=True
+        )
+
+    def _prepare_out_fn(self, outputs: Any, device_mesh: Any) -> Any:
+        if not sequence_parallel_active():
+            return outputs
+        return super()._prepare_out_fn(outputs, device_mesh)
+
+
+class ReplicatedKVHead(ParallelStyle):
+    """For KV heads fewer than N (N a multiple of them): the rank keeps the one KV head its query heads
+    attend with, as serving engines do (rank r holds KV head ``r // (N / Hkv)``), in plain tensors: the
+    projection's output stays on the rank, so no communication is needed."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, size: int, rank: int, src: int) -> None:
+        super().__init__()
+        self.head = rank // (size // num_kv_heads)
+        self.head_dim = head_dim
+        self.src = src
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        rows = slice(self.head * self.head_dim, (self.head + 1) * self.head_dim)
+        with torch.no_grad():
+            for name in ("weight", "bias"):
+                param = getattr(module, name, None)
+                if param is None:
+                    continue
+                full = param.detach().clone()
+                # Rank 0's weights, as parallelize_module's styles take them.
+                dist.broadcast(full, src=self.src, group=device_mesh.get_group())
+                setattr(module, name, nn.Parameter(full[rows].clone(), requires_grad=param.requires_grad))
+        module.out_features = self.head_dim
+        return module
+
+
+# ----------------------------------------------------------------------------------- the local runtime
+
+
+def matching_modules(model: nn.Module, pattern: str) -> list[nn.Module]:
+    """The modules a `parallelize_module` plan key names (``*`` matches one name component)."""
+    parts = pattern.split(".")
+    found = []
+    for name, module in model.named_modules():
+        names = name.split(".") if name else []
+        if len(names) == len(parts) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(names, parts)):
+            found.append(module)
+    return found
+
+
+def run_locally(model: nn.Module, styles: dict[str, Any], tp: TPState) -> int:
+    """After `parallelize_module`: run each sharded Linear and Embedding on its local shard with one
+    explicit collective, instead of DTensor dispatch; returns how many modules were switched.
+
+    DTensor computes the right thing but, on a CPU, dispatch costs about a millisecond per sharded op,
+    and each new token count misses its sharding-propagation cache (about 200 ms for a 2-layer model): a
+    serving engine sees a new token count at almost every step. The local runtime does exactly what the
+    placements say — colwise: a local matmul (gathered on the last dimension where the output is
+    Replicate); rowwise: a local matmul of the rank's input columns, then an all-reduce (a
+    reduce-scatter over the tokens in a sequence-parallel step), then the bias; a vocab-sharded
+    embedding: a masked local lookup, reduced the same way. Parameters become the local shards (plain
+    tensors). The block-level SP styles (`PrefillGatherInput`, `PrefillGatherOutput`) stay as they are.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    switched = 0
+    for pattern, style in styles.items():
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+            continue
+        for module in matching_modules(model, pattern):
+            if not isinstance(getattr(module, "weight", None), DTensor):
+                continue
+            module._forward_pre_hooks.clear()  # DTensor's input/output redistribution hooks
+            module._forward_hooks.clear()
+            for name, param in list(module.named_parameters(recurse=False)):
+                if isinstance(param, DTensor):
+                    local = param.to_local().detach().clone()
+                    setattr(module, name, nn.Parameter(local, requires_grad=False))
+            if isinstance(style, ColwiseParallel):
+                gather = style.output_layouts[0] == _REPLICATE
+                module.forward = partial(_colwise_forward, module, gather, tp)
+            else:
+                split = style.input_layouts[0] == _REPLICATE and isinstance(module, nn.Linear)
+                module.forward = partial(_rowwise_forward, module, split, tp)
+            switched += 1
+    return switched
+
+
+def _colwise_forward(module: nn.Module, gather: bool, tp: TPState, x: torch.Tensor) -> torch.Tensor:
+    embedding = isinstance(module, nn.Embedding)
+    y = F.embedding(x, module.weight) if embedding else F.linear(x, module.weight, module.bias)
+    return _gather_last(y, tp) if gather else y
+
+
+def _rowwise_forward(module: nn.Module, split: bool, tp: TPState, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(module, nn.Embedding):  # vocabulary rows [rank * V/N, (rank + 1) * V/N) live here
+        rows = module.weight.shape[0]
+        local = x - tp.rank * rows
+        outside = (local < 0) | (local >= rows)
+        y = F.embedding(local.masked_fill(outside, 0), module.weight)
+        y = y.masked_fill(outside.unsqueeze(-1), 0.0)
+        bias = None
+    else:
+        if split:  # a replicated input: take this rank's columns
+            x = x.chunk(tp.size, dim=-1)[tp.rank]
+        y = F.linear(x, module.weight)
+        bias = module.bias
+    y = _reduce_scatter_tokens(y, tp) if sequence_parallel_active() else _all_reduce(y, tp)
+    return y if bias is None else y + bias
+
+
+# Collective calls and seconds spent in them (waiting for the other ranks included), for benchmarks.
+comm_stats = {"calls": 0, "seconds": 0.0}
+
+
+@contextmanager
+def _timed() -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        comm_stats["calls"] += 1
+        comm_stats["seconds"] += time.perf_counter() - start
+
+
+def _all_reduce(y: torch.Tensor, tp: TPState) -> torch.Tensor:
+    y = y.contiguous()
+    with _timed():
+        dist.all_reduce(y, group=tp.group)
+    return y
+
+
+def _reduce_scatter_tokens(y: torch.Tensor, tp: TPState) -> torch.Tensor:
+    """``[1, T, H]`` partial sums -> this rank's ``[1, T/N, H]`` token rows, summed."""
+    batch, tokens, *rest = y.shape
+    full = y.reshape(batch * tokens, *rest).contiguous()
+    out = full.new_empty((full.shape[0] // tp.size, *rest))
+    with _timed():
+        dist.reduce_scatter_tensor(out, full, group=tp.group)
+    return out.view(batch, tokens // tp.size, *rest)
+
+
+def _gather_last(y: torch.Tensor, tp: TPState) -> torch.Tensor:
+    """Every rank's last-dimension shard, concatenated in rank order."""
+    y = y.contiguous()
+    out = y.new_empty((tp.size * y.shape[0], *y.shape[1:]))  # ranks' tensors stacked on dimension 0
+    with _timed():
+        dist.all_gather_into_tensor(out, y, group=tp.group)
+    return torch.cat(out.chunk(tp.size, dim=0), dim=-1)
