@@ -219,7 +219,10 @@ class ModelRunner:
         )
         steps = buckets + ([None] if self.compile_mode == "all" else [])  # None: a dynamic-shape step
         for bucket in tqdm(steps, desc="hfaccel warm-up", unit="graph", disable=not progress, leave=False):
-            self.run(PackedStep([], [], [], [], warmup_layout()), bucket=bucket)
+            # A mixed step has more tokens than sampled rows (3 padded tokens, 2 rows): warming it with equal
+            # counts would let dynamo's duck sizing assume they are always equal, and recompile later.
+            ids = [] if bucket is not None else [0, 0, 0]
+            self.run(PackedStep(ids, [0] * len(ids), [], [], warmup_layout()), bucket=bucket)
         return time.perf_counter() - start
 
     def gather_kv(self, block_ids: list[int], num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
