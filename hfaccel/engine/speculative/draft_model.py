@@ -136,7 +136,7 @@ class DraftModelProposer:
     def _choose(self, state: _Drafting, logits: torch.Tensor) -> None:
         """The next draft of one request from the draft's logits at its last fed position."""
         request = state.request
-        row = process_row(logits.to(torch.float32).unsqueeze(0), request, state.drafts)[0]
+        row = process_row(logits.to(torch.float32, copy=True).unsqueeze(0), request, state.drafts)[0]
         if request.sampling.do_sample:
             probs = torch.softmax(row, dim=-1)
             state.drafts.append(_draw(probs, request_generator(request, probs.device)))
