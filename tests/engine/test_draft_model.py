@@ -95,6 +95,32 @@ def test_draft_catch_up_is_incremental():
     assert engine.block_manager.num_used_blocks == 0
 
 
+def test_drafts_are_the_draft_models_own_greedy_continuation():
+    """With a draft that differs from the target (other weights, one layer), each step's drafts are
+    exactly what HF greedy decoding of the draft model alone continues the context with: the draft's
+    cache, caught up after rejections, holds the right K/V at the right slots."""
+    model = tiny_model("qwen2")
+    draft = tiny_model("qwen2", seed=1, layers=1)
+    config = EngineConfig(speculative=draft, num_speculative_tokens=3, speculative_min_acceptance=0.0)
+    engine = Engine(model, config)
+    prompts = varied_prompts(4, seed=2)[2:]
+    requests = [engine.make_request(p, StoppingParams(max_new_tokens=16)) for p in prompts]
+    for request in requests:
+        engine.add(request)
+    checked = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for request in requests:
+            drafts = request.spec_token_ids
+            if drafts and not request.is_finished:
+                assert drafts == hf_greedy(draft, request.all_token_ids, len(drafts))
+                checked += 1
+    assert checked >= 8
+    for request, prompt in zip(requests, prompts):
+        assert request.output_token_ids == hf_greedy(model, prompt, 16)
+    assert engine.block_manager.num_used_blocks == 0
+
+
 def _warped_probs(model, ids, top_k):
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, -1].float()
