@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from hfaccel.config import EngineConfig
+from hfaccel.config import EngineConfig, is_draft_model
 from hfaccel.engine.loop import Submission, Update
 from hfaccel.engine.request import Request
 from hfaccel.engine.speculative.proposer import speculative_stats
@@ -118,6 +118,7 @@ def patch(
             )
         if config is not None or overrides:
             new_config = (config or state.config).with_overrides(**overrides)
+            _check_draft_model(model, new_config)
             state.release("hfaccel.patch changed the engine config: its engine was rebuilt")
             state.config = new_config
         state.temporary = False  # patched on purpose now: it stays patched after temporary users end
@@ -126,6 +127,7 @@ def patch(
         return model
     check_model(model)
     engine_config = (config or EngineConfig()).with_overrides(**overrides)
+    _check_draft_model(model, engine_config)
     setup_tensor_parallel(model, *parallel, engine_config.batching)  # shards the model when N > 1
     register_attention()
     model._hfaccel = PatchState(
@@ -138,6 +140,23 @@ def patch(
     model.generate = types.MethodType(patched_generate, model)
     install_pipeline_batching()
     return model
+
+
+def _check_draft_model(model: Any, config: EngineConfig) -> None:
+    """Refuse a ``speculative`` draft model whose vocabulary differs from `model`'s at `patch` time, not
+    at the first ``generate`` (the engine checks again, with the device, when it is built)."""
+    draft = config.speculative
+    if not is_draft_model(draft) or draft is model:
+        return
+    try:
+        ours, theirs = (m.get_input_embeddings().num_embeddings for m in (model, draft))
+    except (AttributeError, NotImplementedError):
+        return  # not a transformers model: the engine's executor decides
+    if ours != theirs:
+        raise ValueError(
+            f"speculative: the draft model's vocabulary has {theirs} tokens, the model's {ours}; a draft "
+            "model must share the model's tokenizer and vocabulary"
+        )
 
 
 def unpatch(model: Any) -> Any:

@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(SUITES),
         help="comma-separated: offline (vs HF), prefix (caching on/off), chunked (prefill chunking on/off), "
         "batching (static/dynamic/continuous), concurrency (many callers: HF vs hfaccel generate per thread), "
-        "speculative (prompt-lookup drafts on/off), step (decode step vs HF and the matmul floor), kernels "
-        "(attention backends that run natively here), tp (TP=1 with 2 threads vs TP=2 with 1 thread each, 2 "
-        "gloo processes)",
+        "speculative (drafts on/off: prompt lookup, draft models), step (decode step vs HF and the matmul "
+        "floor), kernels (attention backends that run natively here), tp (TP=1 with 2 threads vs TP=2 with 1 "
+        "thread each, 2 gloo processes)",
     )
     bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
     bench.add_argument("--num-requests", type=int, default=32)
@@ -54,6 +54,14 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument(
         "--concurrency-new-tokens", type=int, default=32, help="concurrency: new tokens per request"
     )
+    bench.add_argument(
+        "--spec-methods",
+        default="ngram",
+        help="speculative: comma-separated draft sources: ngram, self (SmolLM2 as its own draft model: "
+        "the draft machinery's overhead), early-exit:N (SmolLM2's first N layers as the draft model)",
+    )
+    bench.add_argument("--spec-batches", default="1,16", help="speculative: batch sizes")
+    bench.add_argument("--spec-new-tokens", type=int, default=96, help="speculative: new tokens per request")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from hfaccel.doctor import run_doctor
@@ -149,7 +157,13 @@ def run_bench(args: argparse.Namespace) -> None:
     if "speculative" in suites:
         from hfaccel.bench.speculative import run_speculative_benchmark
 
-        run_speculative_benchmark(model, tokenizer)
+        run_speculative_benchmark(
+            model,
+            tokenizer,
+            new_tokens=args.spec_new_tokens,
+            methods=tuple(m.strip() for m in args.spec_methods.split(",") if m.strip()),
+            batches=tuple(int(b) for b in args.spec_batches.split(",") if b.strip()),
+        )
 
 
 if __name__ == "__main__":

@@ -57,7 +57,8 @@ class EngineConfig:
         cuda_graph_sizes: the decode buckets (batch sizes) steps are padded to; ``None``: 1, 2, 4, 8, then
             every multiple of 8 up to ``max_num_seqs``. A larger decode batch runs eager.
         speculative: speculative decoding: ``None`` (off), ``"ngram"`` (prompt lookup: drafts copied from
-            the request's own context, no second model).
+            the request's own context, no second model), or a draft model: a smaller causal LM with the
+            same vocabulary (tokenizer) as the model, run on its own paged KV cache in the same engine.
         num_speculative_tokens: drafted tokens verified per request per step (k).
         speculative_min_acceptance: a request stops speculating once it has had 16+ drafts and accepted
             less than this share of them (drafts that keep failing only cost compute).
@@ -84,7 +85,7 @@ class EngineConfig:
     max_delay_ms: float = 50.0
     group_by_length: bool = False
     compile: str = "auto"
-    speculative: str | None = None
+    speculative: str | Any | None = None
     num_speculative_tokens: int = 4
     speculative_min_acceptance: float = 0.25
     num_microbatches: int = 1
@@ -133,8 +134,13 @@ class EngineConfig:
             or (self.max_delay_ms < 0)
         ):
             raise ValueError(f"max_delay_ms must be a number >= 0, got {self.max_delay_ms!r}")
-        if self.speculative not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        if not is_draft_model(self.speculative) and (
+            not isinstance(self.speculative, (str, type(None))) or self.speculative not in SPECULATIVE_METHODS
+        ):
+            raise ValueError(
+                "speculative must be None, 'ngram' or a draft model (a causal LM with .config and .forward), "
+                f"got {_short(self.speculative)}"
+            )
         _require_positive_int("num_speculative_tokens", self.num_speculative_tokens)
         _require_positive_int("num_microbatches", self.num_microbatches)
         minimum = self.speculative_min_acceptance
@@ -158,6 +164,19 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "chunked_prefill", "group_by_length"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def __repr__(self) -> str:
+        # A draft model is named by its class, not printed whole (a model's repr is its full module tree).
+        parts = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            text = (
+                f"<{type(value).__name__}>"
+                if f.name == "speculative" and is_draft_model(value)
+                else repr(value)
+            )
+            parts.append(f"{f.name}={text}")
+        return f"EngineConfig({', '.join(parts)})"
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
         """Return a copy with some fields replaced (validated again); unknown names raise ValueError."""
@@ -188,6 +207,19 @@ class EngineConfig:
         if isinstance(self.dtype, torch.dtype):
             return self.dtype
         return _DTYPES[self.dtype] or model_dtype
+
+
+def is_draft_model(value: Any) -> bool:
+    """Whether `value` is a draft model for ``speculative`` (an object with ``.config`` and a callable
+    ``.forward``: a transformers causal LM), as opposed to a method name."""
+    return (
+        not isinstance(value, str) and hasattr(value, "config") and callable(getattr(value, "forward", None))
+    )
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{type(value).__name__} object"
 
 
 def _require_positive_int(name: str, value: Any) -> None:

@@ -191,8 +191,16 @@ class Fault:
 
 
 def untraced_forward(engine: Engine) -> None:
-    """The model's own Python frames need no tracing (they are not engine code): skip them for speed."""
-    real = engine.runner.executor.forward
+    """The model's own Python frames need no tracing (they are not engine code): skip them for speed
+    (the draft model's too, when there is one)."""
+    draft_runner = getattr(engine.proposer, "runner", None)
+    if draft_runner is not None:
+        _untrace(draft_runner)
+    _untrace(engine.runner)
+
+
+def _untrace(runner) -> None:
+    real = runner.executor.forward
 
     def forward(*args, **kwargs):
         tracer = sys.gettrace()
@@ -202,7 +210,7 @@ def untraced_forward(engine: Engine) -> None:
         finally:
             sys.settrace(tracer)
 
-    engine.runner.executor = _Wrapped(engine.runner.executor, forward)
+    runner.executor = _Wrapped(runner.executor, forward)
 
 
 class _Wrapped:

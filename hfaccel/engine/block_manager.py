@@ -173,6 +173,7 @@ class BlockManager:
         blocks = request.block_ids
         request.block_ids = []
         request.num_hashed_blocks, request.prefix_hash = 0, 0
+        request.draft_computed = 0  # a draft model's KV lives in the same block ids: gone with them
         # Tail blocks first: under LRU eviction they go before the prefix blocks others may share.
         for block_id in reversed(blocks):
             count = self._ref_counts[block_id] - 1

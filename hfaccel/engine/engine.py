@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from hfaccel.config import EngineConfig
+from hfaccel.config import EngineConfig, is_draft_model
 from hfaccel.engine.batch import pack_step
 from hfaccel.engine.block_manager import BlockManager, blocks_for
 from hfaccel.engine.executor import ModelExecutor, make_executor
@@ -20,6 +20,7 @@ from hfaccel.engine.metrics import StepStats
 from hfaccel.engine.request import GREEDY, Request, SamplingParams, StoppingParams
 from hfaccel.engine.runner import ModelRunner, kv_bytes_per_token
 from hfaccel.engine.scheduler import Scheduler
+from hfaccel.engine.speculative.draft_model import DraftModelProposer
 from hfaccel.engine.speculative.proposer import make_proposer, speculative_stats
 from hfaccel.engine.speculative.verify import sample_step
 from hfaccel.kernels import get_backend
@@ -64,7 +65,12 @@ class Engine:
             self.step_sync.check_config(self.config)
         token_padding = getattr(self.executor, "max_token_padding", 0)  # sequence-parallel prefill padding
         # ---
-        self.num_blocks = self._num_blocks(kv_bytes_per_token(self.executor, kv_dtype) * block_size)
+        bytes_per_token = kv_bytes_per_token(self.executor, kv_dtype)
+        draft = self._draft_executor()
+        if draft is not None:  # the draft's cache has as many blocks as the target's: budget both
+            draft_kv_dtype = self.config.kv_dtype(draft.dtype)
+            bytes_per_token += kv_bytes_per_token(draft, draft_kv_dtype)
+        self.num_blocks = self._num_blocks(bytes_per_token * block_size)
         self.block_manager = BlockManager(self.num_blocks, block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, self.config, self.max_model_len)
         self.runner = ModelRunner(
@@ -82,7 +88,26 @@ class Engine:
             num_microbatches=self.config.num_microbatches,
         )
         self.warmup_seconds: float | None = None
-        self.proposer = make_proposer(self.config)
+        if draft is None:
+            self.proposer = make_proposer(self.config)
+        else:
+            # Its own runner (KV cache, buffers) over the same block ids: requests' block tables index both.
+            draft_runner = ModelRunner(
+                draft,
+                get_backend(self.config.backend, self.device, draft_kv_dtype, draft.head_dim),
+                self.num_blocks,
+                block_size,
+                draft_kv_dtype,
+                max_num_seqs=self.config.max_num_seqs,
+                max_num_tokens=self.runner.max_num_tokens,
+                max_blocks_per_seq=self.runner.max_blocks_per_seq,
+            )
+            self.proposer = DraftModelProposer(
+                draft_runner,
+                self.block_manager,
+                max_model_len=draft.max_model_len(None),
+                max_num_tokens=self.runner.max_num_tokens,
+            )
         model_state = model_state or self.executor.state_token
         self._model_state = model_state if self.config.enable_prefix_caching else None
         self._model_token = model_state() if self._model_state is not None else None
@@ -90,6 +115,24 @@ class Engine:
         self.num_generated_tokens = 0
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
         self._next_id = itertools.count()  # next() is atomic: callers in any thread may make requests
+
+    def _draft_executor(self) -> ModelExecutor | None:
+        """The draft model of ``speculative=<model>`` as an executor, checked against the target (same
+        vocabulary, same device); None for no speculation or a method name."""
+        if not is_draft_model(self.config.speculative):
+            return None
+        draft = make_executor(self.config.speculative)
+        if draft.vocab_size != self.vocab_size:
+            raise ValueError(
+                f"speculative: the draft model's vocabulary has {draft.vocab_size} tokens, the model's "
+                f"{self.vocab_size}; a draft model must share the model's tokenizer and vocabulary"
+            )
+        if draft.device != self.device:
+            raise ValueError(
+                f"speculative: the draft model is on {draft.device}, the model on {self.device}; "
+                "put both on the same device"
+            )
+        return draft
 
     def _use_cuda_graphs(self, backend: Any) -> bool:
         wanted = self.config.cuda_graphs

@@ -141,6 +141,11 @@ class Request:
     keep_kv: bool = False
     kv_snapshot: list[tuple[Any, Any]] | None = field(default=None, repr=False)
     spec_token_ids: list[int] = field(default_factory=list)
+    # Draft-model speculation: the draft's probabilities of `spec_token_ids` (``[k, V]``, for the rejection
+    # rule; None: drafts without probabilities), and how many of the request's leading tokens the draft
+    # model's KV cache holds (0 whenever the request's blocks are freed: the draft recomputes them).
+    spec_draft_probs: Any = field(default=None, repr=False)
+    draft_computed: int = 0
     speculate: bool = True
     spec_drafted: int = 0
     spec_accepted: int = 0

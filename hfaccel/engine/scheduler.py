@@ -161,7 +161,10 @@ class Scheduler:
                 self.spec_accepted += accepted
                 self.spec_steps += 1
             request.spec_token_ids = []
+            request.spec_draft_probs = None
             request.num_computed_tokens += count
+            # A draft model fed the last token and its drafts: its KV stays valid up to the accepted ones.
+            request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
             self.block_manager.trim(request, request.num_computed_tokens)
             self.block_manager.cache_full_blocks(request)
         now = time.perf_counter()
@@ -330,6 +333,8 @@ class Scheduler:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.spec_draft_probs = None
+        request.draft_computed = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -399,6 +404,8 @@ class Scheduler:
             request.block_ids = []
             request.num_computed_tokens = 0
             request.num_hashed_blocks, request.prefix_hash = 0, 0
+            request.draft_computed = 0
+            request.spec_token_ids, request.spec_draft_probs = [], None
             request.status = RequestStatus.WAITING
             if id(request) in placed:
                 continue

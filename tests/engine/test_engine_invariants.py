@@ -26,8 +26,7 @@ class EngineMachine(RuleBasedStateMachine):
             max_num_seqs=6,
             max_num_batched_tokens=16,
             kv_cache_memory=24 * 1024,
-            **self.extra_config,
-        )
+        ).with_overrides(**self.extra_config)
         self.engine = Engine(MODEL, config)
         assert self.engine.num_blocks == 24
         untraced_forward(self.engine)  # faults are injected in engine code only: the model runs untraced
@@ -154,3 +153,31 @@ class SpeculativeEngineMachine(EngineMachine):
 
 TestSpeculativeEngineMachine = SpeculativeEngineMachine.TestCase
 TestSpeculativeEngineMachine.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
+
+
+class DraftModelEngineMachine(EngineMachine):
+    """The same machine with the model as its own draft model: the draft's cache rides the same block
+    tables through admission, prefix hits, preemption, cancellation and interrupted steps. Its greedy
+    drafts are the model's own tokens, so stale draft K/V would show as rejected drafts."""
+
+    # The draft's cache costs as much as the model's: twice the memory for the same 24 blocks.
+    extra_config = {"speculative": MODEL, "num_speculative_tokens": 3, "kv_cache_memory": 48 * 1024}
+
+    @invariant()
+    def draft_kv_is_within_the_blocks(self):
+        size = self.engine.block_manager.block_size
+        for request in self.engine.scheduler.requests():
+            assert 0 <= request.draft_computed <= len(request.block_ids) * size
+            assert request.draft_computed <= request.num_tokens + 3
+            if not request.block_ids:
+                assert request.draft_computed == 0
+
+    def teardown(self):
+        super().teardown()
+        stats = self.engine.stats()
+        if stats["spec_drafted"] >= 20:
+            assert stats["spec_accepted"] >= 0.9 * stats["spec_drafted"], stats
+
+
+TestDraftModelEngineMachine = DraftModelEngineMachine.TestCase
+TestDraftModelEngineMachine.settings = settings(max_examples=20, stateful_step_count=40, deadline=None)

@@ -1,7 +1,9 @@
 """Draft sources: who proposes the k tokens a speculating request verifies next step.
 
-`NgramProposer` looks the continuation up in the request's own tokens (no second model). A proposer
-never changes what is emitted (verification does), only how many tokens a step yields.
+`NgramProposer` looks the continuation up in the request's own tokens (no second model);
+`DraftModelProposer` (draft_model.py) runs a smaller model with the same vocabulary. A proposer never
+changes what is emitted (verification does), only how many tokens a step yields. A proposer whose drafts
+come with probabilities stores them on the request (`Request.spec_draft_probs`) for the rejection rule.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ class NgramProposer:
 
 
 def make_proposer(config: Any) -> NgramProposer | None:
-    """The draft source an `EngineConfig` asks for (None: no speculation)."""
+    """The draft source an `EngineConfig` names (None: no speculation). A draft model (``speculative``
+    set to a model object) needs the engine's cache geometry: the engine builds its
+    `DraftModelProposer` itself."""
     if config.speculative is None:
         return None
     if config.speculative == "ngram":

@@ -16,29 +16,39 @@ from hfaccel.engine.sampler import request_generator, sample
 from hfaccel.engine.speculative.rejection import accept_greedy, accept_sampled
 
 
-def verify_drafts(logits: torch.Tensor, request: Request, drafts: list[int]) -> list[int]:
-    """Tokens to emit for `request` given ``[len(drafts) + 1, V]`` target logits."""
-    scores = logits.to(dtype=torch.float32, copy=True)
+def process_row(row: torch.Tensor, request: Request, drafts: list[int]) -> torch.Tensor:
+    """The request's processed fp32 scores (``[1, V]``) for the token after ``all_token_ids + drafts``:
+    EOS masked below ``min_new_tokens``, its logits processors, then its score-only warpers. `row` may
+    be changed in place; use the returned tensor."""
     params = request.sampling
     stopping = request.stopping
-    base = request.all_token_ids
+    if len(request.output_token_ids) + len(drafts) < stopping.min_new_tokens:
+        for eos in stopping.eos_token_ids:
+            if 0 <= eos < row.shape[-1]:
+                row[0, eos] = -float("inf")
+    if params.processors or params.warpers:
+        ids = torch.tensor([request.all_token_ids + drafts], dtype=torch.long, device=row.device)
+        if params.processors:
+            row = params.processors(ids, row)
+        if params.warpers:
+            row = params.warpers(ids, row)
+    return row
+
+
+def verify_drafts(logits: torch.Tensor, request: Request, drafts: list[int]) -> list[int]:
+    """Tokens to emit for `request` given ``[len(drafts) + 1, V]`` target logits. A sampled request
+    whose drafts came with probabilities (`Request.spec_draft_probs`, a draft model's) uses them in the
+    rejection rule; otherwise each draft counts as certain (one-hot)."""
+    scores = logits.to(dtype=torch.float32, copy=True)
     for j in range(len(drafts) + 1):
-        row = scores[j : j + 1]
-        if len(request.output_token_ids) + j < stopping.min_new_tokens:
-            for eos in stopping.eos_token_ids:
-                if 0 <= eos < row.shape[-1]:
-                    row[0, eos] = -float("inf")
-        if params.processors or params.warpers:
-            ids = torch.tensor([base + drafts[:j]], dtype=torch.long, device=scores.device)
-            if params.processors:
-                row = params.processors(ids, row)
-            if params.warpers:
-                row = params.warpers(ids, row)
-            scores[j : j + 1] = row
-    if not params.do_sample:
+        scores[j : j + 1] = process_row(scores[j : j + 1], request, drafts[:j])
+    if not request.sampling.do_sample:
         return accept_greedy(scores, drafts)
     probs = torch.softmax(scores, dim=-1)
-    return accept_sampled(probs, drafts, request_generator(request, scores.device))
+    draft_probs = request.spec_draft_probs
+    if draft_probs is not None:
+        draft_probs = draft_probs[: len(drafts)].to(device=probs.device, dtype=probs.dtype)
+    return accept_sampled(probs, drafts, request_generator(request, scores.device), draft_probs)
 
 
 def sample_step(

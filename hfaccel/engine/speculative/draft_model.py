@@ -1,0 +1,189 @@
+"""Drafts from a smaller model with the same vocabulary, run on its own paged KV cache in the same engine.
+
+The draft model has its own `ModelRunner` (its own KV cache, metadata builder and step buffers) with the
+target's ``num_blocks`` and ``block_size``, so a request's block table indexes both caches: no second
+block manager, and whatever frees, trims or preempts a request's blocks does so for both. Each request
+records how many of its leading tokens the draft's cache holds (`Request.draft_computed`, reset to 0
+whenever its blocks are freed).
+
+Drafting ``k`` tokens for the whole batch takes ``k`` packed draft passes:
+
+- pass 0 catches up on the tokens the draft has not seen, up to and including the request's last token
+  (a mixed step: a request that decoded last step feeds one or a few tokens, a fresh one its whole prompt,
+  within one token budget; a request that cannot catch up in this step advances as far as it can and gets
+  no drafts), and yields ``d1`` from the last position's logits;
+- pass ``j`` (1 <= j < k) feeds ``d_j`` and yields ``d_{j+1}``: a pure decode step.
+
+The draft writes K/V at positions up to ``num_tokens + k - 2``, past the request's blocks: the lookahead
+blocks (for the ``1 + k`` tokens the target verifies next step) are allocated here, before the draft
+writes, and the scheduler's allocation finds them already there; rejected drafts are trimmed as usual.
+After verification the draft's cache stays valid for the last token and the accepted drafts it fed:
+`Scheduler.update` clamps ``draft_computed`` to the target's computed tokens.
+
+Greedy requests take the draft's argmax; sampled ones draw from the draft's processed distribution with
+their own generator and keep it (`Request.spec_draft_probs`) for the rejection rule, so the emitted
+tokens follow the target's distribution whatever the draft is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hfaccel.engine.batch import PackedStep
+from hfaccel.engine.block_manager import BlockManager
+from hfaccel.engine.request import Request
+from hfaccel.engine.runner import ModelRunner
+from hfaccel.engine.sampler import request_generator
+from hfaccel.engine.speculative.rejection import _draw
+from hfaccel.engine.speculative.verify import process_row
+from hfaccel.kernels.metadata import StepLayout, num_leading_decodes
+
+
+@dataclass
+class _Row:
+    """One request in a draft pass: it feeds `tokens` at positions ``start..``."""
+
+    request: Request
+    start: int
+    tokens: list[int]
+    logits: bool  # whether the last position's logits are wanted
+
+
+@dataclass
+class _Drafting:
+    """A request drafting this round: `k` tokens wanted, what it has drafted so far."""
+
+    request: Request
+    k: int
+    drafts: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+
+
+class DraftModelProposer:
+    """Draft tokens from a draft model sharing the target's block tables (see the module docstring)."""
+
+    name = "draft_model"
+
+    def __init__(
+        self, runner: ModelRunner, block_manager: BlockManager, max_model_len: int, max_num_tokens: int
+    ) -> None:
+        self.runner = runner
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.max_model_len = max_model_len  # the draft's own context may be shorter than the target's
+        self.max_num_tokens = max_num_tokens  # token budget of one draft pass (its runner's buffers)
+        self.decode_query_len = runner.backend.capabilities.decode_query_len
+        self.num_passes = 0
+        self.num_tokens_fed = 0
+
+    def propose(self, requests: list[Request], budgets: list[int]) -> list[list[int]]:
+        """Drafts for each request, at most `budgets[i]` tokens each; sampled requests also get
+        `spec_draft_probs`. Allocates the lookahead blocks of the requests it drafts for."""
+        out: list[list[int]] = [[] for _ in requests]
+        budget = self.max_num_tokens
+        pass0: list[_Row] = []
+        drafting: list[tuple[int, _Drafting]] = []
+        behind: list[Request] = []
+        for i, (request, k) in enumerate(zip(requests, budgets)):
+            request.spec_draft_probs = None
+            num_tokens = request.num_tokens
+            k = min(k, self.max_model_len - num_tokens + 1)  # the draft writes up to num_tokens + k - 2
+            if k <= 0:
+                continue
+            start = request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
+            missing = num_tokens - start
+            if missing > budget:
+                behind.append(request)
+                continue
+            if not self.block_manager.allocate(request, 1 + k):  # the lookahead the draft writes into
+                continue
+            pass0.append(_Row(request, start, request.all_token_ids[start:num_tokens], True))
+            drafting.append((i, _Drafting(request, k)))
+            budget -= missing
+        for request in behind:  # what budget is left: catch up part of the way (its blocks exist), no drafts
+            if budget <= 0:
+                break
+            start = request.draft_computed
+            pass0.append(_Row(request, start, request.all_token_ids[start : start + budget], False))
+            budget -= len(pass0[-1].tokens)
+        if not pass0:
+            return out
+        logits = self._run(pass0)
+        for row, (_, state) in zip(logits, drafting):
+            self._choose(state, row)
+        for j in range(1, max((s.k for _, s in drafting), default=0)):
+            active = [s for _, s in drafting if s.k > j]
+            logits = self._run(
+                [_Row(s.request, s.request.num_tokens + j - 1, [s.drafts[-1]], True) for s in active]
+            )
+            for row, state in zip(logits, active):
+                self._choose(state, row)
+        # Only now (every pass done) does the draft's cache hold these tokens: the catch-up of every
+        # request, and for drafting ones the last token plus d1..d_{k-1} (Scheduler.update keeps what the
+        # target accepts).
+        for row in pass0:
+            row.request.draft_computed = row.start + len(row.tokens)
+        for i, state in drafting:
+            request = state.request
+            request.draft_computed = request.num_tokens + state.k - 1
+            if request.sampling.do_sample:
+                request.spec_draft_probs = torch.stack(state.probs)
+            out[i] = state.drafts
+        return out
+
+    def _choose(self, state: _Drafting, logits: torch.Tensor) -> None:
+        """The next draft of one request from the draft's logits at its last fed position."""
+        request = state.request
+        row = process_row(logits.to(torch.float32, copy=True).unsqueeze(0), request, state.drafts)[0]
+        if request.sampling.do_sample:
+            probs = torch.softmax(row, dim=-1)
+            state.drafts.append(_draw(probs, request_generator(request, probs.device)))
+            state.probs.append(probs)
+        else:
+            state.drafts.append(int(row.argmax()))
+
+    def _run(self, rows: list[_Row]) -> torch.Tensor:
+        """One draft pass; the logits of the rows that want them, in `rows` order."""
+        packed, order = self._pack(rows)
+        self.num_passes += 1
+        self.num_tokens_fed += len(packed.input_ids)
+        logits = self.runner.run(packed)
+        # The runner returns rows in packed order (decodes first): put them back in `rows` order.
+        wanted = [i for i in order if rows[i].logits]
+        back = sorted(range(len(wanted)), key=lambda r: wanted[r])
+        return logits[back] if back != list(range(len(back))) else logits
+
+    def _pack(self, rows: list[_Row]) -> tuple[PackedStep, list[int]]:
+        """`rows` as one packed step, sequences the backend decodes first (as `pack_step` orders them)."""
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens) > self.decode_query_len)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        logits_indices: list[int] = []
+        size = self.block_size
+        for i in order:
+            row = rows[i]
+            end = row.start + len(row.tokens)
+            blocks = row.request.block_ids
+            input_ids.extend(row.tokens)
+            positions.extend(range(row.start, end))
+            slots.extend(blocks[p // size] * size + p % size for p in range(row.start, end))
+            query_lens.append(len(row.tokens))
+            seq_lens.append(end)
+            tables.append(blocks)
+            if row.logits:
+                logits_indices.append(len(input_ids) - 1)
+        layout = StepLayout(
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            slot_mapping=slots,
+            num_decodes=num_leading_decodes(query_lens, self.decode_query_len),
+        )
+        packed = PackedStep(input_ids, positions, logits_indices, [r.request for r in rows], layout)
+        return packed, order
