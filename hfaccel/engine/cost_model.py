@@ -32,8 +32,9 @@ class CostFit:
 
     coefficients: tuple[float, float, float, float]
     num_samples: int
-    r2: float  # coefficient of determination on the fitted window (1: perfect, 0: no better than the mean)
-    rmse_s: float  # root mean squared error on the fitted window, seconds
+    r2: float  # coefficient of determination on the inliers (1: perfect, 0: no better than the mean)
+    rmse_s: float  # root mean squared error on the inliers, seconds
+    num_outliers: int = 0  # steps left out of the final fit (a step stalled by another process, say)
 
     def predict(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float:
         c0, c1, c2, c3 = self.coefficients
@@ -49,6 +50,7 @@ class CostFit:
             "num_samples": self.num_samples,
             "r2": self.r2,
             "rmse_s": self.rmse_s,
+            "num_outliers": self.num_outliers,
         }
 
 
@@ -121,16 +123,25 @@ class StepCostModel:
         return self._fit
 
     def _refit(self) -> CostFit:
+        """NNLS, then once more without the outliers: steps whose residual is more than 4 robust standard
+        deviations (1.4826 x the median absolute residual) from the fit. On a shared machine a step now
+        and then stalls for a time slice of another process; one such step must not move the model."""
         data = np.array([*self._prefill, *self._decode], dtype=np.float64)
         features = np.column_stack([np.ones(len(data)), data[:, :3]])
         target = data[:, 3]
         coefficients = nnls(features, target)
         residual = target - features @ coefficients
+        spread = 1.4826 * float(np.median(np.abs(residual)))
+        keep = np.abs(residual) <= 4 * spread if spread > 0 else np.ones(len(data), dtype=bool)
+        if keep.sum() >= max(4, len(data) // 2) and not keep.all():
+            features, target = features[keep], target[keep]
+            coefficients = nnls(features, target)
+            residual = target - features @ coefficients
         total = float(np.sum((target - target.mean()) ** 2))
         r2 = 1.0 - float(np.sum(residual**2)) / total if total > 0 else 1.0
         rmse = float(np.sqrt(np.mean(residual**2)))
         c0, c1, c2, c3 = (float(c) for c in coefficients)
-        return CostFit((c0, c1, c2, c3), len(data), r2, rmse)
+        return CostFit((c0, c1, c2, c3), len(data), r2, rmse, len(data) - len(target))
 
     def predict(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float | None:
         """Predicted seconds of a step, or None before the model has seen enough steps."""

@@ -13,6 +13,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hfaccel.config import EngineConfig
+from hfaccel.engine.async_step import AsyncStepper
 from hfaccel.engine.batch import pack_step
 from hfaccel.engine.block_manager import BlockManager, blocks_for
 from hfaccel.engine.cost_model import StepCostModel
@@ -81,7 +82,11 @@ class Engine:
         )
         self.warmup_seconds: float | None = None
         self.proposer = make_proposer(self.config)
-        self._async = None  # set by _start_async_scheduling where it pays
+        self._async = (
+            AsyncStepper(self)
+            if resolve_async_scheduling(self.config.async_scheduling, self.device)
+            else None
+        )
         model_state = model_state or self.executor.state_token
         self._model_state = model_state if self.config.enable_prefix_caching else None
         self._model_token = model_state() if self._model_state is not None else None
@@ -307,6 +312,12 @@ class Engine:
             return logits, sample_step(logits, packed.sampled_requests, packed.rows_per_request), ran_at, 0.0
         return self._async.run(self, packed)
 
+    def _prepare_ahead(self) -> None:
+        """Host work for the next step that does not depend on this step's tokens; asynchronous
+        scheduling runs it while the forward runs (`engine/async_step.py`)."""
+        self._cost_model.fit()
+        self.scheduler.prepare_ahead()
+
     def _propose(self) -> None:
         """Draft the next step's tokens for every decoding request that speculates; a request whose
         acceptance stays below `speculative_min_acceptance` (after 16 drafts) stops speculating."""
@@ -462,6 +473,12 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
     if mode != "auto":
         return mode
     return "decode" if device.type == "cuda" else "off"
+
+
+def resolve_async_scheduling(setting: bool | None, device: torch.device) -> bool:
+    """``None`` (auto): on with CUDA, where the forward leaves the host's cores idle; off on a CPU, where
+    the forward already uses every core and the measured gain is nil (docs/benchmarks.md)."""
+    return device.type == "cuda" if setting is None else setting
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-TYPICAL_LEN = 1024
+TYPICAL_LEN = 512
 MIN_SEQS = 8
 CPU_MAX_SEQS = 64
 GPU_MAX_SEQS = 256
