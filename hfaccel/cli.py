@@ -8,7 +8,17 @@ import sys
 
 import torch
 
-SUITES = ("offline", "prefix", "chunked", "batching", "concurrency", "speculative", "step", "kernels")
+SUITES = (
+    "offline",
+    "prefix",
+    "chunked",
+    "batching",
+    "concurrency",
+    "speculative",
+    "step",
+    "kernels",
+    "goodput",
+)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,7 +40,8 @@ def main(argv: list[str] | None = None) -> None:
         help="comma-separated: offline (vs HF), prefix (caching on/off), chunked (prefill chunking on/off), "
         "batching (static/dynamic/continuous), concurrency (many callers: HF vs hfaccel generate per thread), "
         "speculative (prompt-lookup drafts on/off), step (decode step vs HF and the matmul floor), kernels "
-        "(attention backends that run natively here)",
+        "(attention backends that run natively here), goodput (requests/s meeting TPOT and TTFT targets under "
+        "Poisson arrivals: fixed settings vs adaptive scheduling vs HF generate_batch)",
     )
     bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
     bench.add_argument("--num-requests", type=int, default=32)
@@ -125,6 +136,10 @@ def run_bench(args: argparse.Namespace) -> None:
         from hfaccel.bench.speculative import run_speculative_benchmark
 
         run_speculative_benchmark(model, tokenizer)
+    if "goodput" in suites:
+        from hfaccel.bench.goodput import run_goodput_benchmark
+
+        run_goodput_benchmark(model, dtype)
 
 
 if __name__ == "__main__":

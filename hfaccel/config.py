@@ -88,8 +88,8 @@ class EngineConfig:
             order, or holding back for a shared prefix) goes first: bounded waiting.
         async_scheduling: prepare the next step's host work that does not depend on this step's tokens
             (prefix lookups of the waiting queue, the step-time model's refit) on this thread while the
-            forward runs on a worker thread. ``None`` (auto): off on a CPU, where the measured gain is nil
-            (docs/benchmarks.md), on with CUDA.
+            forward runs on a worker thread. ``None`` (auto): off (on a CPU the host's share of a step is
+            about 1% and the measured gain nil, docs/benchmarks.md; not yet measured on CUDA).
     """
 
     block_size: int = 16
