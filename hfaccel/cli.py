@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument(
         "--concurrency-new-tokens", type=int, default=32, help="concurrency: new tokens per request"
     )
+    bench.add_argument("--rates", default="1,2,4,8", help="goodput: arrival rates (requests/s)")
+    bench.add_argument("--goodput-requests", type=int, default=20, help="goodput: requests per rate")
+    bench.add_argument("--tpot-target-ms", type=float, default=250.0, help="goodput: TPOT target")
+    bench.add_argument("--ttft-target-ms", type=float, default=2000.0, help="goodput: TTFT target")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from hfaccel.doctor import run_doctor
@@ -139,7 +143,14 @@ def run_bench(args: argparse.Namespace) -> None:
     if "goodput" in suites:
         from hfaccel.bench.goodput import run_goodput_benchmark
 
-        run_goodput_benchmark(model, dtype)
+        run_goodput_benchmark(
+            model,
+            dtype,
+            rates=tuple(float(r) for r in args.rates.split(",") if r.strip()),
+            num_requests=args.goodput_requests,
+            tpot_target_ms=args.tpot_target_ms,
+            ttft_target_ms=args.ttft_target_ms,
+        )
 
 
 if __name__ == "__main__":

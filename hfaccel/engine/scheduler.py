@@ -97,6 +97,7 @@ class Scheduler:
         if request.user_priority:
             self._priorities_used = True
         if self._ttft_target(request) is not None and not self._admission_check(request):
+            self._prefix_keys.pop(id(request), None)
             return
         request.status = RequestStatus.WAITING
         self.live[id(request)] = request
