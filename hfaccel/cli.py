@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument("--goodput-requests", type=int, default=20, help="goodput: requests per rate")
     bench.add_argument("--tpot-target-ms", type=float, default=250.0, help="goodput: TPOT target")
     bench.add_argument("--ttft-target-ms", type=float, default=2000.0, help="goodput: TTFT target")
+    bench.add_argument(
+        "--goodput-systems", default="defaults,best fixed,adaptive,hf", help="goodput: systems to compare"
+    )
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from hfaccel.doctor import run_doctor
@@ -150,6 +153,7 @@ def run_bench(args: argparse.Namespace) -> None:
             num_requests=args.goodput_requests,
             tpot_target_ms=args.tpot_target_ms,
             ttft_target_ms=args.ttft_target_ms,
+            systems=tuple(s.strip() for s in args.goodput_systems.split(",") if s.strip()),
         )
 
 

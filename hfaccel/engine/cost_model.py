@@ -35,10 +35,13 @@ class CostFit:
     r2: float  # coefficient of determination on the inliers (1: perfect, 0: no better than the mean)
     rmse_s: float  # root mean squared error on the inliers, seconds
     num_outliers: int = 0  # steps left out of the final fit (a step stalled by another process, say)
+    # Mean excess of every windowed step (outliers included) over the robust fit: stalls are rare but
+    # they count in a mean time per output token, so predictions add it back (0 on a quiet machine).
+    bias_s: float = 0.0
 
     def predict(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float:
         c0, c1, c2, c3 = self.coefficients
-        return c0 + c1 * decode_seqs + c2 * prefill_tokens + c3 * kv_tokens
+        return self.bias_s + c0 + c1 * decode_seqs + c2 * prefill_tokens + c3 * kv_tokens
 
     def as_dict(self) -> dict[str, float]:
         c0, c1, c2, c3 = self.coefficients
@@ -51,6 +54,7 @@ class CostFit:
             "r2": self.r2,
             "rmse_s": self.rmse_s,
             "num_outliers": self.num_outliers,
+            "bias_s": self.bias_s,
         }
 
 
@@ -129,6 +133,7 @@ class StepCostModel:
         data = np.array([*self._prefill, *self._decode], dtype=np.float64)
         features = np.column_stack([np.ones(len(data)), data[:, :3]])
         target = data[:, 3]
+        all_features, all_target = features, target
         coefficients = nnls(features, target)
         residual = target - features @ coefficients
         spread = 1.4826 * float(np.median(np.abs(residual)))
@@ -140,8 +145,9 @@ class StepCostModel:
         total = float(np.sum((target - target.mean()) ** 2))
         r2 = 1.0 - float(np.sum(residual**2)) / total if total > 0 else 1.0
         rmse = float(np.sqrt(np.mean(residual**2)))
+        bias = max(0.0, float(np.mean(all_target - all_features @ coefficients)))
         c0, c1, c2, c3 = (float(c) for c in coefficients)
-        return CostFit((c0, c1, c2, c3), len(data), r2, rmse, len(data) - len(target))
+        return CostFit((c0, c1, c2, c3), len(data), r2, rmse, len(data) - len(target), bias)
 
     def predict(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float) -> float | None:
         """Predicted seconds of a step, or None before the model has seen enough steps."""
@@ -163,6 +169,6 @@ class StepCostModel:
             return f"StepCostModel(warming up: {self.num_samples}/{self.min_samples} steps)"
         c0, c1, c2, c3 = fit.coefficients
         return (
-            f"StepCostModel({c0 * 1e3:.2f} ms + {c1 * 1e3:.3f} ms/decode + {c2 * 1e3:.4f} ms/prefill token "
-            f"+ {c3 * 1e6:.3f} us/KV token; R2={fit.r2:.3f}, {fit.num_samples} steps)"
+            f"StepCostModel({(c0 + fit.bias_s) * 1e3:.2f} ms + {c1 * 1e3:.3f} ms/decode "
+            f"+ {c2 * 1e3:.4f} ms/prefill token + {c3 * 1e6:.3f} us/KV token; R2={fit.r2:.3f}, {fit.num_samples} steps)"
         )

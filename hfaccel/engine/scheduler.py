@@ -46,7 +46,7 @@ from hfaccel.engine.request import Request, RequestStatus
 
 logger = logging.getLogger("hfaccel")
 # Aim below the target: the step-time model is a fit, and a shared machine is noisy.
-HEADROOM = 0.9
+HEADROOM = 0.85
 
 
 class Scheduler:
@@ -494,7 +494,8 @@ class Scheduler:
         if limit is not None:
             per_seq = c1 + c3 * (kv + request.num_tokens) / (len(running) + 1)
             if per_seq > 0:
-                seats = min(seats, max(1, int((limit - c0) / per_seq)))
+                fixed = c0 + getattr(fit, "bias_s", 0.0)
+                seats = min(seats, max(1, int((limit - fixed) / per_seq)))
         seats -= len(running)
         position = len(ahead) + 1
         wait_steps = 0
@@ -750,7 +751,7 @@ class _TimeBudget:
     def __init__(self, fit: Any, limit_s: float) -> None:
         self.coefficients = fit.coefficients
         self.limit = limit_s
-        self.used = self.coefficients[0]  # the step's fixed cost
+        self.used = self.coefficients[0] + getattr(fit, "bias_s", 0.0)  # the step's fixed cost
         self.prefilled = False
 
     def room(self, start: int) -> int:
