@@ -25,7 +25,7 @@ from hfaccel.api import (
 )
 from hfaccel.config import EngineConfig
 from hfaccel.engine.loop import LoopClosed
-from hfaccel.notebook import engine_state, plot_run
+from hfaccel.notebook import engine_state, plot_cost_model, plot_run
 
 __all__ = [
     "Completion",
@@ -38,6 +38,7 @@ __all__ = [
     "engine_state",
     "generate",
     "patch",
+    "plot_cost_model",
     "plot_run",
     "release",
     "reset_prefix_cache",

@@ -39,14 +39,15 @@ class Completion:
         token_ids: generated token ids only (an EOS that ended it included, as HF returns it).
         text: the generated text (special tokens skipped), when a tokenizer is known.
         finish_reason: ``"stop"`` (EOS or a stop string), ``"length"`` (max_new_tokens / max_length /
-            context), or ``"error"`` (the request was refused; see `error`).
+            context), ``"error"`` (the request was refused; see `error`), or ``"rejected"`` (admission
+            control: its TTFT target could not be met; the reason is in `error`).
         metrics: seconds: ``queue_s`` (arrival to first scheduled), ``ttft_s`` (time to first token),
             ``tpot_s`` (mean time per output token after the first), ``itl_max_s`` (longest gap between
             two tokens), ``e2e_s`` (arrival to finish); and ``num_cached_prompt_tokens`` (prefix-cache
             hits), ``num_preemptions``.
         logprobs: log-probability of each generated token under the processed distribution, when
             ``logprobs=True`` was asked.
-        error: why the request was refused, for ``finish_reason == "error"``.
+        error: why the request was refused, for ``finish_reason == "error"`` or ``"rejected"``.
     """
 
     prompt_token_ids: list[int]
@@ -219,6 +220,9 @@ def generate(
     logprobs: bool = False,
     errors: str = "raise",
     seed: int | None = None,
+    tpot_target_ms: float | None = None,
+    ttft_target_ms: float | None = None,
+    priority: int = 0,
     **generate_kwargs: Any,
 ) -> list[Completion]:
     """Complete many prompts in one continuous batch; results come back in prompt order.
@@ -238,6 +242,10 @@ def generate(
         seed: the random stream of sampled requests: request ``i`` (in result order) draws from its own
             generator seeded with ``seed + i``, so its samples are the same whatever else runs beside it.
             ``None``: seeds are drawn from torch's global generator (``torch.manual_seed`` reproduces them).
+        tpot_target_ms, ttft_target_ms: latency targets of these requests (default: the engine's
+            `EngineConfig` targets). A request whose TTFT target cannot be met given the queue comes back
+            with ``finish_reason="rejected"`` and the reason in ``error`` under ``admission="reject"``.
+        priority: admission order against other callers' requests (lower first; FCFS within a level).
         **generate_kwargs: generation arguments for every prompt (``max_new_tokens=64``, ``do_sample=True``...).
 
     With ``num_return_sequences=n`` each prompt gives n consecutive completions (HF's order).
@@ -245,7 +253,15 @@ def generate(
     _check_errors(errors)
     with _patched(model) as state:
         plans = _plan_all(
-            model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs, seed
+            model,
+            state,
+            prompts,
+            tokenizer,
+            generation_config,
+            generate_kwargs,
+            logprobs,
+            seed,
+            _targets(tpot_target_ms, ttft_target_ms, priority),
         )
         runnable = [plan for plan in plans if isinstance(plan, Request)]
         if runnable:
@@ -263,6 +279,9 @@ async def agenerate(
     logprobs: bool = False,
     errors: str = "raise",
     seed: int | None = None,
+    tpot_target_ms: float | None = None,
+    ttft_target_ms: float | None = None,
+    priority: int = 0,
     **generate_kwargs: Any,
 ) -> list[Completion]:
     """`generate` for asyncio: ``await hfaccel.agenerate(model, prompts, ...)``.
@@ -274,7 +293,15 @@ async def agenerate(
     _check_errors(errors)
     with _patched(model) as state:
         plans = _plan_all(
-            model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs, seed
+            model,
+            state,
+            prompts,
+            tokenizer,
+            generation_config,
+            generate_kwargs,
+            logprobs,
+            seed,
+            _targets(tpot_target_ms, ttft_target_ms, priority),
         )
         runnable = [plan for plan in plans if isinstance(plan, Request)]
         if runnable:
@@ -317,6 +344,9 @@ def stream(
     tokenizer: Any = None,
     generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
     seed: int | None = None,
+    tpot_target_ms: float | None = None,
+    ttft_target_ms: float | None = None,
+    priority: int = 0,
     **generate_kwargs: Any,
 ) -> Iterator[StreamEvent]:
     """Like `generate`, but yield every token of every request as soon as its step ends.
@@ -327,7 +357,14 @@ def stream(
     """
     with _patched(model) as state:
         live, submission = _start_stream(
-            model, state, prompts, tokenizer, generation_config, generate_kwargs, seed=seed
+            model,
+            state,
+            prompts,
+            tokenizer,
+            generation_config,
+            generate_kwargs,
+            seed=seed,
+            targets=_targets(tpot_target_ms, ttft_target_ms, priority),
         )
         if submission is None:
             return
@@ -344,6 +381,9 @@ async def astream(
     tokenizer: Any = None,
     generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
     seed: int | None = None,
+    tpot_target_ms: float | None = None,
+    ttft_target_ms: float | None = None,
+    priority: int = 0,
     **generate_kwargs: Any,
 ) -> AsyncIterator[StreamEvent]:
     """`stream` for asyncio: ``async for event in hfaccel.astream(model, prompts, ...)``, the same events.
@@ -352,7 +392,15 @@ async def astream(
     """
     with _patched(model) as state:
         live, submission = _start_stream(
-            model, state, prompts, tokenizer, generation_config, generate_kwargs, asynchronous=True, seed=seed
+            model,
+            state,
+            prompts,
+            tokenizer,
+            generation_config,
+            generate_kwargs,
+            asynchronous=True,
+            seed=seed,
+            targets=_targets(tpot_target_ms, ttft_target_ms, priority),
         )
         if submission is None:
             return
@@ -372,9 +420,10 @@ def _start_stream(
     kwargs: dict[str, Any],
     asynchronous: bool = False,
     seed: int | None = None,
+    targets: dict[str, Any] | None = None,
 ) -> tuple[list[tuple[int, Request]], Submission | None]:
     """Plan the prompts (raising for a refused one) and submit the runnable ones as one stream."""
-    plans = _plan_all(model, state, prompts, tokenizer, generation_config, kwargs, False, seed)
+    plans = _plan_all(model, state, prompts, tokenizer, generation_config, kwargs, False, seed, targets)
     refused = [(i, p.error) for i, p in enumerate(plans) if isinstance(p, _Done) and p.error]
     if refused:
         raise ValueError("; ".join(f"prompts[{i}]: {e}" for i, e in refused))
@@ -487,6 +536,7 @@ def _plan_all(
     kwargs: dict[str, Any],
     logprobs: bool,
     seed: int | None = None,
+    targets: dict[str, Any] | None = None,
 ) -> list[Request | _Done]:
     """Every prompt turned into engine requests (n per prompt for num_return_sequences) or a `_Done`;
     with `seed`, the i-th request's random stream is seeded with ``seed + i``."""
@@ -498,7 +548,17 @@ def _plan_all(
         try:
             first = None if seed is None else seed + len(plans)
             plans.extend(
-                _plan(model, state, _encode(prompt, tokenizer), config, kwargs, tokenizer, logprobs, first)
+                _plan(
+                    model,
+                    state,
+                    _encode(prompt, tokenizer),
+                    config,
+                    kwargs,
+                    tokenizer,
+                    logprobs,
+                    first,
+                    targets,
+                )
             )
         except ValueError as error:
             plans.append(_Done([], finish_reason="error", error=str(error)))
@@ -514,6 +574,7 @@ def _plan(
     tokenizer: Any,
     logprobs: bool,
     seed: int | None = None,
+    targets: dict[str, Any] | None = None,
 ) -> list[Request | _Done]:
     has_default_max, has_default_min = has_default_lengths(model, config, kwargs)
     prepared, _ = prepare_config(model, config, dict(kwargs))
@@ -538,7 +599,11 @@ def _plan(
         return [_Done(ids) for _ in range(copies)]
     engine = state.get_engine(model)
     seeds = [None if seed is None else seed + i for i in range(copies)]
-    return [engine.make_request(ids, stopping, sampling, seed=s) for s in seeds]
+    return [engine.make_request(ids, stopping, sampling, seed=s, **(targets or {})) for s in seeds]
+
+
+def _targets(tpot_target_ms: float | None, ttft_target_ms: float | None, priority: int) -> dict[str, Any]:
+    return {"tpot_target_ms": tpot_target_ms, "ttft_target_ms": ttft_target_ms, "priority": priority}
 
 
 def _completion(plan: Request | _Done, tokenizer: Any) -> Completion:
@@ -555,6 +620,14 @@ def _completion(plan: Request | _Done, tokenizer: Any) -> Completion:
     tokens = list(plan.output_token_ids)
     text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
     logprobs = list(plan.logprobs) if plan.sampling.output_logprobs else None
+    if plan.warnings:
+        metrics["warnings"] = list(plan.warnings)
     return Completion(
-        list(plan.prompt_token_ids), tokens, text, plan.finish_reason or "length", metrics, logprobs
+        list(plan.prompt_token_ids),
+        tokens,
+        text,
+        plan.finish_reason or "length",
+        metrics,
+        logprobs,
+        error=plan.rejected_reason,
     )

@@ -9,7 +9,18 @@ import sys
 
 import torch
 
-SUITES = ("offline", "prefix", "chunked", "batching", "concurrency", "speculative", "step", "kernels", "tp")
+SUITES = (
+    "offline",
+    "prefix",
+    "chunked",
+    "batching",
+    "concurrency",
+    "speculative",
+    "step",
+    "kernels",
+    "tp",
+    "goodput",
+)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
         "batching (static/dynamic/continuous), concurrency (many callers: HF vs hfaccel generate per thread), "
         "speculative (drafts on/off: prompt lookup, draft models), step (decode step vs HF and the matmul "
         "floor), kernels (attention backends that run natively here), tp (TP=1 with 2 threads vs TP=2 with 1 "
-        "thread each, 2 gloo processes)",
+        "thread each, 2 gloo processes), goodput (requests/s meeting TPOT and TTFT targets under Poisson "
+        "arrivals: fixed settings vs adaptive scheduling vs HF generate_batch)",
     )
     bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
     bench.add_argument("--num-requests", type=int, default=32)
@@ -62,6 +74,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     bench.add_argument("--spec-batches", default="1,16", help="speculative: batch sizes")
     bench.add_argument("--spec-new-tokens", type=int, default=96, help="speculative: new tokens per request")
+    bench.add_argument("--rates", default="1,2,4,8", help="goodput: arrival rates (requests/s)")
+    bench.add_argument("--goodput-requests", type=int, default=20, help="goodput: requests per rate")
+    bench.add_argument("--tpot-target-ms", type=float, default=250.0, help="goodput: TPOT target")
+    bench.add_argument("--ttft-target-ms", type=float, default=2000.0, help="goodput: TTFT target")
+    bench.add_argument(
+        "--goodput-systems", default="defaults,best fixed,adaptive,hf", help="goodput: systems to compare"
+    )
     args = parser.parse_args(argv)
     if args.command == "doctor":
         from hfaccel.doctor import run_doctor
@@ -163,6 +182,18 @@ def run_bench(args: argparse.Namespace) -> None:
             new_tokens=args.spec_new_tokens,
             methods=tuple(m.strip() for m in args.spec_methods.split(",") if m.strip()),
             batches=tuple(int(b) for b in args.spec_batches.split(",") if b.strip()),
+        )
+    if "goodput" in suites:
+        from hfaccel.bench.goodput import run_goodput_benchmark
+
+        run_goodput_benchmark(
+            model,
+            dtype,
+            rates=tuple(float(r) for r in args.rates.split(",") if r.strip()),
+            num_requests=args.goodput_requests,
+            tpot_target_ms=args.tpot_target_ms,
+            ttft_target_ms=args.ttft_target_ms,
+            systems=tuple(s.strip() for s in args.goodput_systems.split(",") if s.strip()),
         )
 
 

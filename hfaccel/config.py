@@ -14,6 +14,10 @@ COMPILE_MODES = ("auto", "off", "decode", "all")
 SPECULATIVE_METHODS = (None, "ngram")
 SCHEDULING_POLICIES = ("mixed", "prefill_first", "decode_first")
 BATCHING_STRATEGIES = ("continuous", "dynamic", "static")
+ADMISSION_MODES = ("warn", "reject")
+# What "auto" (None) resolves to when memory does not bound it (see `engine/limits.py`).
+DEFAULT_MAX_NUM_SEQS = 64
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -23,8 +27,11 @@ class EngineConfig:
 
     Attributes:
         block_size: tokens per KV-cache block.
-        max_num_seqs: most sequences in one running batch.
-        max_num_batched_tokens: token budget of one step (decode tokens plus prefill chunks).
+        max_num_seqs: most sequences in one running batch; ``None`` (auto): chosen when the engine is
+            built from the KV memory, the model and the device (`engine/limits.py`; shown in the engine's
+            repr and by ``python -m hfaccel doctor``). An explicit value is used exactly.
+        max_num_batched_tokens: token budget of one step (decode tokens plus prefill chunks); ``None``
+            (auto): chosen with ``max_num_seqs``.
         kv_cache_memory: KV-cache size, in bytes (an int > 1) or as a fraction of the free memory of the
             model's device (a float in (0, 1]).
         backend: paged-attention backend: ``"auto"`` picks the best one available, ``"torch"`` is the
@@ -67,11 +74,31 @@ class EngineConfig:
             process they run in turn).
         group_by_length: admit waiting prompts of similar length together (shortest first within a
             window of ``max_num_seqs`` waiting requests).
+        tpot_target_ms: time-per-output-token target. When set, each step takes the decodes and as many
+            prefill tokens as keep the step time that the engine's learnt step-time model predicts under
+            the target (SplitFuse: the chunk size follows the budget the target leaves), and a request is
+            admitted only while the decode batch it joins still meets it. A request may carry its own.
+            ``None``: no time-based limit (the schedule is exactly the token/sequence-budget one).
+        ttft_target_ms: time-to-first-token target: a request whose target cannot be met given the queue
+            is told so at once (see `admission`). A request may carry its own.
+        admission: what happens to a request whose TTFT target cannot be met: ``"warn"`` (it is queued,
+            with the reason in ``Request.warnings`` and one log line) or ``"reject"`` (it finishes at once
+            with ``finish_reason="rejected"`` and the reason in ``Request.rejected_reason``).
+        prefix_aware_admission: among waiting requests, admit first those whose prompt prefix is already
+            cached (longest first), hold back one whose first block a running prefill is computing (it
+            takes those blocks from the cache once they exist), within the fairness bound
+            ``max_passed_over``.
+        max_passed_over: a waiting request that later arrivals have overtaken this many times (prefix-aware
+            order, or holding back for a shared prefix) goes first: bounded waiting.
+        async_scheduling: prepare the next step's host work that does not depend on this step's tokens
+            (prefix lookups of the waiting queue, the step-time model's refit) on this thread while the
+            forward runs on a worker thread. ``None`` (auto): off (on a CPU the host's share of a step is
+            about 1% and the measured gain nil, docs/benchmarks.md; not yet measured on CUDA).
     """
 
     block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     kv_cache_memory: int | float = 0.1
     backend: str = "auto"
     dtype: str | torch.dtype = "auto"
@@ -91,12 +118,20 @@ class EngineConfig:
     num_microbatches: int = 1
     cuda_graphs: bool | None = None
     cuda_graph_sizes: tuple[int, ...] | None = None
+    tpot_target_ms: float | None = None
+    ttft_target_ms: float | None = None
+    admission: str = "warn"
+    prefix_aware_admission: bool = False
+    max_passed_over: int = 8
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _require_positive_int("block_size", self.block_size)
-        _require_positive_int("max_num_seqs", self.max_num_seqs)
-        _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        if self.max_num_batched_tokens < self.block_size:
+        if self.max_num_seqs is not None:
+            _require_positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_num_batched_tokens is not None:
+            _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least block_size "
                 f"({self.block_size})"
@@ -118,7 +153,7 @@ class EngineConfig:
             _require_positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold)
         if self.max_batch_size is not None:
             _require_positive_int("max_batch_size", self.max_batch_size)
-            if self.max_batch_size > self.max_num_seqs:
+            if self.max_num_seqs is not None and self.max_batch_size > self.max_num_seqs:
                 raise ValueError(
                     f"max_batch_size ({self.max_batch_size}) cannot exceed max_num_seqs ({self.max_num_seqs})"
                 )
@@ -156,12 +191,23 @@ class EngineConfig:
                 raise ValueError(f"cuda_graph_sizes must be a non-empty tuple of batch sizes, got {sizes!r}")
             for size in sizes:
                 _require_positive_int("cuda_graph_sizes entries", size)
-            if max(sizes) > self.max_num_seqs:
+            if self.max_num_seqs is not None and max(sizes) > self.max_num_seqs:
                 raise ValueError(
                     f"cuda_graph_sizes {tuple(sizes)} has sizes above max_num_seqs ({self.max_num_seqs})"
                 )
             object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
-        for name in ("enable_prefix_caching", "chunked_prefill", "group_by_length"):
+        for name in ("tpot_target_ms", "ttft_target_ms"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+            ):
+                raise ValueError(f"{name} must be a positive number of milliseconds or None, got {value!r}")
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
+        _require_positive_int("max_passed_over", self.max_passed_over)
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
+        for name in ("enable_prefix_caching", "chunked_prefill", "group_by_length", "prefix_aware_admission"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -191,16 +237,21 @@ class EngineConfig:
         """The batch sizes decode steps are padded to when compiled or graphed."""
         if self.cuda_graph_sizes is not None:
             return self.cuda_graph_sizes
-        sizes = [s for s in (1, 2, 4) if s <= self.max_num_seqs]
-        sizes += range(8, self.max_num_seqs + 1, 8)
-        if sizes[-1] != self.max_num_seqs:
-            sizes.append(self.max_num_seqs)
+        most = self.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        sizes = [s for s in (1, 2, 4) if s <= most]
+        sizes += range(8, most + 1, 8)
+        if sizes[-1] != most:
+            sizes.append(most)
         return tuple(sizes)
 
     @property
     def batch_size(self) -> int:
         """Seats of one dynamic or static batch."""
-        return self.max_batch_size or self.max_num_seqs
+        return self.max_batch_size or self.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+
+    @property
+    def has_latency_targets(self) -> bool:
+        return self.tpot_target_ms is not None or self.ttft_target_ms is not None
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         """The dtype the KV cache is stored in."""

@@ -180,6 +180,29 @@ def check_backend(name: str, device: torch.device) -> BackendReport:
     return BackendReport(name, "ok" if ok else "FAIL", error, match, detail)
 
 
+def auto_limits_line(device: torch.device) -> str:
+    """What ``max_num_seqs`` / ``max_num_batched_tokens`` left as None (auto) resolve to here, for the
+    default model (SmolLM2-135M: 30 layers, 3 KV heads of 64) with the default ``kv_cache_memory``."""
+    from hfaccel.config import EngineConfig
+    from hfaccel.engine.engine import free_memory_bytes
+    from hfaccel.engine.limits import resolve_limits
+
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    per_token = 2 * 30 * 3 * 64 * torch.empty((), dtype=dtype).element_size()
+    fraction = EngineConfig().kv_cache_memory
+    limits = resolve_limits(
+        None,
+        None,
+        kv_budget_bytes=int(fraction * free_memory_bytes(device)),
+        kv_bytes_per_token=per_token,
+        max_model_len=8192,
+        device=device,
+        block_size=EngineConfig().block_size,
+    )
+    name = str(dtype).removeprefix("torch.")
+    return f"auto batch limits (SmolLM2-135M, {name}): {limits.describe()} [{limits.reason}]"
+
+
 def run_doctor() -> list[BackendReport]:
     """Print the environment and the backend table; return the reports."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -196,4 +219,5 @@ def run_doctor() -> list[BackendReport]:
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     print(f"\n  backend='auto' picks: {get_backend('auto', device, dtype, 64).name} on {device.type}")
+    print(f"  {auto_limits_line(device)}")
     return reports

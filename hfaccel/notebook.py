@@ -55,6 +55,63 @@ def plot_run(engine: Any, completions: Sequence[Any] | None = None, path: str | 
     return figure
 
 
+def plot_cost_model(engine: Any, path: str | None = None) -> Any:
+    """Predicted vs measured step time, from the engine's learnt step-time model (`engine.cost_model()`).
+
+    Left: every recent step, measured against predicted seconds (the diagonal is a perfect fit; steps
+    with prompt tokens and pure-decode steps in two colours). Right: measured and predicted step time
+    over the steps. The title gives the coefficients and R2. `engine` is an `Engine` or a patched
+    model. Returns the figure; saves it to `path` when given.
+    """
+    try:
+        import matplotlib
+
+        if path is not None:
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ImportError("plot_cost_model needs matplotlib: pip install matplotlib") from error
+    engine = getattr(getattr(engine, "_hfaccel", None), "engine", None) or engine
+    model = engine.cost_model()
+    fit = model.fit(force=True)
+    if fit is None:
+        raise ValueError(
+            f"the step-time model is still warming up ({model.num_samples} steps): run more first"
+        )
+    steps = list(engine.step_stats)[1:]
+    measured = [s.duration_s * 1000 for s in steps]
+    predicted = [
+        fit.predict(s.num_decode_tokens, s.num_prefill_tokens, s.num_kv_tokens) * 1000 for s in steps
+    ]
+    prefill = [s.num_prefill_tokens > 0 for s in steps]
+    figure, (scatter, series) = plt.subplots(1, 2, figsize=(12, 4))
+    for flag, label in ((True, "steps with prompt tokens"), (False, "decode-only steps")):
+        xs = [p for p, f in zip(predicted, prefill) if f is flag]
+        ys = [m for m, f in zip(measured, prefill) if f is flag]
+        scatter.scatter(xs, ys, s=10, alpha=0.6, label=label)
+    top = max(max(measured), max(predicted))
+    scatter.plot([0, top], [0, top], color="grey", linewidth=1)
+    scatter.set_xlabel("predicted step time (ms)")
+    scatter.set_ylabel("measured step time (ms)")
+    c0, c1, c2, c3 = fit.coefficients
+    scatter.set_title(
+        f"{c0 * 1e3:.1f} ms + {c1 * 1e3:.2f}/decode + {c2 * 1e3:.3f}/prompt token + {c3 * 1e6:.2f} us/KV token"
+        f"  (R2 {fit.r2:.2f})",
+        fontsize=9,
+    )
+    scatter.legend()
+    series.plot(measured, label="measured", linewidth=1)
+    series.plot(predicted, label="predicted", linewidth=1)
+    series.set_xlabel("step")
+    series.set_ylabel("ms")
+    series.set_title(f"step time over {len(steps)} steps")
+    series.legend()
+    figure.tight_layout()
+    if path is not None:
+        figure.savefig(path)
+    return figure
+
+
 def engine_state(model: Any) -> Any:
     """The patch state of a patched model (its repr shows the config and the engine's counters)."""
     state = getattr(model, "_hfaccel", None)

@@ -21,6 +21,7 @@ def test_public_names():
         "engine_state",
         "generate",
         "patch",
+        "plot_cost_model",
         "plot_run",
         "release",
         "reset_prefix_cache",

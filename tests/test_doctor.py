@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from hfaccel.doctor import check_backend, environment
+from hfaccel.doctor import auto_limits_line, check_backend, environment
 
 
 def test_torch_backend_checks_out_against_hf():
@@ -34,3 +34,8 @@ def test_cli_doctor_checks_triton_under_the_interpreter_on_cpu():
     if not torch.cuda.is_available():
         assert " ok " in lines["triton"] and "interpreter" in lines["triton"]
         assert "skipped" in lines["flashinfer"]
+
+
+def test_doctor_reports_the_auto_batch_limits():
+    line = auto_limits_line(torch.device("cpu"))
+    assert "max_num_seqs=" in line and "(auto)" in line and "max_num_batched_tokens=2048 (auto)" in line

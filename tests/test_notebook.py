@@ -50,3 +50,17 @@ def test_example_notebook_runs_end_to_end():
     assert any(
         "image/png" in out.get("data", {}) for cell in notebook.cells for out in cell.get("outputs", [])
     )
+
+
+def test_plot_cost_model_shows_predicted_against_measured(tmp_path):
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=1_000_000)
+    hfaccel.generate(model, varied_prompts(4), max_new_tokens=2, progress=False)
+    if model._hfaccel.engine.cost_model().num_samples < 12:
+        with pytest.raises(ValueError, match="warming up"):
+            hfaccel.plot_cost_model(model)
+    hfaccel.generate(model, varied_prompts(12), max_new_tokens=12, progress=False)
+    figure = hfaccel.plot_cost_model(model, path=str(tmp_path / "cost.png"))
+    scatter, series = figure.axes[:2]
+    assert "R2" in scatter.get_title() and scatter.get_xlabel() == "predicted step time (ms)"
+    assert (tmp_path / "cost.png").stat().st_size > 1000
+    hfaccel.unpatch(model)

@@ -135,6 +135,29 @@ class BlockManager:
             return None
         return self._key(0, tokens, 0)
 
+    def prefix_keys(self, request: Request) -> list[tuple[int, tuple[int, ...]]]:
+        """The cache keys of `request`'s leading full blocks that `match_prefix` may share (a pure
+        function of its tokens: callers may keep it)."""
+        if not self.enable_prefix_caching:
+            return []
+        tokens = request.all_token_ids
+        keys, parent = [], 0
+        for index in range((len(tokens) - 1) // self.block_size):
+            key = self._key(parent, tokens, index)
+            keys.append(key)
+            parent = hash(key)
+        return keys
+
+    def count_cached(self, keys: list[tuple[int, tuple[int, ...]]]) -> int:
+        """How many of `keys` (from `prefix_keys`) are cached, from the first: what `match_prefix` would
+        share now, in blocks. Changes nothing."""
+        count = 0
+        for key in keys:
+            if key not in self._cached:
+                break
+            count += 1
+        return count
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register `request`'s blocks that are now full of computed tokens, so later requests can share
         them. Incremental: the request carries how far its hash chain got. A request admitted before the

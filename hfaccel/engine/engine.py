@@ -13,9 +13,12 @@ import torch
 from tqdm.auto import tqdm
 
 from hfaccel.config import EngineConfig, is_draft_model
+from hfaccel.engine.async_step import AsyncStepper
 from hfaccel.engine.batch import pack_step
 from hfaccel.engine.block_manager import BlockManager, blocks_for
+from hfaccel.engine.cost_model import StepCostModel
 from hfaccel.engine.executor import ModelExecutor, make_executor
+from hfaccel.engine.limits import Limits, resolve_limits
 from hfaccel.engine.metrics import StepStats
 from hfaccel.engine.request import GREEDY, Request, SamplingParams, StoppingParams
 from hfaccel.engine.runner import ModelRunner, kv_bytes_per_token
@@ -58,21 +61,26 @@ class Engine:
         kv_dtype = self.config.kv_dtype(self.model_dtype)
         block_size = self.config.block_size
         backend = get_backend(self.config.backend, self.device, kv_dtype, self.executor.head_dim)
-        # --- tensor parallel (hfaccel/distributed/sync.py): ranks agree on the block count, check that each
-        # step is the same step on every rank, and take rank 0's sampled tokens. None in one process.
+        # --- tensor parallel (hfaccel/distributed/sync.py): ranks agree on the block count and the limits,
+        # check that each step is the same step on every rank, and take rank 0's sampled tokens.
         self.step_sync = getattr(self.executor, "step_sync", None)
         if self.step_sync is not None:
             self.step_sync.check_config(self.config)
         token_padding = getattr(self.executor, "max_token_padding", 0)  # sequence-parallel prefill padding
         # ---
-        bytes_per_token = kv_bytes_per_token(self.executor, kv_dtype)
+        per_token = kv_bytes_per_token(self.executor, kv_dtype)
         draft = self._draft_executor()
         if draft is not None:  # the draft's cache has as many blocks as the target's: budget both
             draft_kv_dtype = self.config.kv_dtype(draft.dtype)
-            bytes_per_token += kv_bytes_per_token(draft, draft_kv_dtype)
-        self.num_blocks = self._num_blocks(bytes_per_token * block_size)
+            per_token += kv_bytes_per_token(draft, draft_kv_dtype)
+        budget = self._kv_budget()
+        if self.step_sync is not None:  # auto limits follow the budget: the same budget on every rank
+            budget = self.step_sync.min_int(budget)
+        self.limits = self._resolve_limits(budget, per_token)
+        self.num_blocks = self._num_blocks(per_token * block_size, budget)
         self.block_manager = BlockManager(self.num_blocks, block_size, self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, self.config, self.max_model_len)
+        self._cost_model = StepCostModel()
+        self.scheduler = Scheduler(self.block_manager, self.config, self.max_model_len, self._cost_model)
         self.runner = ModelRunner(
             self.executor,
             backend,
@@ -108,6 +116,11 @@ class Engine:
                 max_model_len=draft.max_model_len(None),
                 max_num_tokens=self.runner.max_num_tokens,
             )
+        self._async = (
+            AsyncStepper(self)
+            if resolve_async_scheduling(self.config.async_scheduling, self.device)
+            else None
+        )
         model_state = model_state or self.executor.state_token
         self._model_state = model_state if self.config.enable_prefix_caching else None
         self._model_token = model_state() if self._model_state is not None else None
@@ -148,9 +161,36 @@ class Engine:
         self.warmup_seconds = seconds
         return seconds
 
-    def _num_blocks(self, bytes_per_block: int) -> int:
+    def _kv_budget(self) -> int:
         memory = self.config.kv_cache_memory
-        budget = int(memory * free_memory_bytes(self.device)) if isinstance(memory, float) else memory
+        return int(memory * free_memory_bytes(self.device)) if isinstance(memory, float) else memory
+
+    def _resolve_limits(self, budget: int, per_token: int) -> Limits:
+        """Choose `max_num_seqs` / `max_num_batched_tokens` where the config leaves them None (auto);
+        `self.config` then holds the concrete values."""
+        config = self.config
+        limits = resolve_limits(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            kv_budget_bytes=budget,
+            kv_bytes_per_token=per_token,
+            max_model_len=self.max_model_len,
+            device=self.device,
+            block_size=config.block_size,
+            at_least_seqs=max(config.max_batch_size or 1, *(config.cuda_graph_sizes or (1,))),
+        )
+        if limits.auto:
+            self.config = config.with_overrides(
+                max_num_seqs=limits.max_num_seqs, max_num_batched_tokens=limits.max_num_batched_tokens
+            )
+        return limits
+
+    def cost_model(self) -> StepCostModel:
+        """The step-time model learnt from this engine's steps: ``coefficients``, ``predict(decode_seqs,
+        prefill_tokens, kv_tokens)``, ``num_samples``, ``fit()`` (with R2 and RMSE)."""
+        return self._cost_model
+
+    def _num_blocks(self, bytes_per_block: int, budget: int) -> int:
         # More blocks than max_num_seqs full-length sequences can never be used.
         useful = self.config.max_num_seqs * blocks_for(self.max_model_len, self.config.block_size)
         num_blocks = min(budget // bytes_per_block, useful)
@@ -171,13 +211,16 @@ class Engine:
         request_id: Any = None,
         arrival_time: float | None = None,
         seed: int | None = None,
+        **targets: Any,
     ) -> Request:
         """Validate and queue one prompt (at any time, also between steps); returns its `Request`.
 
         Raises ValueError and queues nothing for a bad prompt. `arrival_time` (``time.perf_counter()``
         seconds) backdates the request's arrival for latency metrics; by default it arrives now.
+        `targets`: ``tpot_target_ms``, ``ttft_target_ms``, ``priority`` (see `make_request`). A request
+        rejected by admission control comes back finished (``finish_reason="rejected"``).
         """
-        request = self.make_request(prompt_token_ids, stopping, sampling, request_id, seed)
+        request = self.make_request(prompt_token_ids, stopping, sampling, request_id, seed, **targets)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         self.scheduler.add(request)
@@ -190,11 +233,24 @@ class Engine:
         sampling: SamplingParams = GREEDY,
         request_id: Any = None,
         seed: int | None = None,
+        *,
+        tpot_target_ms: float | None = None,
+        ttft_target_ms: float | None = None,
+        priority: int = 0,
     ) -> Request:
         """Build a validated `Request` without queueing it.
 
         A sampled request gets its own random stream: from `seed`, or else from a seed drawn from torch's
-        global generator now (so ``torch.manual_seed`` before a call reproduces it)."""
+        global generator now (so ``torch.manual_seed`` before a call reproduces it). `tpot_target_ms` and
+        `ttft_target_ms` override the engine's latency targets for this request; `priority` orders
+        admission (lower first, first come first served within a level)."""
+        for name, value in (("tpot_target_ms", tpot_target_ms), ("ttft_target_ms", ttft_target_ms)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+            ):
+                raise ValueError(f"{name} must be a positive number of milliseconds or None, got {value!r}")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("prompt is empty: a prompt needs at least one token")
@@ -209,6 +265,8 @@ class Engine:
         if request_id is None:
             request_id = next(self._next_id)
         request = Request(request_id, ids, stopping, sampling=sampling)
+        request.tpot_target_ms, request.ttft_target_ms = tpot_target_ms, ttft_target_ms
+        request.user_priority = priority
         # Per-step scores/logits/logprobs are recorded one token at a time: such requests do not speculate.
         request.speculate = not (sampling.output_scores or sampling.output_logits or sampling.output_logprobs)
         if sampling.do_sample:
@@ -248,21 +306,27 @@ class Engine:
             self.check_model_state()
         preemptions_before = self.scheduler.num_preemptions
         hits_before = self.block_manager.stats.hit_tokens
+        num_waiting = len(self.scheduler.waiting) + len(self.scheduler.forming)
         step = self.scheduler.schedule(draining)
+        rejected = self.scheduler.take_rejected()
         if not step.requests:
+            if rejected:
+                return rejected
             if self.scheduler.has_unfinished() and (draining or self.config.batching == "continuous"):
                 raise RuntimeError(f"the scheduler could not make progress: {self!r}")
             return []
         for request in step.requests:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = start
+        scheduled = time.perf_counter()
         packed = pack_step(step, self.config.block_size, self.runner.backend.capabilities.decode_query_len)
         if self.step_sync is not None:  # tensor parallel: every rank runs this very step
             self.step_sync.check_step(step, packed)
-        logits = self.runner.run(packed)
-        tokens = sample_step(logits, packed.sampled_requests, packed.rows_per_request)
+        packed_at = time.perf_counter()
+        logits, tokens, ran_at, overlapped = self._run_and_sample(packed)
         if self.step_sync is not None:  # tensor parallel: rank 0's tokens everywhere
             tokens = self.step_sync.agree_tokens(tokens)
+        sampled_at = time.perf_counter()
         kept = {id(r): list(r.block_ids) for r in step.requests if r.keep_kv}
         finished = self.scheduler.update(step, packed.sampled_requests, tokens)
         for request in finished:  # freed just now, not reused yet: copy the KV out for the caller
@@ -271,23 +335,50 @@ class Engine:
         if self.proposer is not None:
             self._propose()
         num_decode = sum(1 for n in step.num_tokens if n == 1)
-        self.step_stats.append(
-            StepStats(
-                step=self.num_steps,
-                start_s=start,
-                duration_s=time.perf_counter() - start,
-                num_seqs=len(step),
-                num_decode_tokens=num_decode,
-                num_prefill_tokens=step.total_tokens - num_decode,
-                kv_blocks_used=self.block_manager.num_used_blocks,
-                prefix_hit_tokens=self.block_manager.stats.hit_tokens - hits_before,
-                num_preemptions=self.scheduler.num_preemptions - preemptions_before,
-            )
+        end = time.perf_counter()
+        stats = StepStats(
+            step=self.num_steps,
+            start_s=start,
+            duration_s=end - start,
+            num_seqs=len(step),
+            num_decode_tokens=num_decode,
+            num_prefill_tokens=step.total_tokens - num_decode,
+            kv_blocks_used=self.block_manager.num_used_blocks,
+            prefix_hit_tokens=self.block_manager.stats.hit_tokens - hits_before,
+            num_preemptions=self.scheduler.num_preemptions - preemptions_before,
+            num_kv_tokens=sum(packed.layout.seq_lens),
+            num_waiting=num_waiting,
+            schedule_s=scheduled - start,
+            pack_s=packed_at - scheduled,
+            run_s=ran_at - packed_at,
+            sample_s=sampled_at - ran_at,
+            update_s=end - sampled_at,
+            overlapped_s=overlapped,
         )
+        self.step_stats.append(stats)
+        if self.num_steps > 0:  # the first step pays one-time costs (allocation, lazy imports)
+            self._cost_model.observe_step(stats)
         self.num_steps += 1
         self.num_generated_tokens += sum(len(t) if isinstance(t, list) else 1 for t in tokens)
         self.scheduler.scheduled = []  # the step is done: nothing of it is left to fail
-        return finished
+        return finished + rejected
+
+    def _run_and_sample(self, packed: Any) -> tuple[Any, list, float, float]:
+        """The forward and sampling of one packed step; returns (logits, tokens, when the forward ended,
+        seconds of host work overlapped with it). With asynchronous scheduling the forward and sampling
+        run on a worker thread while this thread prepares what the next step needs that does not depend
+        on this step's tokens (`_prepare_ahead`)."""
+        if self._async is None:
+            logits = self.runner.run(packed)
+            ran_at = time.perf_counter()
+            return logits, sample_step(logits, packed.sampled_requests, packed.rows_per_request), ran_at, 0.0
+        return self._async.run(self, packed)
+
+    def _prepare_ahead(self) -> None:
+        """Host work for the next step that does not depend on this step's tokens; asynchronous
+        scheduling runs it while the forward runs (`engine/async_step.py`)."""
+        self._cost_model.fit()
+        self.scheduler.prepare_ahead()
 
     def _propose(self) -> None:
         """Draft the next step's tokens for every decoding request that speculates; a request whose
@@ -388,6 +479,9 @@ class Engine:
         try:
             for request in requests:  # inside the try: a refusal midway must not strand the ones queued
                 self.scheduler.add(request)
+                if request.is_finished:  # rejected at once by admission control
+                    remaining.discard(id(request))
+                    bar.update(1)
             while remaining:
                 for request in self.step(draining=True):
                     if id(request) in remaining:
@@ -417,6 +511,10 @@ class Engine:
             "prefix_cache_queried_tokens": cache.queried_tokens,
             "prefix_cache_hit_tokens": cache.hit_tokens,
             "prefix_cache_hit_rate": cache.hit_rate,
+            "rejected": self.scheduler.num_rejected,
+            "warned": self.scheduler.num_warned,
+            "max_num_seqs": self.config.max_num_seqs,
+            "max_num_batched_tokens": self.config.max_num_batched_tokens,
             **speculative_stats(self.scheduler),
         }
 
@@ -427,7 +525,7 @@ class Engine:
             f"blocks={self.block_manager.num_used_blocks}/{self.num_blocks}x{self.config.block_size}, "
             f"running={len(s.running)}, waiting={len(s.waiting) + len(s.forming)}, steps={self.num_steps}, "
             f"generated_tokens={self.num_generated_tokens}, preemptions={s.num_preemptions}, "
-            f"prefix_hit_rate={self.block_manager.stats.hit_rate:.2f})"
+            f"prefix_hit_rate={self.block_manager.stats.hit_rate:.2f}, {self.limits.describe()})"
         )
 
 
@@ -437,6 +535,13 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
     if mode != "auto":
         return mode
     return "decode" if device.type == "cuda" else "off"
+
+
+def resolve_async_scheduling(setting: bool | None, device: torch.device) -> bool:
+    """``None`` (auto): off. On a CPU the host's share of a step is about 1% and overlapping it measured no
+    gain (docs/benchmarks.md); on CUDA it is not measured yet, so it stays opt-in (``True``)."""
+    del device  # the choice will depend on it once a GPU measurement says where it pays
+    return bool(setting)
 
 
 def free_memory_bytes(device: torch.device) -> int:

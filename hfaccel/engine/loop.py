@@ -327,8 +327,10 @@ class EngineLoop:
     def _admit(self, submission: Submission) -> None:
         self._adopt(submission)
         try:
-            for request in submission.requests:
+            for index, request in enumerate(submission.requests):
                 self.engine.add(request)
+                if request.is_finished:  # rejected at once by admission control: tell the caller now
+                    self._report(submission, index, request)
         except Exception as error:
             self._abort(submission, error)
 

@@ -19,6 +19,25 @@ class StepStats:
     kv_blocks_used: int
     prefix_hit_tokens: int  # prompt tokens served from the prefix cache by this step's admissions
     num_preemptions: int  # requests preempted while scheduling this step
+    # What the step-time model (`engine/cost_model.py`) regresses on, and where the host's time went.
+    num_kv_tokens: int = 0  # KV tokens attended to: the sum of the step's context lengths
+    num_waiting: int = 0  # requests waiting (not admitted) when the step began: the queue depth
+    schedule_s: float = 0.0  # Scheduler.schedule
+    pack_s: float = 0.0  # pack_step: host lists of ids, positions, slots
+    run_s: float = 0.0  # ModelRunner.run: buffers, metadata, the forward
+    sample_s: float = 0.0  # sampling (and verifying drafts)
+    update_s: float = 0.0  # Scheduler.update, drafting, bookkeeping
+    overlapped_s: float = 0.0  # host work done while the forward ran (asynchronous scheduling)
+
+    @property
+    def num_decode_seqs(self) -> int:
+        """Sequences decoding one token (the decode path of the step)."""
+        return self.num_decode_tokens
+
+    @property
+    def host_s(self) -> float:
+        """The step's time outside the model forward (scheduling, packing, sampling, bookkeeping)."""
+        return max(0.0, self.duration_s - self.run_s)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

@@ -150,6 +150,16 @@ class Request:
     spec_drafted: int = 0
     spec_accepted: int = 0
     spec_steps: int = 0
+    # Adaptive scheduling: the request's own latency targets (None: the engine's), its user priority
+    # (lower is admitted first, FCFS within a level; `priority` above is the engine's arrival order),
+    # what admission control said, and how often later arrivals were admitted ahead of it.
+    tpot_target_ms: float | None = None
+    ttft_target_ms: float | None = None
+    user_priority: int = 0
+    rejected_reason: str | None = None  # finish_reason "rejected": why its TTFT target could not be met
+    warnings: list[str] = field(default_factory=list)
+    passed_over: int = 0
+    arrival_seq: int = -1  # order of arrival at the scheduler
 
     @property
     def num_tokens(self) -> int:

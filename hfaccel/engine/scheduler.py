@@ -16,30 +16,51 @@ older running request may still need (their prompt plus ``max_new_tokens``): fro
 requests and it always find blocks by preempting newer ones, so the scheduler preempts a request at most
 once.
 
+Adaptive scheduling (all of it off unless asked for, so the schedule is exactly the one above): with a
+TPOT target and a learnt step-time model (`engine/cost_model.py`), each step takes every running decode,
+then prompt chunks sized by the time the target leaves (at least one chunk of `block_size` tokens, so
+running prompts always progress), and a waiting request is admitted only while the decode batch it would
+join is predicted to meet the tightest target (the batch grows while the queue is deep and shrinks, by
+admitting less, when targets tighten; nothing is preempted for time). A request whose TTFT target cannot
+be met given the queue is rejected or warned at once (`admission`), and a never-started request whose
+TTFT deadline passes while it waits is too. `user_priority` orders admission (lower first, FCFS within a
+level); `prefix_aware_admission` prefers requests whose prefix is cached, within `max_passed_over`.
+
 Fault safety: every request the scheduler holds is also in `live`, and the block manager never counts a
 block below its holders, so after an exception at any point `repair` rebuilds a consistent state.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterable
+from typing import Any
 
-from hfaccel.config import EngineConfig
+from hfaccel.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
 from hfaccel.engine.batch import Batch, ScheduledStep
 from hfaccel.engine.block_manager import BlockManager, blocks_for
 from hfaccel.engine.request import Request, RequestStatus
+
+logger = logging.getLogger("hfaccel")
+# Aim below the target: the step-time model is a fit, and a shared machine is noisy.
+HEADROOM = 0.85
 
 
 class Scheduler:
     """Owns the waiting queue, the running batch, and (for dynamic/static batching) the forming batch."""
 
-    def __init__(self, block_manager: BlockManager, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(
+        self, block_manager: BlockManager, config: EngineConfig, max_model_len: int, cost_model: Any = None
+    ) -> None:
         self.block_manager = block_manager
         self.config = config
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        # The engine resolves "auto" limits before building the scheduler; a scheduler built alone takes
+        # the defaults.
+        self.max_num_seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         # Dynamic/static batching: requests chosen for the current batch, not yet admitted.
@@ -52,12 +73,32 @@ class Scheduler:
         self.scheduled: list[tuple[Request, int]] = []
         self._next_priority = 0
         self.spec_drafted = self.spec_accepted = self.spec_steps = 0  # speculative totals
+        # Adaptive scheduling: the step-time model (anything with `fit()` returning an object with
+        # `coefficients` and `predict`, or None), requests rejected since the engine last asked, counters.
+        self.cost_model = cost_model
+        self.rejected: list[Request] = []
+        self.num_rejected = self.num_warned = 0
+        self._next_arrival = 0
+        self._prefix_keys: dict[int, list] = {}  # id(request) -> its prefix-cache keys (waiting requests)
+        self._time: _TimeBudget | None = None  # this step's time budget, when a TPOT target applies
+        self._targets_used = config.has_latency_targets  # some request may carry a latency target
+        self._priorities_used = False  # some request has a non-zero user priority
 
     # ----------------------------------------------------------------- requests in and out
 
     def add(self, request: Request) -> None:
         """Queue a request; raise ValueError (queueing nothing) if it could never be served."""
         self.check(request)
+        if request.arrival_seq < 0:
+            request.arrival_seq = self._next_arrival
+            self._next_arrival += 1
+        if request.tpot_target_ms is not None or request.ttft_target_ms is not None:
+            self._targets_used = True
+        if request.user_priority:
+            self._priorities_used = True
+        if self._ttft_target(request) is not None and not self._admission_check(request):
+            self._prefix_keys.pop(id(request), None)
+            return
         request.status = RequestStatus.WAITING
         self.live[id(request)] = request
         self.waiting.append(request)
@@ -104,6 +145,7 @@ class Scheduler:
         if not request.is_finished:
             request.finish("abort")
         self.live.pop(id(request), None)
+        self._prefix_keys.pop(id(request), None)
 
     # ----------------------------------------------------------------- one step
 
@@ -131,6 +173,8 @@ class Scheduler:
     def _fill(self, kinds: set[str], draining: bool) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         chosen = self.scheduled = []
+        self._reject_late()
+        self._time = self._time_budget()
         budget, preempted = self._schedule_running(kinds, budget, chosen)
         # Admitting while preempting would only thrash: freed blocks go to the running requests first.
         if "prefill" in kinds and not preempted:
@@ -202,6 +246,7 @@ class Scheduler:
         to the oldest requests first. A request short of blocks preempts the newest running requests that
         arrived after it (scheduled this step or not), or, if there are none, yields its own."""
         planned: list[tuple[Request, int]] = []
+        timed = self._time
         for kind in ("decode", "prefill"):
             if kind not in kinds:
                 continue
@@ -211,6 +256,8 @@ class Scheduler:
                 if (request.num_uncomputed_tokens == 1) != (kind == "decode"):
                     continue
                 count = self._chunk(request, budget)
+                if count and timed is not None:
+                    count = timed.take(request, count, kind == "decode", self.block_manager.block_size)
                 if count:
                     planned.append((request, count))
                     budget -= count
@@ -259,7 +306,9 @@ class Scheduler:
     def _admission_queue(self, draining: bool) -> deque[Request]:
         """Where admissions come from: the waiting queue, or the forming dynamic/static batch."""
         if self.config.batching == "continuous":
-            if self.config.group_by_length and len(self.waiting) > 1:
+            if (self._priorities_used or self.config.prefix_aware_admission) and len(self.waiting) > 1:
+                self._order_waiting()
+            elif self.config.group_by_length and len(self.waiting) > 1:
                 # Shortest first among the requests that have not started; preempted ones (at the
                 # front, oldest first) resume before any of them.
                 resuming = self._num_resuming(self.waiting)
@@ -281,16 +330,35 @@ class Scheduler:
     def _admit(self, budget: int, chosen: list[tuple[Request, int]], draining: bool) -> None:
         queue = self._admission_queue(draining)
         computing: set = set()  # first blocks of prompts admitted uncached in this step
-        while queue and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = queue[0]
+        timed, adaptive = self._time, self._adaptive_admission()
+        batch = self._batch_check() if adaptive else None
+        prefix_aware = (
+            adaptive and self.config.prefix_aware_admission and self.block_manager.enable_prefix_caching
+        )
+        shared = self._running_prefill_keys() if prefix_aware else []
+        admitted: list[Request] = []
+        index = 0  # stays 0 unless a request is held back for a prefix being computed (prefix-aware)
+        while index < len(queue) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = queue[index]
+            if prefix_aware and self._hold_for_shared_prefix(request, shared):
+                index += 1
+                continue
+            if batch is not None and not batch.admits(request, len(self.running)):
+                break  # the decode batch it would join is predicted to miss a TPOT target
             cached = self.block_manager.match_prefix(request)
             first = self.block_manager.first_block_key(request) if cached == 0 else None
             if first is not None and first in computing:
                 # Its prefix is being computed right now: admitted next step, it shares those blocks
                 # (copies of one prompt, num_return_sequences) instead of computing them again.
+                if prefix_aware and request.passed_over < self.config.max_passed_over:
+                    self.block_manager.free(request)
+                    index += 1
+                    continue
                 break
             request.num_computed_tokens = cached
             count = self._chunk(request, budget)
+            if count and timed is not None:
+                count = timed.take_admission(request, count, self.block_manager.block_size)
             if count == 0 or not self._may_resume(request) or not self.block_manager.allocate(request, count):
                 self.block_manager.free(request)  # give the matched prefix back: nothing changed
                 request.num_computed_tokens = 0
@@ -300,7 +368,8 @@ class Scheduler:
             self.block_manager.stats.record(request.num_tokens, cached)
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = cached
-            queue.popleft()
+            del queue[index]
+            self._prefix_keys.pop(id(request), None)
             if request.priority is None:
                 request.priority = self._next_priority
                 self._next_priority += 1
@@ -309,7 +378,10 @@ class Scheduler:
             if len(self.running) > 1 and _priority(self.running.requests[-2]) > _priority(request):
                 self.running.requests.sort(key=_priority)  # a resumed request: back to its place
             chosen.append((request, count))
+            admitted.append(request)
             budget -= count
+        if adaptive and admitted:
+            self._count_passed_over(admitted, queue)
 
     def _may_resume(self, request: Request) -> bool:
         """A request that has not started may always try; a preempted one (behind which nothing has started,
@@ -350,6 +422,245 @@ class Scheduler:
         ):
             position += 1
         queue.insert(position, request)
+
+    # ----------------------------------------------------------------- adaptive scheduling
+
+    def _fit(self) -> Any:
+        return self.cost_model.fit() if self.cost_model is not None else None
+
+    def _tpot_target(self, request: Request) -> float | None:
+        """The request's TPOT target in seconds (its own, else the engine's), or None."""
+        ms = request.tpot_target_ms if request.tpot_target_ms is not None else self.config.tpot_target_ms
+        return None if ms is None else ms / 1000.0
+
+    def _ttft_target(self, request: Request) -> float | None:
+        """The request's TTFT target in seconds (its own, else the engine's), or None."""
+        ms = request.ttft_target_ms if request.ttft_target_ms is not None else self.config.ttft_target_ms
+        return None if ms is None else ms / 1000.0
+
+    def _tpot_limit(self, requests: Iterable[Request]) -> float | None:
+        """The step time the tightest TPOT target among `requests` allows (with headroom), or None."""
+        targets = [t for t in map(self._tpot_target, requests) if t is not None]
+        return HEADROOM * min(targets) if targets else None
+
+    def _adaptive_admission(self) -> bool:
+        return self._targets_used or self._priorities_used or self.config.prefix_aware_admission
+
+    def _time_budget(self) -> _TimeBudget | None:
+        """This step's time budget: the tightest TPOT target among the requests already producing tokens
+        (their clocks are running), when the step-time model is ready."""
+        if not self._targets_used:
+            return None
+        limit = self._tpot_limit(r for r in self.running if r.output_token_ids)
+        if limit is None:
+            return None
+        fit = self._fit()
+        return None if fit is None else _TimeBudget(fit, limit)
+
+    def _batch_check(self) -> _BatchCheck | None:
+        if not self._targets_used:
+            return None
+        fit = self._fit()
+        if fit is None:
+            return None
+        return _BatchCheck(fit, self._tpot_limit(self.running), sum(r.num_tokens for r in self.running), self)
+
+    def estimate_ttft(self, request: Request) -> float | None:
+        """Seconds from `request`'s arrival to its first token if it joined the queue now (behind the
+        requests that go first: resuming ones and those of its priority level or better), by the
+        step-time model; None before the model is ready. An estimate: output lengths are taken at their
+        maximum, the batch as it is now."""
+        fit = self._fit()
+        if fit is None:
+            return None
+        c0, c1, c2, c3 = fit.coefficients
+        per_token = c2 + c3
+        block = self.block_manager.block_size
+        running = list(self.running)
+        ahead = [
+            w
+            for w in self.waiting
+            if w is not request and (w.num_preemptions or w.user_priority <= request.user_priority)
+        ]
+        kv = sum(r.num_tokens for r in running)
+        decodes = sum(1 for r in running if r.num_uncomputed_tokens == 1)
+        prompts_ahead = sum(r.num_uncomputed_tokens for r in running if r.num_uncomputed_tokens > 1)
+        prompts_ahead += sum(w.num_tokens for w in ahead)
+        own = max(1, request.num_tokens - block * self._cached_blocks(request))
+        decode_s = fit.predict(decodes, 0, kv)
+        limit = self._tpot_limit([*running, request])
+        if limit is not None and per_token > 0:
+            per_step = max(block, int((limit - decode_s) / per_token))
+        else:
+            per_step = self.max_num_batched_tokens - decodes
+        per_step = max(1, min(per_step, self.max_num_batched_tokens))
+        step_s = fit.predict(decodes, per_step, kv + per_step)
+        seats = self.max_num_seqs
+        if limit is not None:
+            per_seq = c1 + c3 * (kv + request.num_tokens) / (len(running) + 1)
+            if per_seq > 0:
+                fixed = c0 + getattr(fit, "bias_s", 0.0)
+                seats = min(seats, max(1, int((limit - fixed) / per_seq)))
+        seats -= len(running)
+        position = len(ahead) + 1
+        wait_steps = 0
+        if position > seats:
+            left = sorted(max(1, r.stopping.max_new_tokens - len(r.output_token_ids)) for r in running) or [1]
+            rounds, rest = divmod(position - max(seats, 0) - 1, len(left))
+            wait_steps = left[rest] + rounds * left[-1]
+        steps = max(wait_steps + math.ceil(own / per_step), math.ceil((prompts_ahead + own) / per_step))
+        waited = time.perf_counter() - request.metrics.arrival_time
+        return waited + steps * step_s
+
+    def _admission_check(self, request: Request) -> bool:
+        """Admission control at arrival: False if `request` was rejected (its TTFT target cannot be met
+        given the queue), True if it may queue (possibly with a warning)."""
+        if request.num_preemptions or request.output_token_ids:
+            return True
+        target = self._ttft_target(request)
+        estimate = self.estimate_ttft(request)
+        if target is None or estimate is None or estimate <= target:
+            return True
+        reason = (
+            f"TTFT target {target * 1000:.0f} ms cannot be met: about {estimate * 1000:.0f} ms expected "
+            f"with {len(self.waiting)} requests waiting and {len(self.running)} running"
+        )
+        return self._refuse(request, reason)
+
+    def _refuse(self, request: Request, reason: str) -> bool:
+        """Reject (returns False) or warn (returns True) per `admission`."""
+        if self.config.admission == "reject":
+            request.rejected_reason = reason
+            request.finish("rejected")
+            self.num_rejected += 1
+            return False
+        request.warnings.append(reason)
+        self.num_warned += 1
+        level = logging.WARNING if self.num_warned == 1 else logging.DEBUG
+        logger.log(
+            level, "hfaccel: request %r: %s (queued anyway: admission='warn')", request.request_id, reason
+        )
+        return True
+
+    def _reject_late(self) -> None:
+        """A request that has not started and whose TTFT deadline has passed while it waited is told so:
+        rejected (returned by the next step among the finished) or warned, once."""
+        if not self._targets_used or not self.waiting:
+            return
+        now = time.perf_counter()
+        late = []
+        for request in self.waiting:
+            target = self._ttft_target(request)
+            if target is None or request.num_preemptions or now - request.metrics.arrival_time <= target:
+                continue
+            if self.config.admission == "warn" and any(
+                w.startswith("TTFT deadline") for w in request.warnings
+            ):
+                continue
+            late.append(request)
+        for request in late:
+            waited = now - request.metrics.arrival_time
+            target_ms = self._ttft_target(request) * 1000
+            reason = (
+                f"TTFT deadline passed: waited {waited * 1000:.0f} ms in the queue, target {target_ms:.0f} ms"
+            )
+            if not self._refuse(request, reason):  # finished first, then out of the queues
+                self.waiting.remove(request)
+                self._prefix_keys.pop(id(request), None)
+                self.live.pop(id(request), None)
+                self.rejected.append(request)
+
+    def take_rejected(self) -> list[Request]:
+        """Requests rejected from the queue since the last call (the engine returns them as finished)."""
+        rejected, self.rejected = self.rejected, []
+        return rejected
+
+    def _keys(self, request: Request) -> list:
+        entry = self._prefix_keys.get(id(request))
+        if entry is None or entry[0] is not request:
+            entry = (request, self.block_manager.prefix_keys(request))
+            self._prefix_keys[id(request)] = entry
+        return entry[1]
+
+    def _cached_blocks(self, request: Request) -> int:
+        """Leading blocks of `request` the prefix cache holds now (nothing is taken)."""
+        if not self.block_manager.enable_prefix_caching:
+            return 0
+        return self.block_manager.count_cached(self._keys(request))
+
+    def prepare_ahead(self) -> None:
+        """Work for the next admission that does not depend on the running step's tokens: the prefix
+        keys of the waiting requests (asynchronous scheduling does it while the forward runs)."""
+        if self.block_manager.enable_prefix_caching and (
+            self.config.prefix_aware_admission or self._targets_used
+        ):
+            window = max(64, 4 * self.max_num_seqs)
+            for i, request in enumerate(self.waiting):
+                if i >= window:
+                    break
+                self._keys(request)
+
+    def _order_waiting(self) -> None:
+        """Admission order of the requests that have not started (preempted ones stay in front): user
+        priority (lower first), then requests passed over `max_passed_over` times (oldest first), then,
+        with prefix-aware admission, the longest cached prefix first, then (group_by_length) shorter
+        first, then arrival."""
+        resuming = self._num_resuming(self.waiting)
+        window = min(len(self.waiting) - resuming, max(64, 4 * self.max_num_seqs))
+        if window <= 1:
+            return
+        limit = self.config.max_passed_over
+        prefix = self.config.prefix_aware_admission and self.block_manager.enable_prefix_caching
+        by_length = self.config.group_by_length
+
+        def key(request: Request) -> tuple:
+            overdue = request.passed_over >= limit
+            cached = self._cached_blocks(request) if prefix and not overdue else 0
+            length = request.num_tokens if by_length and not overdue else 0
+            return (request.user_priority, not overdue, -cached, length, request.arrival_seq)
+
+        head = sorted((self.waiting[resuming + i] for i in range(window)), key=key)
+        for i, request in enumerate(head):
+            self.waiting[resuming + i] = request
+
+    def _running_prefill_keys(self) -> list[list]:
+        """Prefix keys of the running requests still computing their prompt."""
+        return [
+            self._keys(r)
+            for r in self.running
+            if r.num_computed_tokens < len(r.prompt_token_ids) and not r.output_token_ids
+        ]
+
+    def _hold_for_shared_prefix(self, request: Request, shared: list[list]) -> bool:
+        """Whether to hold `request` back one step because a running prefill is computing blocks of its
+        prefix that are not cached yet (it takes them from the cache once they are): never a resuming
+        request, never one passed over `max_passed_over` times."""
+        if not shared or request.num_preemptions or request.passed_over >= self.config.max_passed_over:
+            return False
+        mine = self._keys(request)
+        if not mine:
+            return False
+        cached = self.block_manager.count_cached(mine)
+        for theirs in shared:
+            common = 0
+            for a, b in zip(mine, theirs):
+                if a != b:
+                    break
+                common += 1
+            if common > cached:
+                return True
+        return False
+
+    def _count_passed_over(self, admitted: list[Request], queue: deque[Request]) -> None:
+        """Every waiting request that a later arrival of its priority level overtook in this step."""
+        latest: dict[int, int] = {}
+        for request in admitted:
+            if not request.num_preemptions:
+                level = request.user_priority
+                latest[level] = max(latest.get(level, -1), request.arrival_seq)
+        for request in queue:
+            if not request.num_preemptions and request.arrival_seq < latest.get(request.user_priority, -1):
+                request.passed_over += 1
 
     @staticmethod
     def _num_resuming(queue: deque[Request]) -> int:
@@ -416,6 +727,7 @@ class Scheduler:
         for request in resuming:  # ahead of the requests that have not started
             self._requeue(request)
         self.scheduled = []
+        self._prefix_keys.clear()
         self.block_manager.repair(self.live.values())
 
     def _is_whole(self, request: Request) -> bool:
@@ -438,3 +750,69 @@ class Scheduler:
 
 def _priority(request: Request) -> int:
     return -1 if request.priority is None else request.priority
+
+
+class _TimeBudget:
+    """The step time a TPOT target leaves, spent as a step is filled (by the step-time model)."""
+
+    def __init__(self, fit: Any, limit_s: float) -> None:
+        self.coefficients = fit.coefficients
+        self.limit = limit_s
+        self.used = self.coefficients[0] + getattr(fit, "bias_s", 0.0)  # the step's fixed cost
+        self.prefilled = False
+
+    def room(self, start: int) -> int:
+        """Prompt tokens a chunk starting at position `start` may compute in the time left."""
+        _, _, c2, c3 = self.coefficients
+        if c2 + c3 <= 0:
+            return 1 << 30
+        return max(0, int((self.limit - self.used - c3 * start) / (c2 + c3)))
+
+    def take(self, request: Request, count: int, decode: bool, block_size: int) -> int:
+        """A running request's tokens: a decode always runs (its drafts cost like prompt tokens); a prompt
+        chunk is cut to the time left, but the first chunk of the step gets at least `block_size` tokens,
+        so a running prompt always progresses."""
+        _, c1, c2, c3 = self.coefficients
+        start = request.num_computed_tokens
+        if decode:
+            self.used += c1 + c2 * (count - 1) + c3 * (start + count)
+            return count
+        room = self.room(start)
+        if room < count:
+            count = min(count, max(room, 0 if self.prefilled else block_size))
+        if count:
+            self.used += (c2 + c3) * count + c3 * start
+            self.prefilled = True
+        return count
+
+    def take_admission(self, request: Request, count: int, block_size: int) -> int:
+        """A new request's first chunk: cut to the time left in whole blocks, or 0 (not this step) if less
+        than a block is left and the prompt does not fit."""
+        _, _, c2, c3 = self.coefficients
+        start = request.num_computed_tokens
+        room = self.room(start)
+        if room < count:
+            count = room - room % block_size
+        if count:
+            self.used += (c2 + c3) * count + c3 * start
+            self.prefilled = True
+        return count
+
+
+class _BatchCheck:
+    """Admit a request only while the decode step of the batch it joins is predicted to meet the tightest
+    TPOT target among the batch and itself (the first request is always admitted)."""
+
+    def __init__(self, fit: Any, limit_s: float | None, kv_tokens: int, scheduler: Scheduler) -> None:
+        self.fit, self.limit, self.kv, self.scheduler = fit, limit_s, kv_tokens, scheduler
+
+    def admits(self, request: Request, num_running: int) -> bool:
+        own = self.scheduler._tpot_target(request)
+        limit = self.limit
+        if own is not None:
+            limit = HEADROOM * own if limit is None else min(limit, HEADROOM * own)
+        kv = self.kv + request.num_tokens
+        if limit is not None and num_running > 0 and self.fit.predict(num_running + 1, 0, kv) > limit:
+            return False
+        self.kv, self.limit = kv, limit
+        return True

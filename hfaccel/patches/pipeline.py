@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from hfaccel.config import DEFAULT_MAX_NUM_SEQS
+
 _MAX_WORKERS = 128
 _installed = False
 
@@ -53,7 +55,10 @@ def install_pipeline_batching() -> None:
         model_iterator = getattr(final, "loader", None)
         if state is None or getattr(model_iterator, "infer", None) != self.forward:
             return final  # not patched, or a pipeline layout this wrapper does not know: leave it alone
-        max_num_seqs = state.config.max_num_seqs
+        engine = state.engine
+        max_num_seqs = (
+            engine.config if engine is not None else state.config
+        ).max_num_seqs or DEFAULT_MAX_NUM_SEQS
         window = min(_MAX_WORKERS, max(2, math.ceil(2 * max_num_seqs / max(1, batch_size))))
         model_iterator.loader = _ConcurrentForward(
             model_iterator.loader, self.forward, model_iterator.params, window

@@ -1,0 +1,300 @@
+"""Adaptive scheduling on the scheduler alone, with a fake step-time model: TPOT-bounded steps, the batch
+growing and shrinking, TTFT admission control, user priorities, prefix-aware admission with bounded
+waiting, and exactly today's schedules when none of it is asked for."""
+
+import json
+import pathlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hfaccel import EngineConfig
+from hfaccel.engine.block_manager import BlockManager
+from hfaccel.engine.request import Request, StoppingParams
+from hfaccel.engine.scheduler import HEADROOM, Scheduler
+from tests.engine.schedule_workloads import CONFIGS, record
+
+RECORDED = json.loads((pathlib.Path(__file__).parent / "data" / "schedules_before_adaptive.json").read_text())
+
+
+class FakeFit:
+    def __init__(self, c0, c1, c2, c3=0.0):
+        self.coefficients = (c0, c1, c2, c3)
+
+    def predict(self, decode_seqs, prefill_tokens, kv_tokens):
+        c0, c1, c2, c3 = self.coefficients
+        return c0 + c1 * decode_seqs + c2 * prefill_tokens + c3 * kv_tokens
+
+
+class FakeCostModel:
+    """10 ms a step, 1 ms per decoding sequence, 0.1 ms per prefill token (unless told otherwise)."""
+
+    def __init__(self, *coefficients):
+        self.current = FakeFit(*(coefficients or (0.010, 0.001, 0.0001)))
+
+    def fit(self):
+        return self.current
+
+
+def make(rid, prompt_len, max_new=4, token=5, **fields):
+    request = Request(rid, [token] * prompt_len, StoppingParams(max_new_tokens=max_new))
+    for name, value in fields.items():
+        setattr(request, name, value)
+    return request
+
+
+def scheduler(num_blocks=512, block_size=4, prefix=False, cost_model=None, **config):
+    config.setdefault("max_num_batched_tokens", 512)
+    config.setdefault("max_num_seqs", 64)
+    engine_config = EngineConfig(block_size=block_size, enable_prefix_caching=prefix, **config)
+    return Scheduler(BlockManager(num_blocks, block_size, prefix), engine_config, 4096, cost_model)
+
+
+def run_step(sched):
+    step = sched.schedule(True)
+    sampled = [r for r, n in zip(step.requests, step.num_tokens) if r.num_computed_tokens + n == r.num_tokens]
+    sched.update(step, sampled, [7] * len(sampled))
+    return step
+
+
+def predicted(step, fit):
+    decodes = sum(1 for n in step.num_tokens if n == 1)
+    kv = sum(r.num_computed_tokens for r in step.requests)  # after update: the step's context lengths
+    return fit.predict(decodes, step.total_tokens - decodes, kv)
+
+
+# ----------------------------------------------------------------- no target: exactly today's schedules
+
+
+@pytest.mark.parametrize("key", sorted(RECORDED))
+def test_without_targets_the_schedule_is_exactly_the_recorded_one(key):
+    name, seed = key.split("/")
+    expected = [[tuple(pair) for pair in step] for step in RECORDED[key]]
+    assert record(Scheduler, name, int(seed)) == expected
+    # A ready step-time model changes nothing while no request has a target.
+    assert record(Scheduler, name, int(seed), cost_model=FakeCostModel()) == expected
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_target_without_a_ready_model_changes_nothing(name):
+    expected = [[tuple(pair) for pair in step] for step in RECORDED[f"{name}/0"]]
+    assert record(Scheduler, name, 0, tpot_target_ms=1.0, ttft_target_ms=1e9) == expected
+
+
+# ----------------------------------------------------------------- TPOT target
+
+
+def test_every_step_stays_within_the_tpot_target_and_chunks_follow_the_budget():
+    model = FakeCostModel()
+    sched = scheduler(cost_model=model, tpot_target_ms=50)
+    requests = [make(i, 300 if i % 3 == 0 else 40, max_new=30) for i in range(60)]
+    for r in requests:
+        sched.add(r)
+    steps = []
+    while sched.has_unfinished():
+        step = run_step(sched)
+        steps.append(step)
+        decoding = [r for r, n in zip(step.requests, step.num_tokens) if n == 1 and r.output_token_ids]
+        if decoding:  # a TPOT clock is running: the step must meet the target
+            assert predicted(step, model.current) <= 0.050 + 1e-9
+        assert len(steps) < 5000
+    assert all(r.finish_reason == "length" for r in requests)
+    # SplitFuse: with D decodes running, the prompt tokens of a step fill what the target leaves.
+    full = [s for s in steps if any(n > 1 for n in s.num_tokens) and any(n == 1 for n in s.num_tokens)]
+    assert full
+    for step in full[:20]:
+        decodes = sum(1 for n in step.num_tokens if n == 1)
+        room = (HEADROOM * 0.050 - 0.010 - 0.001 * decodes) / 0.0001
+        assert step.total_tokens - decodes <= max(room, 4) + 1
+
+
+def test_the_batch_grows_under_a_deep_queue_and_shrinks_when_the_target_tightens():
+    model = FakeCostModel()
+    sched = scheduler(num_blocks=4096, cost_model=model, tpot_target_ms=50)  # room for every request
+    requests = [make(i, 8, max_new=200) for i in range(80)]
+    for r in requests:
+        sched.add(r)
+    sizes = [len(run_step(sched)) for _ in range(40)]
+    grown = max(sizes)
+    # 42.5 ms (0.85 x 50): 10 ms + 1 ms per decode -> up to 32 sequences (the default cap would be 64).
+    assert 28 <= grown <= 32
+    preemptions = sched.num_preemptions
+    sched.config = sched.config.with_overrides(tpot_target_ms=20)  # the target tightens
+    for request in sched.running:
+        assert not request.is_finished
+    running, waiting = [], []
+    while sched.has_unfinished():
+        run_step(sched)
+        running.append(len(sched.running))
+        waiting.append(len(sched.waiting))
+    assert sched.num_preemptions == preemptions, "shrinking never preempts"
+    # Nobody new joins until the batch fits 17 ms (10 ms + 7 decodes); then it stays there while the
+    # queue is still deep.
+    small = running.index(next(n for n in running if n <= 7))
+    assert waiting[small] > 0, "the batch shrank while requests were still waiting"
+    assert max(running[small:]) <= 7
+    assert running[0] > 8
+
+
+def test_a_per_request_tpot_target_bounds_the_batch_it_joins():
+    sched = scheduler(cost_model=FakeCostModel())
+    for i in range(20):
+        sched.add(make(i, 4, max_new=50))
+    sched.add(make("tight", 4, max_new=50, tpot_target_ms=20))
+    sizes = [len(run_step(sched)) for _ in range(5)]
+    # Without a target all 21 join; the tight one must wait for a batch of at most 8 sequences.
+    assert max(sizes) == 20
+    assert all(r.request_id != "tight" for r in sched.running)
+
+
+# ----------------------------------------------------------------- TTFT admission control
+
+
+@pytest.mark.parametrize("mode", ["reject", "warn"])
+def test_a_request_that_cannot_meet_its_ttft_target_is_told_at_once(mode):
+    # 100 ms per prefill token step: a 200-token prompt behind 10 others cannot start within 150 ms.
+    sched = scheduler(
+        cost_model=FakeCostModel(0.050, 0.001, 0.001), admission=mode, max_num_batched_tokens=64
+    )
+    for i in range(10):
+        sched.add(make(i, 200, max_new=10))
+    late = make("late", 200, max_new=10, ttft_target_ms=150)
+    sched.add(late)
+    easy = make("easy", 4, max_new=2, ttft_target_ms=1e7)
+    sched.add(easy)
+    if mode == "reject":
+        assert late.finish_reason == "rejected" and "TTFT target 150 ms cannot be met" in late.rejected_reason
+        assert late not in sched.waiting and sched.num_rejected == 1
+    else:
+        assert late.finish_reason is None and late in sched.waiting
+        assert "cannot be met" in late.warnings[0]
+    assert easy.finish_reason is None and easy in sched.waiting
+
+
+def test_a_request_whose_deadline_passes_in_the_queue_is_rejected_by_the_next_step():
+    sched = scheduler(cost_model=FakeCostModel(), admission="reject", max_num_seqs=1)
+    sched.add(make("running", 4, max_new=50))
+    run_step(sched)
+    waiting = make("waiting", 4, max_new=2, ttft_target_ms=10_000)
+    sched.add(waiting)
+    assert waiting in sched.waiting
+    waiting.metrics.arrival_time -= 20.0  # as if it had waited 20 s
+    run_step(sched)
+    assert waiting.finish_reason == "rejected" and "deadline passed" in waiting.rejected_reason
+    assert sched.take_rejected() == [waiting] and sched.take_rejected() == []
+    assert id(waiting) not in sched.live
+
+
+# ----------------------------------------------------------------- user priority
+
+
+def test_user_priority_orders_admission_fcfs_within_a_level():
+    sched = scheduler(max_num_seqs=2)
+    for i in range(3):
+        sched.add(make(f"low{i}", 4, max_new=3, user_priority=5))
+    for i in range(3):
+        sched.add(make(f"high{i}", 4, max_new=3, user_priority=-1))
+    order = []
+    while sched.has_unfinished():
+        step = run_step(sched)
+        order += [r.request_id for r, n in zip(step.requests, step.num_tokens) if n > 1]
+    assert order == ["high0", "high1", "high2", "low0", "low1", "low2"]
+
+
+def test_the_engine_priority_for_no_starvation_is_untouched_by_user_priority():
+    # A preempted request resumes before any waiting one, whatever their user priorities.
+    sched = scheduler(num_blocks=8, max_num_seqs=4, max_num_batched_tokens=32)
+    requests = [make(i, 5, max_new=8, user_priority=-i) for i in range(4)]
+    for r in requests:
+        sched.add(r)
+    while sched.has_unfinished():
+        run_step(sched)
+    assert all(r.output_token_ids == [7] * 8 for r in requests)
+    assert max(r.num_preemptions for r in requests) <= 1
+
+
+# ----------------------------------------------------------------- prefix-aware admission
+
+
+def test_prefix_aware_admission_prefers_the_longest_cached_prefix():
+    sched = scheduler(prefix=True, prefix_aware_admission=True, max_num_seqs=1)
+    system = list(range(10, 34))  # 6 blocks
+    first = Request("first", system + [99], StoppingParams(max_new_tokens=1))
+    sched.add(first)
+    while sched.has_unfinished():
+        run_step(sched)
+    cold = Request("cold", list(range(60, 90)), StoppingParams(max_new_tokens=1))
+    warm = Request("warm", system + [98, 97], StoppingParams(max_new_tokens=1))
+    sched.add(cold)
+    sched.add(warm)
+    step = sched.schedule(True)
+    assert [r.request_id for r in step.requests] == ["warm"] and warm.num_cached_prompt_tokens == 24
+
+
+def test_requests_sharing_an_uncached_prefix_wait_for_it_to_be_computed_once():
+    sched = scheduler(prefix=True, prefix_aware_admission=True, max_num_batched_tokens=8)
+    system = list(range(10, 42))  # 8 blocks, computed over 4 steps of 8 tokens
+    a = Request("a", system + [1], StoppingParams(max_new_tokens=1))
+    sched.add(a)
+    run_step(sched)
+    b = Request("b", system + [2], StoppingParams(max_new_tokens=1))
+    sched.add(b)
+    while not b.num_computed_tokens:
+        run_step(sched)
+    assert b.num_cached_prompt_tokens == 32  # all of the shared prefix, computed once by a
+    assert sched.block_manager.stats.hit_tokens == 32
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    workload=st.lists(
+        st.tuples(st.integers(0, 40), st.integers(0, 3), st.integers(1, 12), st.integers(1, 10)),
+        min_size=2,
+        max_size=24,
+    ),
+    limit=st.integers(1, 4),
+    max_num_seqs=st.integers(1, 4),
+    num_blocks=st.integers(12, 30),
+)
+def test_prefix_aware_admission_never_starves_a_request(workload, limit, max_num_seqs, num_blocks):
+    """Bounded waiting: no request is overtaken by later arrivals more than `max_passed_over` times, and
+    every request finishes, under a stream of requests that all prefer a cached prefix."""
+    sched = scheduler(
+        num_blocks=num_blocks,
+        prefix=True,
+        prefix_aware_admission=True,
+        max_passed_over=limit,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=8,
+    )
+    prefixes = [list(range(10, 26)), list(range(40, 52)), list(range(70, 78)), []]
+    arrivals = []
+    for i, (t, family, own, max_new) in enumerate(workload):
+        prompt = prefixes[family] + [100 + i] * own
+        max_new = min(max_new, num_blocks * 4 - len(prompt))
+        arrivals.append((t, Request(i, prompt, StoppingParams(max_new_tokens=max(1, max_new)))))
+    arrivals.sort(key=lambda pair: pair[0])
+    pending = list(arrivals)
+    for t in range(3000):
+        while pending and pending[0][0] <= t:
+            sched.add(pending.pop(0)[1])
+        if not pending and not sched.has_unfinished():
+            break
+        run_step(sched)
+    requests = [r for _, r in arrivals]
+    assert all(r.finish_reason == "length" for r in requests), "a request starved"
+    assert max(r.passed_over for r in requests) <= limit
+    assert sched.block_manager.num_free_blocks == num_blocks
+
+
+def test_time_budget_is_skipped_while_the_model_warms_up():
+    class Cold:
+        def fit(self):
+            return None
+
+    sched = scheduler(cost_model=Cold(), tpot_target_ms=1, ttft_target_ms=1, admission="reject")
+    request = make("a", 20, max_new=2)
+    sched.add(request)  # no estimate yet: never rejected without evidence
+    assert run_step(sched).num_tokens == [20]
