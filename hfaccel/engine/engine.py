@@ -118,13 +118,14 @@ class Engine:
         request_id: Any = None,
         arrival_time: float | None = None,
         seed: int | None = None,
+        adapter: str | None = None,
     ) -> Request:
         """Validate and queue one prompt (at any time, also between steps); returns its `Request`.
 
         Raises ValueError and queues nothing for a bad prompt. `arrival_time` (``time.perf_counter()``
         seconds) backdates the request's arrival for latency metrics; by default it arrives now.
         """
-        request = self.make_request(prompt_token_ids, stopping, sampling, request_id, seed)
+        request = self.make_request(prompt_token_ids, stopping, sampling, request_id, seed, adapter)
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         self.scheduler.add(request)
@@ -137,11 +138,14 @@ class Engine:
         sampling: SamplingParams = GREEDY,
         request_id: Any = None,
         seed: int | None = None,
+        adapter: str | None = None,
     ) -> Request:
         """Build a validated `Request` without queueing it.
 
         A sampled request gets its own random stream: from `seed`, or else from a seed drawn from torch's
-        global generator now (so ``torch.manual_seed`` before a call reproduces it)."""
+        global generator now (so ``torch.manual_seed`` before a call reproduces it). `adapter` names a
+        LoRA adapter the executor applies to this request alone (it must have ``check_adapter``); its
+        prefix-cache blocks are shared only with requests of the same adapter."""
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("prompt is empty: a prompt needs at least one token")
@@ -153,9 +157,14 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if adapter is not None:
+            check = getattr(self.executor, "check_adapter", None)
+            if check is None:
+                raise ValueError(f"adapter {adapter!r}: this model's executor serves no adapters")
+            check(adapter)
         if request_id is None:
             request_id = next(self._next_id)
-        request = Request(request_id, ids, stopping, sampling=sampling)
+        request = Request(request_id, ids, stopping, sampling=sampling, adapter=adapter, cache_salt=adapter)
         # Per-step scores/logits/logprobs are recorded one token at a time: such requests do not speculate.
         request.speculate = not (sampling.output_scores or sampling.output_logits or sampling.output_logprobs)
         if sampling.do_sample:
