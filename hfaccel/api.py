@@ -22,6 +22,8 @@ from hfaccel.engine.request import Request
 from hfaccel.engine.speculative.proposer import speculative_stats
 from hfaccel.patches.attention import register_attention
 from hfaccel.patches.generate import PatchState, fall_back, patched_generate
+from hfaccel.patches.lora import check_adapter_names
+from hfaccel.patches.lora import unsupported_reason as lora_unsupported_reason
 from hfaccel.patches.models import check_model
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 from hfaccel.patches.pipeline import install_pipeline_batching
@@ -180,6 +182,7 @@ def generate(
     logprobs: bool = False,
     errors: str = "raise",
     seed: int | None = None,
+    adapter: str | Sequence[str | None] | None = None,
     **generate_kwargs: Any,
 ) -> list[Completion]:
     """Complete many prompts in one continuous batch; results come back in prompt order.
@@ -199,6 +202,10 @@ def generate(
         seed: the random stream of sampled requests: request ``i`` (in result order) draws from its own
             generator seeded with ``seed + i``, so its samples are the same whatever else runs beside it.
             ``None``: seeds are drawn from torch's global generator (``torch.manual_seed`` reproduces them).
+        adapter: a PEFT LoRA adapter name for every prompt, or a list with one per prompt (None: the
+            model as it is, with its active adapters; ``"__base__"``: no adapter). Prompts of different
+            adapters run in the same continuous batch, each token with its own adapter's LoRA delta;
+            prefix-cache blocks are shared only between requests of the same adapter.
         **generate_kwargs: generation arguments for every prompt (``max_new_tokens=64``, ``do_sample=True``...).
 
     With ``num_return_sequences=n`` each prompt gives n consecutive completions (HF's order).
@@ -206,7 +213,7 @@ def generate(
     _check_errors(errors)
     with _patched(model) as state:
         plans = _plan_all(
-            model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs, seed
+            model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs, seed, adapter
         )
         runnable = [plan for plan in plans if isinstance(plan, Request)]
         if runnable:
@@ -224,6 +231,7 @@ async def agenerate(
     logprobs: bool = False,
     errors: str = "raise",
     seed: int | None = None,
+    adapter: str | Sequence[str | None] | None = None,
     **generate_kwargs: Any,
 ) -> list[Completion]:
     """`generate` for asyncio: ``await hfaccel.agenerate(model, prompts, ...)``.
@@ -235,7 +243,7 @@ async def agenerate(
     _check_errors(errors)
     with _patched(model) as state:
         plans = _plan_all(
-            model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs, seed
+            model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs, seed, adapter
         )
         runnable = [plan for plan in plans if isinstance(plan, Request)]
         if runnable:
@@ -278,17 +286,18 @@ def stream(
     tokenizer: Any = None,
     generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
     seed: int | None = None,
+    adapter: str | Sequence[str | None] | None = None,
     **generate_kwargs: Any,
 ) -> Iterator[StreamEvent]:
     """Like `generate`, but yield every token of every request as soon as its step ends.
 
     All prompts run in one continuous batch (shared with every other caller of the model); events
     interleave across requests. A refused prompt raises ValueError before anything runs. Closing the
-    iterator early cancels what is left (freeing its KV blocks).
+    iterator early cancels what is left (freeing its KV blocks). `adapter` as in `generate`.
     """
     with _patched(model) as state:
         live, submission = _start_stream(
-            model, state, prompts, tokenizer, generation_config, generate_kwargs, seed=seed
+            model, state, prompts, tokenizer, generation_config, generate_kwargs, seed=seed, adapter=adapter
         )
         if submission is None:
             return
@@ -305,6 +314,7 @@ async def astream(
     tokenizer: Any = None,
     generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
     seed: int | None = None,
+    adapter: str | Sequence[str | None] | None = None,
     **generate_kwargs: Any,
 ) -> AsyncIterator[StreamEvent]:
     """`stream` for asyncio: ``async for event in hfaccel.astream(model, prompts, ...)``, the same events.
@@ -313,7 +323,15 @@ async def astream(
     """
     with _patched(model) as state:
         live, submission = _start_stream(
-            model, state, prompts, tokenizer, generation_config, generate_kwargs, asynchronous=True, seed=seed
+            model,
+            state,
+            prompts,
+            tokenizer,
+            generation_config,
+            generate_kwargs,
+            asynchronous=True,
+            seed=seed,
+            adapter=adapter,
         )
         if submission is None:
             return
@@ -333,9 +351,10 @@ def _start_stream(
     kwargs: dict[str, Any],
     asynchronous: bool = False,
     seed: int | None = None,
+    adapter: str | Sequence[str | None] | None = None,
 ) -> tuple[list[tuple[int, Request]], Submission | None]:
     """Plan the prompts (raising for a refused one) and submit the runnable ones as one stream."""
-    plans = _plan_all(model, state, prompts, tokenizer, generation_config, kwargs, False, seed)
+    plans = _plan_all(model, state, prompts, tokenizer, generation_config, kwargs, False, seed, adapter)
     refused = [(i, p.error) for i, p in enumerate(plans) if isinstance(p, _Done) and p.error]
     if refused:
         raise ValueError("; ".join(f"prompts[{i}]: {e}" for i, e in refused))
@@ -410,6 +429,15 @@ def _per_prompt_configs(
     return configs
 
 
+def _per_prompt_adapters(adapter: str | Sequence[str | None] | None, count: int) -> list[str | None]:
+    if adapter is None or isinstance(adapter, str):
+        return [adapter] * count
+    adapters = list(adapter)
+    if len(adapters) != count:
+        raise ValueError(f"adapter has {len(adapters)} entries for {count} prompts; give one per prompt")
+    return adapters
+
+
 def _encode(prompt: Prompt, tokenizer: Any) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -448,19 +476,20 @@ def _plan_all(
     kwargs: dict[str, Any],
     logprobs: bool,
     seed: int | None = None,
+    adapter: str | Sequence[str | None] | None = None,
 ) -> list[Request | _Done]:
     """Every prompt turned into engine requests (n per prompt for num_return_sequences) or a `_Done`;
     with `seed`, the i-th request's random stream is seeded with ``seed + i``."""
     if isinstance(prompts, (str, torch.Tensor)):
         raise ValueError("prompts must be a list (of strings, token-id lists or chat message lists)")
     configs = _per_prompt_configs(generation_config, len(prompts))
+    adapters = _per_prompt_adapters(adapter, len(prompts))
     plans: list[Request | _Done] = []
-    for prompt, config in zip(prompts, configs):
+    for prompt, config, name in zip(prompts, configs, adapters):
         try:
             first = None if seed is None else seed + len(plans)
-            plans.extend(
-                _plan(model, state, _encode(prompt, tokenizer), config, kwargs, tokenizer, logprobs, first)
-            )
+            ids = _encode(prompt, tokenizer)
+            plans.extend(_plan(model, state, ids, config, kwargs, tokenizer, logprobs, first, name))
         except ValueError as error:
             plans.append(_Done([], finish_reason="error", error=str(error)))
     return plans
@@ -475,6 +504,7 @@ def _plan(
     tokenizer: Any,
     logprobs: bool,
     seed: int | None = None,
+    adapter: str | None = None,
 ) -> list[Request | _Done]:
     has_default_max, has_default_min = has_default_lengths(model, config, kwargs)
     prepared, _ = prepare_config(model, config, dict(kwargs))
@@ -482,9 +512,16 @@ def _plan(
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     reason = unsupported_reason(prepared)
+    extra: dict[str, Any] = {}
+    if adapter is not None:
+        check_adapter_names(model, [adapter])
+        reason = reason or lora_unsupported_reason(model, [adapter])
+        extra["adapter_names"] = [adapter]  # for PEFT's own generate, if it falls back
     if reason is not None:
         fall_back(state, reason)
-        output = state.run_original(input_ids, generation_config=copy.deepcopy(prepared), tokenizer=tokenizer)
+        output = state.run_original(
+            input_ids, generation_config=copy.deepcopy(prepared), tokenizer=tokenizer, **extra
+        )
         eos = prepared.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         rows = [row[len(ids) :].tolist() for row in output]
@@ -497,7 +534,7 @@ def _plan(
         return [_Done(ids) for _ in range(copies)]
     engine = state.get_engine(model)
     seeds = [None if seed is None else seed + i for i in range(copies)]
-    return [engine.make_request(ids, stopping, sampling, seed=s) for s in seeds]
+    return [engine.make_request(ids, stopping, sampling, seed=s, adapter=adapter) for s in seeds]
 
 
 def _completion(plan: Request | _Done, tokenizer: Any) -> Completion:

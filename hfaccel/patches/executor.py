@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hfaccel.engine.executor import register_executor_factory
+from hfaccel.patches import lora
 from hfaccel.patches.attention import engine_attention, register_attention
 from hfaccel.patches.model_state import ModelStateTracker
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
@@ -41,9 +42,20 @@ class HFExecutor:
         positions: torch.Tensor,
         logits_indices: torch.Tensor,
         compiled: Callable[..., torch.Tensor] | None = None,
+        token_adapters: list[str | None] | None = None,
     ) -> torch.Tensor:
         with engine_attention(self.model):
-            return (compiled or self._model_forward)(input_ids, positions, logits_indices)
+            if token_adapters is None:
+                return (compiled or self._model_forward)(input_ids, positions, logits_indices)
+            with lora.adapter_step(token_adapters, self.device):  # each token gets its request's LoRA
+                return self._model_forward(input_ids, positions, logits_indices)
+
+    def check_adapter(self, name: str) -> None:
+        """Raise ValueError unless the engine can apply LoRA adapter `name` per request."""
+        lora.check_adapter_names(self.model, [name])
+        reason = lora.unsupported_reason(self.model, [name])
+        if reason is not None:
+            raise ValueError(f"adapter {name!r}: the engine does not batch {reason}")
 
     def compile(self, dynamic: bool) -> Callable[..., torch.Tensor]:
         """The model forward under ``torch.compile``: one graph, attention as the custom-op node
