@@ -24,7 +24,9 @@ class HFExecutor:
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
-        self.vocab_size = model.get_input_embeddings().num_embeddings
+        embeddings = model.get_input_embeddings()
+        # A PEFT layer wrapping the embeddings (LoRA on embed_tokens) keeps the nn.Embedding as base_layer.
+        self.vocab_size = getattr(embeddings, "base_layer", embeddings).num_embeddings
         config = model.config.get_text_config(decoder=True)
         self.num_layers = config.num_hidden_layers
         self.num_q_heads = config.num_attention_heads

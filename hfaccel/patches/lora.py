@@ -154,8 +154,12 @@ def _install() -> None:
 
         def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             step = getattr(_local, "step", None)
-            if step is None or kwargs.get("adapter_names") is not None:
+            if step is None:
                 return original(self, x, *args, **kwargs)
+            # PEFT's adapter_names hooks are registered on the modules themselves, so a PEFT generate in
+            # another thread (or one that raised: PEFT then leaves them in place) injects its names here
+            # too; inside an engine step each token's adapter comes from the step alone.
+            kwargs.pop("adapter_names", None)
             return _per_token_forward(self, original, step, x, *args, **kwargs)
 
         setattr(forward, _WRAPPED, True)
