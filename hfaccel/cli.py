@@ -8,7 +8,17 @@ import sys
 
 import torch
 
-SUITES = ("offline", "prefix", "chunked", "batching", "concurrency", "speculative", "step", "kernels")
+SUITES = (
+    "offline",
+    "prefix",
+    "chunked",
+    "batching",
+    "concurrency",
+    "speculative",
+    "rollouts",
+    "step",
+    "kernels",
+)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -29,7 +39,8 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(SUITES),
         help="comma-separated: offline (vs HF), prefix (caching on/off), chunked (prefill chunking on/off), "
         "batching (static/dynamic/continuous), concurrency (many callers: HF vs hfaccel generate per thread), "
-        "speculative (prompt-lookup drafts on/off), step (decode step vs HF and the matmul floor), kernels "
+        "speculative (prompt-lookup drafts on/off), rollouts (GRPO-style sampling vs HF, 4 LoRA adapters mixed vs "
+        "one by one, release/rebuild), step (decode step vs HF and the matmul floor), kernels "
         "(attention backends that run natively here)",
     )
     bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
@@ -125,6 +136,10 @@ def run_bench(args: argparse.Namespace) -> None:
         from hfaccel.bench.speculative import run_speculative_benchmark
 
         run_speculative_benchmark(model, tokenizer)
+    if "rollouts" in suites:
+        from hfaccel.bench.rollouts import run_rollout_benchmarks
+
+        run_rollout_benchmarks(model, tokenizer)
 
 
 if __name__ == "__main__":
