@@ -259,3 +259,23 @@ def test_lora_layers_outside_engine_steps_are_untouched():
     loss.backward()
     grads = [p.grad for n, p in model.named_parameters() if "lora_A.math" in n]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_lora_bias_is_served():
+    model = lora_model()
+    model.add_adapter("biased", lora_config(4, ["q_proj", "v_proj"], lora_bias=True))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B.biased.bias" in n:
+                p.normal_(0.0, 0.5)
+    model.eval()
+    ps = prompts(3)
+    names = ["biased", "code", "biased"]
+    ref = peft_mixed(model, ps, names)
+    assert ref != peft_mixed(model, ps, ["__base__", "code", "__base__"])
+    patch_strict(model)
+    ids, mask = left_padded(ps)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, adapter_names=names
+    )
+    assert [row[ids.shape[1] :].tolist() for row in out] == ref
