@@ -438,6 +438,20 @@ def _per_prompt_adapters(adapter: str | Sequence[str | None] | None, count: int)
     return adapters
 
 
+def _adapter_checks(model: Any, adapters: list[str | None]) -> dict[str, ValueError | str | None]:
+    """Each adapter named in a call, checked once (a check walks every module): a ValueError (no LoRA
+    layer holds it), a reason the engine cannot batch it (PEFT's generate then serves it), or None."""
+    checks: dict[str, ValueError | str | None] = {}
+    for name in {a for a in adapters if a is not None}:
+        try:
+            check_adapter_names(model, [name])
+        except ValueError as error:
+            checks[name] = error
+            continue
+        checks[name] = lora_unsupported_reason(model, [name])
+    return checks
+
+
 def _encode(prompt: Prompt, tokenizer: Any) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -484,12 +498,16 @@ def _plan_all(
         raise ValueError("prompts must be a list (of strings, token-id lists or chat message lists)")
     configs = _per_prompt_configs(generation_config, len(prompts))
     adapters = _per_prompt_adapters(adapter, len(prompts))
+    checks = _adapter_checks(model, adapters)
     plans: list[Request | _Done] = []
     for prompt, config, name in zip(prompts, configs, adapters):
         try:
             first = None if seed is None else seed + len(plans)
+            check = checks.get(name) if name is not None else None
+            if isinstance(check, ValueError):
+                raise check
             ids = _encode(prompt, tokenizer)
-            plans.extend(_plan(model, state, ids, config, kwargs, tokenizer, logprobs, first, name))
+            plans.extend(_plan(model, state, ids, config, kwargs, tokenizer, logprobs, first, name, check))
         except ValueError as error:
             plans.append(_Done([], finish_reason="error", error=str(error)))
     return plans
@@ -505,6 +523,7 @@ def _plan(
     logprobs: bool,
     seed: int | None = None,
     adapter: str | None = None,
+    adapter_fallback: str | None = None,
 ) -> list[Request | _Done]:
     has_default_max, has_default_min = has_default_lengths(model, config, kwargs)
     prepared, _ = prepare_config(model, config, dict(kwargs))
@@ -514,8 +533,7 @@ def _plan(
     reason = unsupported_reason(prepared)
     extra: dict[str, Any] = {}
     if adapter is not None:
-        check_adapter_names(model, [adapter])
-        reason = reason or lora_unsupported_reason(model, [adapter])
+        reason = reason or adapter_fallback
         extra["adapter_names"] = [adapter]  # for PEFT's own generate, if it falls back
     if reason is not None:
         fall_back(state, reason)
