@@ -121,7 +121,7 @@ def _hfaccel_generate(model: Any, prompts: list[list[int]], copies: int, new_tok
 
 
 def run_grpo_rollout(
-    model: Any, tokenizer: Any, num_prompts: int = 8, generations: int = 4, new_tokens: int = 64
+    model: Any, tokenizer: Any, num_prompts: int = 8, generations: int = 4, new_tokens: int = 32
 ) -> list[dict]:
     prompts = grpo_prompts(tokenizer, num_prompts)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -199,7 +199,7 @@ def add_random_adapters(model: Any, count: int = 4, seed: int = 0) -> tuple[Any,
     return peft_model.eval(), names
 
 
-def run_lora_mix(model: Any, tokenizer: Any, per_adapter: int = 8, new_tokens: int = 48) -> list[dict]:
+def run_lora_mix(model: Any, tokenizer: Any, per_adapter: int = 8, new_tokens: int = 32) -> list[dict]:
     from hfaccel.bench.workloads import chat_workload
 
     peft_model, names = add_random_adapters(model)
@@ -297,7 +297,7 @@ def run_lora_mix(model: Any, tokenizer: Any, per_adapter: int = 8, new_tokens: i
 
 
 def run_release(
-    model: Any, tokenizer: Any, num_prompts: int = 8, generations: int = 4, new_tokens: int = 32
+    model: Any, tokenizer: Any, num_prompts: int = 8, generations: int = 4, new_tokens: int = 16
 ) -> dict:
     """Time a rollout, `hfaccel.release`, then the next rollout (which rebuilds the engine)."""
     prompts = grpo_prompts(tokenizer, num_prompts)
