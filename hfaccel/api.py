@@ -22,6 +22,8 @@ from hfaccel.engine.request import Request
 from hfaccel.engine.speculative.proposer import speculative_stats
 from hfaccel.patches.attention import register_attention, restore_attention
 from hfaccel.patches.generate import PatchState, fall_back, patched_generate
+from hfaccel.patches.lora import check_adapter_names
+from hfaccel.patches.lora import unsupported_reason as lora_unsupported_reason
 from hfaccel.patches.models import check_model, window_reason
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 from hfaccel.patches.pipeline import install_pipeline_batching
@@ -223,6 +225,7 @@ def generate(
     tpot_target_ms: float | None = None,
     ttft_target_ms: float | None = None,
     priority: int = 0,
+    adapter: str | Sequence[str | None] | None = None,
     **generate_kwargs: Any,
 ) -> list[Completion]:
     """Complete many prompts in one continuous batch; results come back in prompt order.
@@ -246,6 +249,10 @@ def generate(
             `EngineConfig` targets). A request whose TTFT target cannot be met given the queue comes back
             with ``finish_reason="rejected"`` and the reason in ``error`` under ``admission="reject"``.
         priority: admission order against other callers' requests (lower first; FCFS within a level).
+        adapter: a PEFT LoRA adapter name for every prompt, or a list with one per prompt (None: the
+            model as it is, with its active adapters; ``"__base__"``: no adapter). Prompts of different
+            adapters run in the same continuous batch, each token with its own adapter's LoRA delta;
+            prefix-cache blocks are shared only between requests of the same adapter.
         **generate_kwargs: generation arguments for every prompt (``max_new_tokens=64``, ``do_sample=True``...).
 
     With ``num_return_sequences=n`` each prompt gives n consecutive completions (HF's order).
@@ -261,7 +268,8 @@ def generate(
             generate_kwargs,
             logprobs,
             seed,
-            _targets(tpot_target_ms, ttft_target_ms, priority),
+            targets=_targets(tpot_target_ms, ttft_target_ms, priority),
+            adapter=adapter,
         )
         runnable = [plan for plan in plans if isinstance(plan, Request)]
         if runnable:
@@ -282,6 +290,7 @@ async def agenerate(
     tpot_target_ms: float | None = None,
     ttft_target_ms: float | None = None,
     priority: int = 0,
+    adapter: str | Sequence[str | None] | None = None,
     **generate_kwargs: Any,
 ) -> list[Completion]:
     """`generate` for asyncio: ``await hfaccel.agenerate(model, prompts, ...)``.
@@ -301,7 +310,8 @@ async def agenerate(
             generate_kwargs,
             logprobs,
             seed,
-            _targets(tpot_target_ms, ttft_target_ms, priority),
+            targets=_targets(tpot_target_ms, ttft_target_ms, priority),
+            adapter=adapter,
         )
         runnable = [plan for plan in plans if isinstance(plan, Request)]
         if runnable:
@@ -347,13 +357,14 @@ def stream(
     tpot_target_ms: float | None = None,
     ttft_target_ms: float | None = None,
     priority: int = 0,
+    adapter: str | Sequence[str | None] | None = None,
     **generate_kwargs: Any,
 ) -> Iterator[StreamEvent]:
     """Like `generate`, but yield every token of every request as soon as its step ends.
 
     All prompts run in one continuous batch (shared with every other caller of the model); events
     interleave across requests. A refused prompt raises ValueError before anything runs. Closing the
-    iterator early cancels what is left (freeing its KV blocks).
+    iterator early cancels what is left (freeing its KV blocks). `adapter` as in `generate`.
     """
     with _patched(model) as state:
         live, submission = _start_stream(
@@ -365,6 +376,7 @@ def stream(
             generate_kwargs,
             seed=seed,
             targets=_targets(tpot_target_ms, ttft_target_ms, priority),
+            adapter=adapter,
         )
         if submission is None:
             return
@@ -384,6 +396,7 @@ async def astream(
     tpot_target_ms: float | None = None,
     ttft_target_ms: float | None = None,
     priority: int = 0,
+    adapter: str | Sequence[str | None] | None = None,
     **generate_kwargs: Any,
 ) -> AsyncIterator[StreamEvent]:
     """`stream` for asyncio: ``async for event in hfaccel.astream(model, prompts, ...)``, the same events.
@@ -401,6 +414,7 @@ async def astream(
             asynchronous=True,
             seed=seed,
             targets=_targets(tpot_target_ms, ttft_target_ms, priority),
+            adapter=adapter,
         )
         if submission is None:
             return
@@ -421,9 +435,21 @@ def _start_stream(
     asynchronous: bool = False,
     seed: int | None = None,
     targets: dict[str, Any] | None = None,
+    adapter: str | Sequence[str | None] | None = None,
 ) -> tuple[list[tuple[int, Request]], Submission | None]:
     """Plan the prompts (raising for a refused one) and submit the runnable ones as one stream."""
-    plans = _plan_all(model, state, prompts, tokenizer, generation_config, kwargs, False, seed, targets)
+    plans = _plan_all(
+        model,
+        state,
+        prompts,
+        tokenizer,
+        generation_config,
+        kwargs,
+        False,
+        seed,
+        targets=targets,
+        adapter=adapter,
+    )
     refused = [(i, p.error) for i, p in enumerate(plans) if isinstance(p, _Done) and p.error]
     if refused:
         raise ValueError("; ".join(f"prompts[{i}]: {e}" for i, e in refused))
@@ -498,6 +524,29 @@ def _per_prompt_configs(
     return configs
 
 
+def _per_prompt_adapters(adapter: str | Sequence[str | None] | None, count: int) -> list[str | None]:
+    if adapter is None or isinstance(adapter, str):
+        return [adapter] * count
+    adapters = list(adapter)
+    if len(adapters) != count:
+        raise ValueError(f"adapter has {len(adapters)} entries for {count} prompts; give one per prompt")
+    return adapters
+
+
+def _adapter_checks(model: Any, adapters: list[str | None]) -> dict[str, ValueError | str | None]:
+    """Each adapter named in a call, checked once (a check walks every module): a ValueError (no LoRA
+    layer holds it), a reason the engine cannot batch it (PEFT's generate then serves it), or None."""
+    checks: dict[str, ValueError | str | None] = {}
+    for name in {a for a in adapters if a is not None}:
+        try:
+            check_adapter_names(model, [name])
+        except ValueError as error:
+            checks[name] = error
+            continue
+        checks[name] = lora_unsupported_reason(model, [name])
+    return checks
+
+
 def _encode(prompt: Prompt, tokenizer: Any) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -537,28 +586,25 @@ def _plan_all(
     logprobs: bool,
     seed: int | None = None,
     targets: dict[str, Any] | None = None,
+    adapter: str | Sequence[str | None] | None = None,
 ) -> list[Request | _Done]:
     """Every prompt turned into engine requests (n per prompt for num_return_sequences) or a `_Done`;
     with `seed`, the i-th request's random stream is seeded with ``seed + i``."""
     if isinstance(prompts, (str, torch.Tensor)):
         raise ValueError("prompts must be a list (of strings, token-id lists or chat message lists)")
     configs = _per_prompt_configs(generation_config, len(prompts))
+    adapters = _per_prompt_adapters(adapter, len(prompts))
+    checks = _adapter_checks(model, adapters)
     plans: list[Request | _Done] = []
-    for prompt, config in zip(prompts, configs):
+    for prompt, config, name in zip(prompts, configs, adapters):
         try:
             first = None if seed is None else seed + len(plans)
+            check = checks.get(name) if name is not None else None
+            if isinstance(check, ValueError):
+                raise check
+            ids = _encode(prompt, tokenizer)
             plans.extend(
-                _plan(
-                    model,
-                    state,
-                    _encode(prompt, tokenizer),
-                    config,
-                    kwargs,
-                    tokenizer,
-                    logprobs,
-                    first,
-                    targets,
-                )
+                _plan(model, state, ids, config, kwargs, tokenizer, logprobs, first, targets, name, check)
             )
         except ValueError as error:
             plans.append(_Done([], finish_reason="error", error=str(error)))
@@ -575,6 +621,8 @@ def _plan(
     logprobs: bool,
     seed: int | None = None,
     targets: dict[str, Any] | None = None,
+    adapter: str | None = None,
+    adapter_fallback: str | None = None,
 ) -> list[Request | _Done]:
     has_default_max, has_default_min = has_default_lengths(model, config, kwargs)
     prepared, _ = prepare_config(model, config, dict(kwargs))
@@ -582,6 +630,10 @@ def _plan(
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     reason = unsupported_reason(prepared)
+    extra: dict[str, Any] = {}
+    if adapter is not None:
+        reason = reason or adapter_fallback
+        extra["adapter_names"] = [adapter]  # for PEFT's own generate, if it falls back
     if reason is None:
         model._prepare_special_tokens(prepared, True, device=device)  # one unpadded row: no mask needed
         stopping, sampling = request_params(
@@ -590,7 +642,9 @@ def _plan(
         reason = window_reason(model, len(ids) + stopping.max_new_tokens)
     if reason is not None:
         fall_back(state, reason)
-        output = state.run_original(input_ids, generation_config=copy.deepcopy(prepared), tokenizer=tokenizer)
+        output = state.run_original(
+            input_ids, generation_config=copy.deepcopy(prepared), tokenizer=tokenizer, **extra
+        )
         eos = prepared.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         rows = [row[len(ids) :].tolist() for row in output]
@@ -599,7 +653,10 @@ def _plan(
         return [_Done(ids) for _ in range(copies)]
     engine = state.get_engine(model)
     seeds = [None if seed is None else seed + i for i in range(copies)]
-    return [engine.make_request(ids, stopping, sampling, seed=s, **(targets or {})) for s in seeds]
+    return [
+        engine.make_request(ids, stopping, sampling, seed=s, adapter=adapter, **(targets or {}))
+        for s in seeds
+    ]
 
 
 def _targets(tpot_target_ms: float | None, ttft_target_ms: float | None, priority: int) -> dict[str, Any]:

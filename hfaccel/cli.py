@@ -16,6 +16,7 @@ SUITES = (
     "batching",
     "concurrency",
     "speculative",
+    "rollouts",
     "step",
     "kernels",
     "tp",
@@ -47,10 +48,11 @@ def main(argv: list[str] | None = None) -> None:
         default=",".join(SUITES),
         help="comma-separated: offline (vs HF), prefix (caching on/off), chunked (prefill chunking on/off), "
         "batching (static/dynamic/continuous), concurrency (many callers: HF vs hfaccel generate per thread), "
-        "speculative (drafts on/off: prompt lookup, draft models), step (decode step vs HF and the matmul "
-        "floor), kernels (attention backends that run natively here), tp (TP=1 with 2 threads vs TP=2 with 1 "
-        "thread each, 2 gloo processes), goodput (requests/s meeting TPOT and TTFT targets under Poisson "
-        "arrivals: fixed settings vs adaptive scheduling vs HF generate_batch)",
+        "speculative (drafts on/off: prompt lookup, draft models), rollouts (GRPO-style sampling vs HF, 4 LoRA "
+        "adapters mixed vs one by one, release/rebuild), step (decode step vs HF and the matmul floor), kernels "
+        "(attention backends that run natively here), tp (TP=1 with 2 threads vs TP=2 with 1 thread each, 2 "
+        "gloo processes), goodput (requests/s meeting TPOT and TTFT targets under Poisson arrivals: fixed "
+        "settings vs adaptive scheduling vs HF generate_batch)",
     )
     bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
     bench.add_argument("--num-requests", type=int, default=32)
@@ -195,6 +197,10 @@ def run_bench(args: argparse.Namespace) -> None:
             ttft_target_ms=args.ttft_target_ms,
             systems=tuple(s.strip() for s in args.goodput_systems.split(",") if s.strip()),
         )
+    if "rollouts" in suites:
+        from hfaccel.bench.rollouts import run_rollout_benchmarks
+
+        run_rollout_benchmarks(model, tokenizer)
 
 
 if __name__ == "__main__":

@@ -82,6 +82,8 @@ class PackedStep:
     layout: StepLayout
     # Logits rows of each sampled request, in order: 1, or 1 + k for a request verifying k drafts.
     rows_per_request: list[int] | None = None
+    # The adapter of each packed token (its request's `adapter`), or None when no request has one.
+    token_adapters: list[str | None] | None = None
 
 
 def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -> PackedStep:
@@ -97,6 +99,7 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
     logits_indices: list[int] = []
     sampled: list[Request] = []
     rows: list[int] = []
+    adapters: list[str | None] | None = [] if any(r.adapter is not None for r in step.requests) else None
     for i in order:
         request, count = step.requests[i], step.num_tokens[i]
         start = request.num_computed_tokens
@@ -111,6 +114,8 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
         else:
             input_ids.extend(request.all_token_ids[start:end])
         positions.extend(range(start, end))
+        if adapters is not None:
+            adapters.extend([request.adapter] * count)
         blocks = request.block_ids
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
         query_lens.append(count)
@@ -131,4 +136,4 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
         slot_mapping=slots,
         num_decodes=num_leading_decodes(query_lens, decode_query_len),
     )
-    return PackedStep(input_ids, positions, logits_indices, sampled, layout, rows)
+    return PackedStep(input_ids, positions, logits_indices, sampled, layout, rows, adapters)

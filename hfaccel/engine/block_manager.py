@@ -6,9 +6,11 @@ full blocks already in the cache is shared by reference count instead of recompu
 its contents and its hash while it waits in the free queue, least recently used first, so a later request
 can still hit it; it is forgotten only when the queue hands it out again.
 
-Keys name token content only, so when the model that computed the blocks changes (new weights, another
+Keys name token content, so when the model that computed the blocks changes (new weights, another active
 adapter), `reset_prefix_cache` must forget them all; it also starts a new epoch, so that requests already
-running, whose KV mixes both models, never register their blocks afterwards.
+running, whose KV mixes both models, never register their blocks afterwards. A request's `cache_salt`
+(its LoRA adapter) is folded into its first block's parent hash: requests served by different adapters in
+the same batch never share a block, requests of the same adapter do.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from dataclasses import dataclass
 from itertools import islice
 
 from hfaccel.engine.request import Request
+
+
+def _root(request: Request) -> int:
+    """The parent hash of a request's first block: 0, or a value derived from its `cache_salt`."""
+    salt = request.cache_salt
+    return 0 if salt is None else hash(("cache_salt", salt))
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -112,7 +120,7 @@ class BlockManager:
             return 0
         tokens = request.all_token_ids
         limit = (len(tokens) - 1) // self.block_size
-        parent = 0
+        parent = _root(request)
         blocks: list[int] = []
         for index in range(limit):  # look up first, change nothing
             key = self._key(parent, tokens, index)
@@ -133,7 +141,7 @@ class BlockManager:
         tokens = request.all_token_ids
         if not self.enable_prefix_caching or (len(tokens) - 1) // self.block_size < 1:
             return None
-        return self._key(0, tokens, 0)
+        return self._key(_root(request), tokens, 0)
 
     def prefix_keys(self, request: Request) -> list[tuple[int, tuple[int, ...]]]:
         """The cache keys of `request`'s leading full blocks that `match_prefix` may share (a pure
@@ -168,7 +176,7 @@ class BlockManager:
         if full <= request.num_hashed_blocks:
             return
         tokens = request.all_token_ids
-        parent = request.prefix_hash
+        parent = request.prefix_hash if request.num_hashed_blocks else _root(request)
         for index in range(request.num_hashed_blocks, full):
             block_id = request.block_ids[index]
             key = self._key(parent, tokens, index)

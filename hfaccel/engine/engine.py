@@ -211,6 +211,7 @@ class Engine:
         request_id: Any = None,
         arrival_time: float | None = None,
         seed: int | None = None,
+        adapter: str | None = None,
         **targets: Any,
     ) -> Request:
         """Validate and queue one prompt (at any time, also between steps); returns its `Request`.
@@ -220,7 +221,9 @@ class Engine:
         `targets`: ``tpot_target_ms``, ``ttft_target_ms``, ``priority`` (see `make_request`). A request
         rejected by admission control comes back finished (``finish_reason="rejected"``).
         """
-        request = self.make_request(prompt_token_ids, stopping, sampling, request_id, seed, **targets)
+        request = self.make_request(
+            prompt_token_ids, stopping, sampling, request_id, seed, adapter=adapter, **targets
+        )
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
         self.scheduler.add(request)
@@ -233,6 +236,7 @@ class Engine:
         sampling: SamplingParams = GREEDY,
         request_id: Any = None,
         seed: int | None = None,
+        adapter: str | None = None,
         *,
         tpot_target_ms: float | None = None,
         ttft_target_ms: float | None = None,
@@ -243,7 +247,9 @@ class Engine:
         A sampled request gets its own random stream: from `seed`, or else from a seed drawn from torch's
         global generator now (so ``torch.manual_seed`` before a call reproduces it). `tpot_target_ms` and
         `ttft_target_ms` override the engine's latency targets for this request; `priority` orders
-        admission (lower first, first come first served within a level)."""
+        admission (lower first, first come first served within a level). `adapter` names a LoRA adapter
+        the executor applies to this request alone (it must have ``check_adapter``); its prefix-cache
+        blocks are shared only with requests of the same adapter."""
         for name, value in (("tpot_target_ms", tpot_target_ms), ("ttft_target_ms", ttft_target_ms)):
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
@@ -262,9 +268,14 @@ class Engine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if adapter is not None:
+            check = getattr(self.executor, "check_adapter", None)
+            if check is None:
+                raise ValueError(f"adapter {adapter!r}: this model's executor serves no adapters")
+            check(adapter)
         if request_id is None:
             request_id = next(self._next_id)
-        request = Request(request_id, ids, stopping, sampling=sampling)
+        request = Request(request_id, ids, stopping, sampling=sampling, adapter=adapter, cache_salt=adapter)
         request.tpot_target_ms, request.ttft_target_ms = tpot_target_ms, ttft_target_ms
         request.user_priority = priority
         # Per-step scores/logits/logprobs are recorded one token at a time: such requests do not speculate.

@@ -128,6 +128,10 @@ class Request:
     finish_reason: str | None = None
     error: BaseException | None = None  # why it failed (finish_reason "error"): the step's fault, or its own
     num_preemptions: int = 0
+    # A LoRA adapter the executor applies to this request's tokens (None: the model as it is), and the
+    # prefix-cache salt: requests with different salts never share KV blocks (set to the adapter).
+    adapter: str | None = None
+    cache_salt: str | None = None
     priority: int | None = None  # order in which requests first started running (lower runs first)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # Sampled requests draw from their own generator, seeded once: the same seed and logits give the

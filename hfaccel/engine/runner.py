@@ -147,9 +147,10 @@ class ModelRunner:
     def _run_one(self, packed: PackedStep, bucket: int | None) -> torch.Tensor:
         if self._copied is not None:
             self._copied.synchronize()
-        if bucket is None and self.decode_buckets:
+        adapters = packed.token_adapters  # per-token LoRA adapters: such a step runs eager
+        if bucket is None and self.decode_buckets and adapters is None:
             bucket = choose_bucket(packed.layout, self.decode_buckets)
-        compiled = self._compiled_for(bucket)
+        compiled = self._compiled_for(bucket) if adapters is None else None
         # A dynamic-shape graph specialises sizes 0 and 1: pad its token and sampled-row counts to 2+.
         floor = 2 if compiled is not None and bucket is None else 0
         tokens = bucket or max(len(packed.input_ids), floor)
@@ -174,8 +175,11 @@ class ModelRunner:
                 self._capture(key, context, input_ids, positions, logits_indices)
             logits = self.graphs.replay(key)
         else:
+            extra = {} if adapters is None else {"token_adapters": adapters}
             with forward_context(context):
-                logits = self.executor.forward(input_ids, positions, logits_indices, compiled=compiled)
+                logits = self.executor.forward(
+                    input_ids, positions, logits_indices, compiled=compiled, **extra
+                )
         return logits[: len(packed.logits_indices)]
 
     def _compiled_for(self, bucket: int | None) -> Callable[..., torch.Tensor] | None:

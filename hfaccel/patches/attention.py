@@ -47,7 +47,8 @@ def paged_attention_forward(
     """HF attention-interface entry: ``query`` ``[1, Hq, T, D]``, ``key``/``value`` ``[1, Hkv, T, D]``
     (packed, not GQA-repeated) -> ``([1, T, Hq, D], None)``, through the ``hfaccel::paged_attention``
     op, which reads the step from the forward context the runner set."""
-    if current_forward_context() is None:
+    context = current_forward_context()
+    if context is None:
         raise RuntimeError(
             "the 'hfaccel' attention implementation only runs inside the hfaccel engine; "
             "call model.generate(...) or hfaccel.generate(...) instead of forward()"
@@ -56,8 +57,18 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale))
-    return out.unsqueeze(0), None
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale))
+        return out.unsqueeze(0), None
+    # Under autocast (accelerate wraps a trainer's model.forward in it, and HF's generate runs inside it)
+    # the projections come out in the autocast dtype: attend in the KV cache's dtype, autocast off.
+    cache_dtype = context.kv_caches[module.layer_idx][0].dtype
+    if cache_dtype.is_floating_point and cache_dtype.itemsize >= 2:
+        q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
+    with torch.autocast(device, enabled=False):
+        out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale))
+    return out.unsqueeze(0).to(query.dtype), None
 
 
 def register_attention() -> None:

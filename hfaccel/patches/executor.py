@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from hfaccel.engine.executor import register_executor_factory
+from hfaccel.patches import lora
 from hfaccel.patches.attention import engine_attention, register_attention
 from hfaccel.patches.model_state import ModelStateTracker
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
@@ -23,7 +24,9 @@ class HFExecutor:
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
-        self.vocab_size = model.get_input_embeddings().num_embeddings
+        embeddings = model.get_input_embeddings()
+        # A PEFT layer wrapping the embeddings (LoRA on embed_tokens) keeps the nn.Embedding as base_layer.
+        self.vocab_size = getattr(embeddings, "base_layer", embeddings).num_embeddings
         config = model.config.get_text_config(decoder=True)
         self.num_layers = config.num_hidden_layers
         self.num_q_heads = config.num_attention_heads
@@ -31,6 +34,8 @@ class HFExecutor:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
         self.attention_scale = _attention_scale(model, self.head_dim)
         self._state = ModelStateTracker(model)
+        self._last_token: Hashable = None
+        self._adapter_checks: dict[str, ValueError | None] = {}
 
     def max_model_len(self, requested: int | None) -> int:
         return resolve_max_model_len(self.model, requested)
@@ -41,9 +46,34 @@ class HFExecutor:
         positions: torch.Tensor,
         logits_indices: torch.Tensor,
         compiled: Callable[..., torch.Tensor] | None = None,
+        token_adapters: list[str | None] | None = None,
     ) -> torch.Tensor:
         with engine_attention(self.model):
-            return (compiled or self._model_forward)(input_ids, positions, logits_indices)
+            if token_adapters is None:
+                return (compiled or self._model_forward)(input_ids, positions, logits_indices)
+            with lora.adapter_step(token_adapters, self.device):  # each token gets its request's LoRA
+                return self._model_forward(input_ids, positions, logits_indices)
+
+    def check_adapter(self, name: str) -> None:
+        """Raise ValueError unless the engine can apply LoRA adapter `name` per request.
+
+        A check walks every module (about 0.1 s for SmolLM2 with four adapters on seven projections), so
+        its result is kept per name until the model-state token changes (adapters added, deleted,
+        merged, switched: see `state_token`); the front-ends check a call's names afresh anyway."""
+        if name not in self._adapter_checks:
+            try:
+                lora.check_adapter_names(self.model, [name])
+                reason = lora.unsupported_reason(self.model, [name])
+                self._adapter_checks[name] = (
+                    None
+                    if reason is None
+                    else ValueError(f"adapter {name!r}: the engine does not batch {reason}")
+                )
+            except ValueError as error:
+                self._adapter_checks[name] = error
+        error = self._adapter_checks[name]
+        if error is not None:
+            raise ValueError(str(error))
 
     def compile(self, dynamic: bool) -> Callable[..., torch.Tensor]:
         """The model forward under ``torch.compile``: one graph, attention as the custom-op node
@@ -60,7 +90,11 @@ class HFExecutor:
 
     def state_token(self) -> Hashable:
         """Weights, optimizer steps and adapters, fingerprinted (see `ModelStateTracker`)."""
-        return self._state.token()
+        token = self._state.token()
+        if token != self._last_token:  # the model changed: adapter checks are redone
+            self._last_token = token
+            self._adapter_checks.clear()
+        return token
 
 
 def _attention_scale(model: Any, head_dim: int) -> float:

@@ -1,8 +1,9 @@
 """The drop-in `generate`: HF's arguments and output layout, the hfaccel engine underneath.
 
 Served: greedy and sampling with every logits processor HF builds for them, EOS / length / stop-string
-stopping, `num_return_sequences`, `return_dict_in_generate` with `scores` / `logits`, and a streamer
-for one sequence. What the engine does not serve goes to the original `generate`, with one warning
+stopping, `num_return_sequences`, `return_dict_in_generate` with `scores` / `logits`, a streamer
+for one sequence, and PEFT's mixed-adapter batches (``adapter_names``: LoRA applied per request, see
+`patches/lora.py`). What the engine does not serve goes to the original `generate`, with one warning
 naming the reason (or an error with ``patch(model, strict=True)``).
 """
 
@@ -23,6 +24,7 @@ from hfaccel.config import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.loop import EngineLoop, LoopClosed
 from hfaccel.engine.request import Request
+from hfaccel.patches import lora
 from hfaccel.patches.models import window_reason
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 
@@ -136,9 +138,18 @@ def patched_generate(
         fall_back(state, reason)
         return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
 
+    names = kwargs.get("adapter_names")  # PEFT's mixed-adapter batch: one adapter name per row
+    if names is not None:
+        _check_adapter_names(self, names, input_ids.shape[0])
+        reason = lora.unsupported_reason(self, names)
+        if reason is not None:
+            fall_back(state, reason)
+            return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
+
     streamer = kwargs.get("streamer")
     tokenizer = kwargs.get("tokenizer")
-    call_kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "streamer", "tokenizer")}
+    skip = ("input_ids", "streamer", "tokenizer", "adapter_names")
+    call_kwargs = {k: v for k, v in kwargs.items() if k not in skip}
     has_default_max, has_default_min = has_default_lengths(self, generation_config, call_kwargs)
     config, model_kwargs = prepare_config(self, generation_config, call_kwargs)
     extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _SERVED_MODEL_KWARGS)
@@ -171,8 +182,10 @@ def patched_generate(
     loop = state.get_loop(self)
     keep = attention_mask.bool().cpu().repeat_interleave(copies, dim=0)
     rows = prompts.cpu()
+    adapters = [None] * len(rows) if names is None else [names[i // copies] for i in range(len(rows))]
     requests = [
-        loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, sampling) for i in range(len(rows))
+        loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, sampling, adapter=adapters[i])
+        for i in range(len(rows))
     ]
     for request in requests:  # HF returns the cache with return_dict_in_generate (and use_cache)
         request.keep_kv = bool(config.return_dict_in_generate and config.use_cache is not False)
@@ -200,6 +213,20 @@ def is_left_padding(attention_mask: torch.Tensor) -> bool:
     """Whether every row of a 2-D mask is zeros then ones (left padding), with at least one token."""
     mask = attention_mask.bool()
     return bool((mask[:, 1:] >= mask[:, :-1]).all()) and bool(mask[:, -1].all())
+
+
+def _check_adapter_names(model: torch.nn.Module, names: Any, rows: int) -> None:
+    """PEFT's own checks of ``adapter_names``, with its messages (it raises them before generating)."""
+    if not isinstance(names, (list, tuple)):
+        raise TypeError(f"Got adapter names of type {type(names)}, expected a list of str.")
+    if len(names) != rows:
+        raise ValueError(
+            "Length of `adapter_names` should be the same as the number of inputs, but got "
+            f"{len(names)} and {rows} respectively."
+        )
+    if model.training:
+        raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
+    lora.check_adapter_names(model, names)
 
 
 def _given(value: Any) -> bool:

@@ -1,0 +1,210 @@
+"""Many LoRA adapters in one continuous batch: each packed token gets its own request's adapter.
+
+PEFT's mixed-adapter batches (``generate(adapter_names=[...])``) split a padded batch by row: each LoRA
+layer adds ``lora_B(lora_A(dropout(x[rows]))) * scaling`` to the rows of each adapter. An engine step
+is one packed ``[1, T]`` row holding every request's tokens, so the split has to be by token. During an
+engine step whose requests name adapters, the executor puts the step's token groups (adapter name ->
+packed token indices, computed once per step) in a thread-local (`adapter_step`); PEFT's LoRA
+``Linear.forward``, wrapped once on its class, then computes the base output once and adds each
+adapter's delta to its own tokens, the way multi-LoRA servers batch it (S-LoRA, Punica's SGMV, vLLM):
+
+    out = base(x);  for each adapter a in the step:  out[idx_a] += B_a(A_a(dropout_a(x[idx_a]))) * s_a
+
+``"__base__"`` tokens get no delta; tokens of requests that name no adapter (None) get PEFT's own
+forward (the model's active adapters, whatever their kind). Outside an engine step (no thread-local, or
+another thread) the wrapper calls PEFT's forward unchanged: training, scoring and PEFT's own
+``adapter_names`` path are untouched. This is a torch reference: one gather, two small matmuls and one
+``index_add_`` per adapter per layer; a grouped kernel (SGMV/BGMV) would fuse them on a GPU.
+
+The engine batches plain LoRA on ``nn.Linear`` layers (biases from ``lora_bias`` included, since the
+``lora_B`` module is called). It refuses what it would compute differently from PEFT — LoRA variants
+(DoRA, aLoRA...), LoRA on embeddings or convolutions, other PEFT methods, ``modules_to_save`` copies
+per adapter, merged adapters — and `patched_generate` sends those calls to PEFT with one warning.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
+
+_local = threading.local()  # .groups: [(name, index)] and .num_tokens of this thread's engine step
+_install_lock = threading.Lock()
+_WRAPPED = "__hfaccel_token_adapters__"
+
+
+def _lora_module() -> Any:
+    try:
+        from peft.tuners.lora import layer
+    except ImportError:  # peft not installed: no model can hold LoRA layers
+        return None
+    return layer
+
+
+def lora_layers(model: torch.nn.Module) -> list[Any]:
+    """The PEFT LoRA layers of `model` (any kind: Linear, Embedding, Conv, quantised...)."""
+    layer = _lora_module()
+    if layer is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, layer.LoraLayer)]
+
+
+def adapter_names(model: torch.nn.Module) -> set[str]:
+    """Every LoRA adapter name some layer of `model` holds."""
+    names: set[str] = set()
+    for module in lora_layers(model):
+        names |= set(module.lora_A.keys()) | set(module.lora_embedding_A.keys())
+    return names
+
+
+def check_adapter_names(model: torch.nn.Module, names: Iterable[str | None]) -> None:
+    """Raise ValueError for a name no LoRA layer of `model` holds (``"__base__"`` and None always pass),
+    with PEFT's message."""
+    wanted = {n for n in names if n is not None and n != BASE}
+    if not wanted:
+        return
+    for name in wanted:
+        if not isinstance(name, str):
+            raise ValueError(f"an adapter name must be a string, got {name!r}")
+    unknown = wanted - adapter_names(model)
+    if unknown:
+        raise ValueError(f"Trying to infer with non-existing adapter(s): {', '.join(sorted(unknown))}")
+
+
+def unsupported_reason(model: torch.nn.Module, names: Iterable[str | None]) -> str | None:
+    """Why the engine cannot batch the adapters `names` per token on `model` (None: it can).
+
+    Checked on every module that holds one of the named adapters; with any adapter named (``"__base__"``
+    included), merged adapters are refused as PEFT refuses them."""
+    wanted = {n for n in names if n is not None}
+    if not wanted:
+        return None
+    layer = _lora_module()
+    if layer is None:
+        return "adapters on a model without PEFT"
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    for module in model.modules():
+        if isinstance(module, layer.LoraLayer):
+            if module.merged:
+                return "adapters with merged LoRA weights (unmerge_adapter first)"
+            held = wanted & (set(module.lora_A.keys()) | set(module.lora_embedding_A.keys()))
+            if not held:
+                continue
+            if type(module) is not layer.Linear:
+                return (
+                    f"LoRA on a {type(module).__name__} layer (the engine batches LoRA on Linear layers only)"
+                )
+            for name in sorted(held):
+                variant = module.lora_variant.get(name) if hasattr(module, "lora_variant") else None
+                if module.use_dora.get(name, False) or variant is not None:
+                    kind = "DoRA" if module.use_dora.get(name, False) else type(variant).__name__
+                    return f"the LoRA variant {kind} of adapter {name!r}"
+        elif isinstance(module, AuxiliaryTrainingWrapper):
+            held = wanted & set(getattr(module, "modules_to_save", {}) or {})
+            if held:
+                return f"modules_to_save of adapter {sorted(held)[0]!r}"
+        elif isinstance(module, BaseTunerLayer):  # another PEFT method: PEFT's adapter_names skips it too
+            return f"{type(module).__name__} adapters (the engine batches LoRA only)"
+    return None
+
+
+@contextmanager
+def adapter_step(token_adapters: Sequence[str | None], device: torch.device) -> Iterator[None]:
+    """Inside this block, in this thread, LoRA ``Linear`` layers add each token's own adapter delta.
+
+    `token_adapters` names the adapter of each packed token. Tokens are grouped by adapter once here
+    (a contiguous run becomes a slice, anything else one index tensor), and every layer reuses the
+    groups."""
+    _install()
+    positions: dict[str | None, list[int]] = {}
+    for i, name in enumerate(token_adapters):
+        positions.setdefault(name, []).append(i)
+    groups: list[tuple[str | None, slice | torch.Tensor]] = []
+    for name, idx in positions.items():
+        if name == BASE:
+            continue
+        if idx[-1] - idx[0] + 1 == len(idx):
+            groups.append((name, slice(idx[0], idx[-1] + 1)))
+        else:
+            groups.append((name, torch.tensor(idx, dtype=torch.long, device=device)))
+    previous = getattr(_local, "step", None)
+    _local.step = (groups, len(token_adapters))
+    try:
+        yield
+    finally:
+        _local.step = previous
+
+
+def _install() -> None:
+    """Wrap PEFT's LoRA ``Linear.forward`` once (idempotent)."""
+    linear = _lora_module().Linear
+    if getattr(linear.__dict__["forward"], _WRAPPED, False):
+        return
+    with _install_lock:
+        original = linear.__dict__["forward"]
+        if getattr(original, _WRAPPED, False):
+            return
+
+        def forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            step = getattr(_local, "step", None)
+            if step is None:
+                return original(self, x, *args, **kwargs)
+            # PEFT's adapter_names hooks are registered on the modules themselves, so a PEFT generate in
+            # another thread (or one that raised: PEFT then leaves them in place) injects its names here
+            # too; inside an engine step each token's adapter comes from the step alone.
+            kwargs.pop("adapter_names", None)
+            return _per_token_forward(self, original, step, x, *args, **kwargs)
+
+        setattr(forward, _WRAPPED, True)
+        forward.__wrapped__ = original  # type: ignore[attr-defined]
+        forward.__doc__ = original.__doc__
+        linear.forward = forward
+
+
+def _per_token_forward(
+    self: Any,
+    original: Any,
+    step: tuple[list[tuple[str | None, slice | torch.Tensor]], int],
+    x: torch.Tensor,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """PEFT's ``_mixed_batch_forward`` with tokens in place of rows."""
+    if self.disable_adapters or self.merged:  # PEFT ignores adapter_names here too
+        return original(self, x, *args, **kwargs)
+    groups, num_tokens = step
+    result = self.base_layer(x, *args, **kwargs)
+    out_dtype = result.dtype
+    flat_x = x.reshape(-1, x.shape[-1])
+    flat = result.view(-1, result.shape[-1])
+    if flat_x.shape[0] != num_tokens:
+        raise RuntimeError(
+            f"hfaccel: a LoRA layer saw {flat_x.shape[0]} tokens in a step of {num_tokens}: "
+            "per-token adapters need the packed [1, T] layout"
+        )
+    lora_a = self.lora_A
+    for name, index in groups:
+        tokens = flat_x[index]
+        if name is None:  # the model as it is: PEFT's own forward on these tokens (active adapters)
+            out = original(self, tokens, *args, **kwargs).to(out_dtype)
+            if isinstance(index, slice):
+                flat[index] = out
+            else:
+                flat.index_copy_(0, index, out)
+            continue
+        if name not in lora_a:  # this layer does not hold the adapter: base output, as in PEFT
+            continue
+        a = lora_a[name]
+        delta = self.lora_B[name](a(self.lora_dropout[name](tokens.to(a.weight.dtype)))) * self.scaling[name]
+        if isinstance(index, slice):
+            flat[index] += delta.to(out_dtype)
+        else:
+            flat.index_add_(0, index, delta.to(out_dtype))
+    return result

@@ -1,0 +1,281 @@
+"""Many LoRA adapters in one continuous batch: each request's tokens get its own adapter's delta.
+
+The oracle is PEFT's own mixed-adapter batch, ``generate(adapter_names=[...])`` on the unpatched model in
+eval mode. The patched model is made with ``strict=True``, so any fallback to HF raises instead of
+passing silently.
+"""
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import hfaccel
+from tests.helpers import VOCAB, tiny_model
+
+peft = pytest.importorskip("peft")
+
+NEW_TOKENS = 10
+ADAPTERS = {  # different ranks and target modules
+    "math": dict(r=2, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]),
+    "code": dict(r=4, target_modules=["q_proj", "k_proj", "v_proj", "up_proj"]),
+    "chat": dict(r=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+}
+
+
+def lora_config(r: int, target_modules: list[str], **extra) -> "peft.LoraConfig":
+    return peft.LoraConfig(
+        r=r,
+        lora_alpha=2 * r,
+        target_modules=target_modules,
+        init_lora_weights=False,  # non-zero deltas
+        task_type="CAUSAL_LM",
+        **extra,
+    )
+
+
+def lora_model(family: str = "llama"):
+    """A PEFT model holding the three adapters of `ADAPTERS` ("math" active), in eval mode."""
+    names = list(ADAPTERS)
+    model = peft.get_peft_model(tiny_model(family), lora_config(**ADAPTERS[names[0]]), adapter_name=names[0])
+    for name in names[1:]:
+        model.add_adapter(name, lora_config(**ADAPTERS[name]))
+    return model.eval()
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of 39+ tokens sharing a 36-token prefix (two full 16-token blocks)."""
+    g = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, VOCAB, (36,), generator=g).tolist()
+    return [shared + torch.randint(3, VOCAB, (3 + 2 * i,), generator=g).tolist() for i in range(count)]
+
+
+def left_padded(ps: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, ps))
+    ids = torch.zeros(len(ps), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(ps):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
+def peft_mixed(model, ps: list[list[int]], names: list[str], **kwargs) -> list[list[int]]:
+    """PEFT's own mixed-adapter greedy generate (unpatched); new tokens per row, padding stripped."""
+    ids, mask = left_padded(ps)
+    generate = model._hfaccel.original_generate if "_hfaccel" in model.__dict__ else model.generate
+    with torch.no_grad():
+        out = generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            adapter_names=names,
+            pad_token_id=0,
+            **kwargs,
+        )
+    return [row[ids.shape[1] :].tolist() for row in out]
+
+
+def patch_strict(model):
+    return hfaccel.patch(model, strict=True, block_size=16, kv_cache_memory=8_000_000)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_mixed_batch_matches_peft(family):
+    model = lora_model(family)
+    names = ["math", "code", "chat", "__base__", "math", "code", "chat", "math", "__base__"]
+    ps = prompts(len(names))
+    ref = peft_mixed(model, ps, names)
+    assert len({tuple(r) for r in ref}) > 4, (
+        "the adapters must change the outputs for the test to mean anything"
+    )
+    patch_strict(model)
+    ids, mask = left_padded(ps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback warning
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+        mixed = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            adapter_names=names,
+        )
+    assert [row[ids.shape[1] :].tolist() for row in mixed] == ref
+    active = [row[ids.shape[1] :].tolist() for row in out]
+    assert active == peft_mixed(model, ps, ["math"] * len(ps)), "without adapter_names: the active adapter"
+
+    # Prefix sharing: the mixed call's requests share their two prompt blocks within an adapter only.
+    engine = model._hfaccel.engine
+    stats = engine.stats()
+    counts = {n: names.count(n) for n in set(names)}
+    first_call_hits = 32 * (len(ps) - 1)  # one adapter ("math" active, no salt): all share
+    assert stats["prefix_cache_hit_tokens"] == first_call_hits + 32 * sum(c - 1 for c in counts.values())
+
+
+def test_hfaccel_generate_adapter_per_prompt():
+    model = patch_strict(lora_model())
+    ps = prompts(6, seed=1)
+    adapters = ["chat", None, "__base__", "code", "chat", None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        done = hfaccel.generate(model, ps, adapter=adapters, max_new_tokens=NEW_TOKENS, progress=False)
+    expected_names = [a if a is not None else "math" for a in adapters]  # None: the active adapter
+    assert [c.token_ids for c in done] == peft_mixed(model, ps, expected_names)
+    # Cached prompt tokens: within one adapter (the second "chat", the second None) only.
+    assert [c.metrics["num_cached_prompt_tokens"] for c in done] == [0, 0, 0, 0, 32, 32]
+
+    # One name for every prompt, and a later call of another adapter finds nothing cached.
+    again = hfaccel.generate(model, ps[:2], adapter="code", max_new_tokens=NEW_TOKENS, progress=False)
+    assert [c.token_ids for c in again] == peft_mixed(model, ps[:2], ["code", "code"])
+    assert [c.metrics["num_cached_prompt_tokens"] for c in again] == [32, 32], "code's own blocks are found"
+    other = hfaccel.generate(model, ps[:1], adapter="math", max_new_tokens=NEW_TOKENS, progress=False)
+    assert other[0].metrics["num_cached_prompt_tokens"] == 0, "math was never run with a salt"
+
+    events = list(hfaccel.stream(model, ps[:2], adapter=["chat", "code"], max_new_tokens=NEW_TOKENS))
+    streamed = [[e.token_id for e in events if e.index == i] for i in range(2)]
+    assert streamed == peft_mixed(model, ps[:2], ["chat", "code"])
+
+
+def test_block_keys_are_salted_by_adapter():
+    model = patch_strict(lora_model())
+    p = prompts(1)[0]
+    hfaccel.generate(model, [p, p, p], adapter=["math", "code", None], max_new_tokens=2, progress=False)
+    manager = model._hfaccel.engine.block_manager
+    roots = {key[0] for key in manager._cached if key[1] == tuple(p[:16])}
+    assert len(roots) == 3, "the same first block, cached once per adapter"
+
+
+def test_num_return_sequences_and_sampling_with_adapters():
+    model = patch_strict(lora_model())
+    ps = prompts(2, seed=2)
+    ids, mask = left_padded(ps)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=True,
+        top_k=1,  # sampling from the top token only: greedy, which HF refuses with several sequences
+        num_return_sequences=2,
+        adapter_names=["code", "__base__"],
+    )
+    rows = [row[ids.shape[1] :].tolist() for row in out]
+    ref = peft_mixed(model, ps, ["code", "__base__"])
+    assert rows == [ref[0], ref[0], ref[1], ref[1]]
+    sampled = hfaccel.generate(
+        model, ps, adapter=["code", "chat"], do_sample=True, max_new_tokens=NEW_TOKENS, seed=7, progress=False
+    )
+    alone = [
+        hfaccel.generate(model, [p], adapter=a, do_sample=True, max_new_tokens=NEW_TOKENS, seed=7 + i)[0]
+        for i, (p, a) in enumerate(zip(ps, ["code", "chat"]))
+    ]
+    assert [c.token_ids for c in sampled] == [c.token_ids for c in alone], "a request's samples are its own"
+
+
+def test_peft_errors_are_raised_as_peft_raises_them():
+    model = patch_strict(lora_model())
+    ids, mask = left_padded(prompts(2))
+    with pytest.raises(ValueError, match="non-existing adapter"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, adapter_names=["math", "nope"])
+    with pytest.raises(ValueError, match="Length of `adapter_names`"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, adapter_names=["math"])
+    model.train()
+    with pytest.raises(ValueError, match="training mode"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, adapter_names=["math", "code"])
+    model.eval()
+    with pytest.raises(hfaccel.RequestError, match="non-existing adapter"):
+        hfaccel.generate(model, prompts(1), adapter="nope", max_new_tokens=2, progress=False)
+    with pytest.raises(ValueError, match="one per prompt"):
+        hfaccel.generate(model, prompts(2), adapter=["math"], max_new_tokens=2, progress=False)
+
+
+def test_unbatched_lora_kinds_fall_back_with_one_warning():
+    """LoRA on the embeddings: PEFT's mixed batch serves it, the engine does not (one warning, PEFT's
+    output). DoRA: PEFT itself refuses adapter_names; the call falls back and PEFT raises."""
+    model = lora_model()
+    model.add_adapter("emb", lora_config(4, ["embed_tokens", "q_proj"]))
+    model.add_adapter("dora", lora_config(4, ["q_proj", "v_proj"], use_dora=True))
+    model.eval()
+    ps = prompts(2)
+    ref = peft_mixed(model, ps, ["emb", "math"])
+    hfaccel.patch(model, block_size=16, kv_cache_memory=8_000_000)
+    ids, mask = left_padded(ps)
+    with pytest.warns(UserWarning, match="Embedding layer"):
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            adapter_names=["emb", "math"],
+        )
+    assert [row[ids.shape[1] :].tolist() for row in out] == ref
+    # Adapters the engine batches still run on it in the same model.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            adapter_names=["code", "chat"],
+        )
+    assert [row[ids.shape[1] :].tolist() for row in out] == peft_mixed(model, ps, ["code", "chat"])
+    with pytest.warns(UserWarning, match="DoRA"), pytest.raises(ValueError, match="DoRA"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, adapter_names=["dora", "math"])
+    # (Nothing runs after this on the model: PEFT leaves its adapter_names hooks registered when its
+    # generate raises, which breaks its own next forward as much as ours.)
+
+
+def test_lora_layers_outside_engine_steps_are_untouched():
+    """Plain forwards (another thread while the engine runs mixed adapters, and after) give PEFT's logits,
+    and gradients flow as before."""
+    model = patch_strict(lora_model())
+    x = torch.tensor([prompts(1)[0]])
+    with torch.no_grad():
+        before = model(x).logits
+    stop = threading.Event()
+    diffs: list[float] = []
+
+    def forwards() -> None:
+        while not stop.is_set():
+            with torch.no_grad():
+                diffs.append(float((model(x).logits - before).abs().max()))
+
+    thread = threading.Thread(target=forwards)
+    thread.start()
+    try:
+        ps = prompts(6)
+        hfaccel.generate(
+            model, ps, adapter=["code", "chat", "__base__"] * 2, max_new_tokens=NEW_TOKENS, progress=False
+        )
+    finally:
+        stop.set()
+        thread.join()
+    assert diffs and max(diffs) == 0.0
+    model.train()
+    loss = model(x, labels=x).loss
+    loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "lora_A.math" in n]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_lora_bias_is_served():
+    model = lora_model()
+    model.add_adapter("biased", lora_config(4, ["q_proj", "v_proj"], lora_bias=True))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B.biased.bias" in n:
+                p.normal_(0.0, 0.5)
+    model.eval()
+    ps = prompts(3)
+    names = ["biased", "code", "biased"]
+    ref = peft_mixed(model, ps, names)
+    assert ref != peft_mixed(model, ps, ["__base__", "code", "__base__"])
+    patch_strict(model)
+    ids, mask = left_padded(ps)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, adapter_names=names
+    )
+    assert [row[ids.shape[1] :].tolist() for row in out] == ref
