@@ -33,7 +33,8 @@ def test_overrides_are_validated_and_unknown_fields_rejected():
     config = EngineConfig().with_overrides(block_size=32, max_num_batched_tokens=64)
     assert (config.block_size, config.max_num_batched_tokens) == (32, 64)
     with pytest.raises(
-        ValueError, match=r"unknown EngineConfig field\(s\) \['blocksize'\] \(did you mean 'blocksize' -> 'block_size'\?\)"
+        ValueError,
+        match=r"unknown EngineConfig field\(s\) \['blocksize'\] \(did you mean 'blocksize' -> 'block_size'",
     ):
         EngineConfig().with_overrides(blocksize=8)
     with pytest.raises(ValueError, match="block_size must be a positive integer"):

@@ -23,10 +23,11 @@ from hfaccel.config import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.loop import EngineLoop, LoopClosed
 from hfaccel.engine.request import Request
+from hfaccel.patches.arguments import check_generate_kwargs
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 
 # Arguments of HF generate that the engine does not serve, with the reason shown to the user.
-_UNSUPPORTED_ARGUMENTS = {
+UNSUPPORTED_ARGUMENTS = {
     "stopping_criteria": "custom stopping_criteria",
     "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn (constrained decoding)",
     "assistant_model": "assistant_model (assisted decoding)",
@@ -125,8 +126,9 @@ def patched_generate(
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """Drop-in replacement for `model.generate`, bound on a patched instance."""
     state: PatchState = self._hfaccel
+    check_generate_kwargs(self, kwargs, "model.generate", [generation_config])
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-    reason = next((text for name, text in _UNSUPPORTED_ARGUMENTS.items() if _given(kwargs.get(name))), None)
+    reason = next((text for name, text in UNSUPPORTED_ARGUMENTS.items() if given(kwargs.get(name))), None)
     if reason is None and inputs is not None and kwargs.get("input_ids") is not None:
         reason = "both inputs and input_ids"
     if reason is None and (input_ids is None or input_ids.dim() != 2 or input_ids.dtype != torch.long):
@@ -167,11 +169,41 @@ def patched_generate(
     requests = [
         loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, sampling) for i in range(len(rows))
     ]
+    if sampling.processors:  # HF's processors see the padded row: its length and its pad ids
+        for request, row, kept in zip(requests, rows, keep):
+            request.processor_prefix = row[~kept].tolist()
+    warn_past_context(requests, loop.engine.max_model_len)
     if streamer is not None:
         _stream_one(loop, requests[0], input_ids, streamer)
     else:
         loop.run(requests, progress=state.progress)
     return _output(config, prompts, requests)
+
+
+def warn_past_context(requests: list[Request], max_model_len: int, names: list[str] | None = None) -> None:
+    """Warn, once per call, when a prompt plus its max_new_tokens runs past the model's context: the
+    engine stops there; HF's generate would go on past it (where the model was never trained), with
+    a logger message only."""
+    short = [
+        i
+        for i, r in enumerate(requests)
+        if len(r.prompt_token_ids) + r.stopping.max_new_tokens > max_model_len
+    ]
+    if not short:
+        return
+    i = short[0]
+    length, max_new_tokens = len(requests[i].prompt_token_ids), requests[i].stopping.max_new_tokens
+    name = names[i] if names is not None else f"row {i}"
+    more = f" (and {len(short) - 1} more)" if len(short) > 1 else ""
+    warnings.warn(
+        f"hfaccel: {name}{more} has {length} prompt tokens; with max_new_tokens={max_new_tokens} it would "
+        f"run past the model's context (max_model_len={max_model_len}), so it stops at "
+        f"{max_model_len} tokens: {max_model_len - length} new token(s), finish_reason 'length'. "
+        "transformers' generate would go on past the context (where the model was not trained); "
+        "shorten the prompt or lower max_new_tokens to silence this",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _stream_one(loop: EngineLoop, request: Request, input_ids: torch.Tensor, streamer: Any) -> None:
@@ -187,7 +219,7 @@ def _stream_one(loop: EngineLoop, request: Request, input_ids: torch.Tensor, str
         streamer.end()
 
 
-def _given(value: Any) -> bool:
+def given(value: Any) -> bool:
     return value is not None and not (isinstance(value, list) and len(value) == 0)
 
 

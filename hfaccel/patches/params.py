@@ -112,6 +112,7 @@ def request_params(
     has_default_min: bool,
     tokenizer: Any = None,
     output_logprobs: bool = False,
+    top_logprobs: int | None = None,
 ) -> tuple[StoppingParams, SamplingParams]:
     """Stopping and sampling parameters for the rows of a ``[B, L]`` (possibly left-padded) input.
 
@@ -158,7 +159,8 @@ def request_params(
         warpers=score_only or None,
         output_scores=bool(config.output_scores),
         output_logits=bool(config.output_logits),
-        output_logprobs=output_logprobs,
+        output_logprobs=output_logprobs or top_logprobs is not None,
+        top_logprobs=top_logprobs,
     )
     return stopping, sampling
 
