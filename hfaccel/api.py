@@ -261,12 +261,12 @@ def generate(
     `Completion.prompt_index`, and `group_by_prompt` groups them.
     """
     _check_errors(errors)
+    _check_top_k("prompt_logprobs", prompt_logprobs, allow_none=True)
     with _patched(model) as state:
         call = _plan_all(
             model, state, prompts, tokenizer, generation_config, generate_kwargs, "hfaccel.generate",
             logprobs, seed,
         )  # fmt: skip
-        _check_top_k("prompt_logprobs", prompt_logprobs, allow_none=True)
         if call.runnable:
             state.get_loop(model).run(call.runnable, progress=progress)
         completions = _completions(call, tokenizer)
@@ -295,12 +295,12 @@ async def agenerate(
     is never blocked while they run. Cancelling the awaiting task cancels its requests.
     """
     _check_errors(errors)
+    _check_top_k("prompt_logprobs", prompt_logprobs, allow_none=True)
     with _patched(model) as state:
         call = _plan_all(
             model, state, prompts, tokenizer, generation_config, generate_kwargs, "hfaccel.agenerate",
             logprobs, seed,
         )  # fmt: skip
-        _check_top_k("prompt_logprobs", prompt_logprobs, allow_none=True)
         if call.runnable:
             submission = state.get_loop(model).submit_async(call.runnable)
             if progress:
@@ -340,16 +340,31 @@ def _raise_or_return(completions: list[Completion], errors: str) -> list[Complet
     refused = [c for c in completions if c.finish_reason == "error"]
     if not refused or errors == "return":
         return completions
-    first: dict[int, str | None] = {}
-    for c in refused:
-        first.setdefault(c.prompt_index, c.error)
-    details = "; ".join(f"prompts[{i}]: {error}" for i, error in list(first.items())[:5])
-    more = f" (and {len(first) - 5} more prompts)" if len(first) > 5 else ""
-    others = ", the others completed" if len(refused) < len(completions) else ""
     raise RequestError(
-        f"{len(refused)} of {len(completions)} requests refused{others} (see .completions): {details}{more}",
+        f"{len(refused)} of {len(completions)} requests refused"
+        + (", the others completed" if len(refused) < len(completions) else "")
+        + f" (see .completions): {_refusals(refused)}",
         completions,
     )
+
+
+def _refusals(refused: Sequence[Completion | tuple[int, str]]) -> str:
+    """``prompts[i]: why`` per refused prompt (its copies once), prompts refused for the same reason together."""
+    reasons: dict[str, list[int]] = {}
+    for item in refused:
+        index, error = (item.prompt_index, item.error) if isinstance(item, Completion) else item
+        indexes = reasons.setdefault(str(error), [])
+        if index not in indexes:
+            indexes.append(index)
+    parts = []
+    for error, indexes in list(reasons.items())[:5]:
+        names = ", ".join(f"prompts[{i}]" for i in indexes[:3])
+        if len(indexes) > 3:
+            names += f" (and {len(indexes) - 3} more)"
+        parts.append(f"{names}: {error}")
+    if len(reasons) > 5:
+        parts.append(f"and {len(reasons) - 5} more reasons")
+    return "; ".join(parts)
 
 
 def stream(
@@ -428,12 +443,13 @@ def _start_stream(
 ) -> tuple[_Call, Submission | None]:
     """Plan the prompts (raising for a refused one) and submit the runnable ones as one stream."""
     call = _plan_all(model, state, prompts, tokenizer, generation_config, kwargs, where, logprobs, seed)
-    refused: dict[int, str] = {}
-    for plan, index in zip(call.plans, call.prompt_indexes):
-        if isinstance(plan, _Done) and plan.error:
-            refused.setdefault(index, plan.error)
+    refused = [
+        (index, plan.error)
+        for plan, index in zip(call.plans, call.prompt_indexes)
+        if isinstance(plan, _Done) and plan.error
+    ]
     if refused:
-        raise ValueError("; ".join(f"prompts[{i}]: {e}" for i, e in refused.items()))
+        raise ValueError(_refusals(refused))
     if not call.runnable:
         return call, None
     loop = state.get_loop(model)

@@ -139,10 +139,15 @@ def patched_generate(
 
     streamer = kwargs.get("streamer")
     tokenizer = kwargs.get("tokenizer")
-    call_kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "streamer", "tokenizer")}
+    popped = ("input_ids", "streamer", "tokenizer", "trust_remote_code")  # HF pops these too
+    call_kwargs = {k: v for k, v in kwargs.items() if k not in popped}
     has_default_max, has_default_min = has_default_lengths(self, generation_config, call_kwargs)
     config, model_kwargs = prepare_config(self, generation_config, call_kwargs)
-    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _SERVED_MODEL_KWARGS)
+    extra = sorted(
+        k
+        for k, v in model_kwargs.items()
+        if v is not None and v is not False and k not in _SERVED_MODEL_KWARGS
+    )
     copies = config.num_return_sequences or 1
     reason = unsupported_reason(config) or (f"model kwargs {extra}" if extra else None)
     if reason is None and streamer is not None and input_ids.shape[0] * copies != 1:
@@ -220,7 +225,8 @@ def _stream_one(loop: EngineLoop, request: Request, input_ids: torch.Tensor, str
 
 
 def given(value: Any) -> bool:
-    return value is not None and not (isinstance(value, list) and len(value) == 0)
+    """Whether an argument asks for something: not None, False or an empty list (their defaults)."""
+    return value is not None and value is not False and not (isinstance(value, list) and len(value) == 0)
 
 
 def _output(
