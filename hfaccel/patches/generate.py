@@ -22,7 +22,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hfaccel.config import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.loop import EngineLoop, LoopClosed
-from hfaccel.engine.request import Request
+from hfaccel.engine.request import Request, SamplingParams
 from hfaccel.patches.arguments import check_generate_kwargs
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 
@@ -171,8 +171,12 @@ def patched_generate(
     loop = state.get_loop(self)
     keep = attention_mask.bool().cpu().repeat_interleave(copies, dim=0)
     rows = prompts.cpu()
+    samplings = [sampling] * len(rows)
+    if sampling.processors and not bool(keep.all()):
+        arguments = (self, config, input_ids, has_default_max, has_default_min, tokenizer)
+        samplings = _per_padding(arguments, attention_mask.repeat_interleave(copies, dim=0), sampling)
     requests = [
-        loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, sampling) for i in range(len(rows))
+        loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, samplings[i]) for i in range(len(rows))
     ]
     if sampling.processors:  # HF's processors see the padded row: its length and its pad ids
         for request, row, kept in zip(requests, rows, keep):
@@ -183,6 +187,21 @@ def patched_generate(
     else:
         loop.run(requests, progress=state.progress)
     return _output(config, prompts, requests)
+
+
+def _per_padding(arguments: tuple, masks: torch.Tensor, unpadded: SamplingParams) -> list[SamplingParams]:
+    """One `SamplingParams` per row, built as HF builds its processors for the padded batch: the
+    processors see the padded row (`Request.processor_prefix`), and those HF gives the attention mask
+    (the repetition penalty, which skips a row's left padding) get the row's own mask. Rows with the
+    same padding share one object (and so one warper call)."""
+    by_padding: dict[int, SamplingParams] = {0: unpadded}
+    samplings = []
+    for mask in masks:
+        padding = int(mask.ne(0).int().argmax())  # HF's padding length of the row
+        if padding not in by_padding:
+            by_padding[padding] = request_params(*arguments, attention_mask=mask[None])[1]
+        samplings.append(by_padding[padding])
+    return samplings
 
 
 def warn_past_context(requests: list[Request], max_model_len: int, names: list[str] | None = None) -> None:

@@ -113,11 +113,14 @@ def request_params(
     tokenizer: Any = None,
     output_logprobs: bool = False,
     top_logprobs: int | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> tuple[StoppingParams, SamplingParams]:
     """Stopping and sampling parameters for the rows of a ``[B, L]`` (possibly left-padded) input.
 
     HF counts max/min length on the padded width, so every row gets ``max_length - L`` new tokens at
     most and ``min_length - L`` at least: the same numbers, given to each unpadded row.
+    `attention_mask` (``[1, L]``, one row's) is what HF hands its processors as a model kwarg: the
+    repetition penalty reads the row's padding length from it.
     """
     config = copy.deepcopy(config)
     width = input_ids.shape[1]
@@ -151,6 +154,7 @@ def request_params(
         encoder_input_ids=input_ids,
         logits_processor=LogitsProcessorList(),
         device=input_ids.device,
+        model_kwargs=None if attention_mask is None else {"attention_mask": attention_mask},
     )
     per_row, score_only = split_score_only(processors)
     sampling = SamplingParams(
