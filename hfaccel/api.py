@@ -4,11 +4,14 @@ any thread."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import gc
+import numbers
 import threading
+import time
 import types
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import aclosing, closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,12 +22,21 @@ from transformers import GenerationConfig
 from hfaccel.config import EngineConfig, is_draft_model
 from hfaccel.engine.loop import Submission, Update
 from hfaccel.engine.request import Request
+from hfaccel.engine.sampler import top_logprobs
 from hfaccel.engine.speculative.proposer import speculative_stats
+from hfaccel.patches.arguments import check_generate_kwargs
 from hfaccel.patches.attention import register_attention, restore_attention
-from hfaccel.patches.generate import PatchState, fall_back, patched_generate
+from hfaccel.patches.generate import (
+    UNSUPPORTED_ARGUMENTS,
+    PatchState,
+    fall_back,
+    given,
+    patched_generate,
+    warn_past_context,
+)
 from hfaccel.patches.lora import check_adapter_names
 from hfaccel.patches.lora import unsupported_reason as lora_unsupported_reason
-from hfaccel.patches.models import check_model, window_reason
+from hfaccel.patches.models import check_engine_config, check_model, window_reason
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 from hfaccel.patches.pipeline import install_pipeline_batching
 from hfaccel.patches.tp_plan import setup_tensor_parallel
@@ -41,24 +53,45 @@ class Completion:
         token_ids: generated token ids only (an EOS that ended it included, as HF returns it).
         text: the generated text (special tokens skipped), when a tokenizer is known.
         finish_reason: ``"stop"`` (EOS or a stop string), ``"length"`` (max_new_tokens / max_length /
-            context), ``"error"`` (the request was refused; see `error`), or ``"rejected"`` (admission
-            control: its TTFT target could not be met; the reason is in `error`).
+            context), or ``"error"`` (the request was refused; see `error`).
         metrics: seconds: ``queue_s`` (arrival to first scheduled), ``ttft_s`` (time to first token),
             ``tpot_s`` (mean time per output token after the first), ``itl_max_s`` (longest gap between
             two tokens), ``e2e_s`` (arrival to finish); and ``num_cached_prompt_tokens`` (prefix-cache
             hits), ``num_preemptions``.
-        logprobs: log-probability of each generated token under the processed distribution, when
-            ``logprobs=True`` was asked.
-        error: why the request was refused, for ``finish_reason == "error"`` or ``"rejected"``.
+            Every completion has every key; what is not known is None (a refused request has no
+            times; one served by transformers' own generate has ``e2e_s`` only).
+        logprobs: log-probability of each generated token under the processed distribution (after
+            the logits processors and sampling warpers, which is what the token was drawn from), when
+            ``logprobs`` was asked.
+        error: why the request was refused, for ``finish_reason == "error"``.
+        top_logprobs: with ``logprobs=k``: per generated token, ``{token id: log-probability}`` of the
+            k most likely tokens and the chosen one (vLLM's layout).
+        prompt_logprobs: with ``prompt_logprobs=k``: per prompt token, ``None`` for the first, then
+            ``{token id: log-probability}`` with that prompt token and the k most likely ones, under the
+            model's raw distribution (one extra forward of the model per prompt, after generation).
+        prompt_index: the position of its prompt in the prompts given; the ``num_return_sequences``
+            copies of one prompt share it (see `group_by_prompt`).
     """
 
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str | None
     finish_reason: str
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float | None] = field(default_factory=dict)
     logprobs: list[float] | None = None
     error: str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_index: int = 0
+
+
+def group_by_prompt(completions: Sequence[Completion]) -> list[list[Completion]]:
+    """The flat result of `generate` grouped per prompt: ``groups[i]`` holds the
+    ``num_return_sequences`` completions of ``prompts[i]``, in order."""
+    groups: dict[int, list[Completion]] = {}
+    for completion in completions:
+        groups.setdefault(completion.prompt_index, []).append(completion)
+    return [groups[i] for i in sorted(groups)]
 
 
 class RequestError(ValueError):
@@ -81,6 +114,9 @@ class StreamEvent:
     text: str | None  # the text this token adds, when a tokenizer is known
     finished: bool
     finish_reason: str | None
+    logprob: float | None = None  # with logprobs=: the token's log-probability (processed distribution)
+    top_logprobs: dict[int, float] | None = None  # with logprobs=k: the k most likely tokens and this one
+    prompt_index: int = 0  # the position of its prompt in the prompts given
 
 
 def patch(
@@ -100,15 +136,22 @@ def patch(
     drop-in ``generate`` on this instance (other instances of the class are untouched). Ordinary
     ``model(...)`` forward calls keep the model's own attention. Options the engine does not serve fall
     back to the original ``generate`` with one warning, or raise ValueError with ``strict=True``.
-    ``progress=True`` shows a progress bar inside ``model.generate``. Calling it again on a patched
-    model updates only what is given. Unknown or invalid config values raise ValueError.
+    ``progress=True`` shows a progress bar inside ``model.generate``.
 
-    Tensor parallelism (docs/parallelism.md): ``tensor_parallel_size=N`` (or ``device_mesh=`` a 1-D
+    Calling it again on a patched model changes only what is given: keyword overrides change only the
+    fields they name (``patch(model, max_num_seqs=8)`` keeps an earlier ``block_size``), an
+    `EngineConfig` replaces the whole config, and ``strict`` / ``progress`` stay as they were unless
+    given. The engine is rebuilt only if the config actually changed.
+
+    Unknown or invalid config values raise ValueError here, as do configs that cannot serve this model:
+    a ``max_model_len`` beyond the model's context, a named ``backend`` that cannot run here, or a
+    ``kv_cache_memory`` too small for one request of ``max_model_len`` tokens (the message says how
+    much is needed, or which ``max_model_len`` fits).
+
+    Parallelism (docs/parallelism.md): ``tensor_parallel_size=N`` (or ``device_mesh=`` a 1-D
     ``DeviceMesh``) shards the model in place over N processes from its transformers TP plan; every rank
     runs the same script and makes the same calls. ``sequence_parallel=True`` also shards the tokens of
-    steps that hold prefill tokens. A model transformers sharded at load (``tp_plan="auto"``) is served
-    as it is. Refusals (sizes that do not divide the heads, no process group) raise ValueError before
-    anything is sharded.
+    steps that hold prefill tokens. Refusals raise ValueError before anything is sharded.
     """
     state: PatchState | None = getattr(model, "_hfaccel", None)
     parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
@@ -122,8 +165,10 @@ def patch(
         if config is not None or overrides:
             new_config = (config or state.config).with_overrides(**overrides)
             _check_draft_model(model, new_config)
-            state.release("hfaccel.patch changed the engine config: its engine was rebuilt")
-            state.config = new_config
+            check_engine_config(model, new_config)
+            if new_config != state.config:
+                state.release("hfaccel.patch changed the engine config: its engine was rebuilt")
+                state.config = new_config
         state.temporary = False  # patched on purpose now: it stays patched after temporary users end
         state.strict = state.strict if strict is None else strict
         state.progress = state.progress if progress is None else progress
@@ -132,6 +177,7 @@ def patch(
     engine_config = (config or EngineConfig()).with_overrides(**overrides)
     _check_draft_model(model, engine_config)
     setup_tensor_parallel(model, *parallel, engine_config.batching)  # shards the model when N > 1
+    check_engine_config(model, engine_config)
     register_attention()
     model._hfaccel = PatchState(
         config=engine_config,
@@ -214,12 +260,13 @@ def is_patched(model: Any) -> bool:
 
 def generate(
     model: Any,
-    prompts: Sequence[Prompt],
+    prompts: Prompt | Sequence[Prompt],
     *,
     tokenizer: Any = None,
     generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
     progress: bool = True,
-    logprobs: bool = False,
+    logprobs: bool | int = False,
+    prompt_logprobs: int | None = None,
     errors: str = "raise",
     seed: int | None = None,
     tpot_target_ms: float | None = None,
@@ -232,19 +279,27 @@ def generate(
 
     Args:
         model: a transformers causal LM, patched or not (an unpatched one is patched for this call only).
-        prompts: strings (need `tokenizer`), token-id lists, or chat message lists (need `tokenizer`,
-            rendered with its chat template and the generation prompt).
+        prompts: a list of prompts: strings (need `tokenizer`), token-id lists, or chat message lists
+            (need `tokenizer`, rendered with its chat template and the generation prompt). A single
+            prompt (one string, one token-id list or one conversation) is a batch of one: the result
+            is still a list, of one completion (per return sequence). A tokenizer's output (a dict /
+            ``BatchEncoding``) or a 2-D tensor is refused: pass ``enc["input_ids"]`` as lists, or strings.
         tokenizer: encodes string/chat prompts, decodes `Completion.text`, and checks stop strings.
         generation_config: one config for all prompts, or a list with one per prompt.
         progress: show a progress bar over requests and generated tokens.
-        logprobs: also return each generated token's log-probability.
+        logprobs: ``True``: each generated token's log-probability (`Completion.logprobs`); an int k:
+            also the k most likely tokens per step (`Completion.top_logprobs`, vLLM's layout).
+        prompt_logprobs: an int k: per prompt token its log-probability and the k most likely tokens
+            (`Completion.prompt_logprobs`; computed with one extra forward of the model per prompt).
         errors: a refused prompt (empty, longer than the context, an invalid generation argument) never
             stops the others; they complete, then ``"raise"`` raises `RequestError` (a ValueError that
             names every refused prompt and carries all completions), ``"return"`` returns them with
-            ``finish_reason="error"``.
+            ``finish_reason="error"`` (``num_return_sequences`` of them, in the prompt's place).
         seed: the random stream of sampled requests: request ``i`` (in result order) draws from its own
             generator seeded with ``seed + i``, so its samples are the same whatever else runs beside it.
             ``None``: seeds are drawn from torch's global generator (``torch.manual_seed`` reproduces them).
+        **generate_kwargs: generation arguments for every prompt (``max_new_tokens=64``, ``do_sample=True``...):
+            the names transformers' generate takes; any other name raises ValueError listing it.
         tpot_target_ms, ttft_target_ms: latency targets of these requests (default: the engine's
             `EngineConfig` targets). A request whose TTFT target cannot be met given the queue comes back
             with ``finish_reason="rejected"`` and the reason in ``error`` under ``admission="reject"``.
@@ -253,38 +308,34 @@ def generate(
             model as it is, with its active adapters; ``"__base__"``: no adapter). Prompts of different
             adapters run in the same continuous batch, each token with its own adapter's LoRA delta;
             prefix-cache blocks are shared only between requests of the same adapter.
-        **generate_kwargs: generation arguments for every prompt (``max_new_tokens=64``, ``do_sample=True``...).
 
-    With ``num_return_sequences=n`` each prompt gives n consecutive completions (HF's order).
+    With ``num_return_sequences=n`` each prompt gives n consecutive completions (HF's order); they share
+    `Completion.prompt_index`, and `group_by_prompt` groups them.
     """
     _check_errors(errors)
+    _check_top_k("prompt_logprobs", prompt_logprobs, allow_none=True)
     with _patched(model) as state:
-        plans = _plan_all(
-            model,
-            state,
-            prompts,
-            tokenizer,
-            generation_config,
-            generate_kwargs,
-            logprobs,
-            seed,
-            targets=_targets(tpot_target_ms, ttft_target_ms, priority),
-            adapter=adapter,
-        )
-        runnable = [plan for plan in plans if isinstance(plan, Request)]
-        if runnable:
-            state.get_loop(model).run(runnable, progress=progress)
-    return _results(plans, tokenizer, errors)
+        call = _plan_all(
+            model, state, prompts, tokenizer, generation_config, generate_kwargs, "hfaccel.generate",
+            logprobs, seed, _targets(tpot_target_ms, ttft_target_ms, priority), adapter,
+        )  # fmt: skip
+        if call.runnable:
+            state.get_loop(model).run(call.runnable, progress=progress)
+        completions = _completions(call, tokenizer)
+        if prompt_logprobs is not None:
+            _add_prompt_logprobs(model, completions, int(prompt_logprobs))
+    return _raise_or_return(completions, errors)
 
 
 async def agenerate(
     model: Any,
-    prompts: Sequence[Prompt],
+    prompts: Prompt | Sequence[Prompt],
     *,
     tokenizer: Any = None,
     generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
     progress: bool = False,
-    logprobs: bool = False,
+    logprobs: bool | int = False,
+    prompt_logprobs: int | None = None,
     errors: str = "raise",
     seed: int | None = None,
     tpot_target_ms: float | None = None,
@@ -300,32 +351,27 @@ async def agenerate(
     is never blocked while they run. Cancelling the awaiting task cancels its requests.
     """
     _check_errors(errors)
+    _check_top_k("prompt_logprobs", prompt_logprobs, allow_none=True)
     with _patched(model) as state:
-        plans = _plan_all(
-            model,
-            state,
-            prompts,
-            tokenizer,
-            generation_config,
-            generate_kwargs,
-            logprobs,
-            seed,
-            targets=_targets(tpot_target_ms, ttft_target_ms, priority),
-            adapter=adapter,
-        )
-        runnable = [plan for plan in plans if isinstance(plan, Request)]
-        if runnable:
-            submission = state.get_loop(model).submit_async(runnable)
+        call = _plan_all(
+            model, state, prompts, tokenizer, generation_config, generate_kwargs, "hfaccel.agenerate",
+            logprobs, seed, _targets(tpot_target_ms, ttft_target_ms, priority), adapter,
+        )  # fmt: skip
+        if call.runnable:
+            submission = state.get_loop(model).submit_async(call.runnable)
             if progress:
                 from tqdm.auto import tqdm
 
-                with tqdm(total=len(runnable), desc="hfaccel", unit="req", leave=False) as bar:
+                with tqdm(total=len(call.runnable), desc="hfaccel", unit="req", leave=False) as bar:
                     async with aclosing(submission.aupdates()) as updates:
                         async for update in updates:
                             bar.update(int(update.finished))
             else:
                 await submission.await_all()
-    return _results(plans, tokenizer, errors)
+        completions = _completions(call, tokenizer)
+        if prompt_logprobs is not None:
+            await asyncio.to_thread(_add_prompt_logprobs, model, completions, int(prompt_logprobs))
+    return _raise_or_return(completions, errors)
 
 
 def _check_errors(errors: str) -> None:
@@ -333,26 +379,57 @@ def _check_errors(errors: str) -> None:
         raise ValueError(f"errors must be 'raise' or 'return', got {errors!r}")
 
 
-def _results(plans: list[Request | _Done], tokenizer: Any, errors: str) -> list[Completion]:
-    completions = [_completion(plan, tokenizer) for plan in plans]
-    failed = [(i, c.error) for i, c in enumerate(completions) if c.finish_reason == "error"]
-    if failed and errors == "raise":
-        details = "; ".join(f"prompts[{i}]: {error}" for i, error in failed[:5])
-        more = f" (and {len(failed) - 5} more)" if len(failed) > 5 else ""
-        raise RequestError(
-            f"{len(failed)} of {len(completions)} requests refused, the others completed "
-            f"(see .completions): {details}{more}",
-            completions,
-        )
-    return completions
+def _check_top_k(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) and not allow_none:
+        return
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return
+    wanted = "an int k >= 0 (the most likely tokens to list per position) or None"
+    if not allow_none:
+        wanted = "True, False, or an int k >= 0 (the most likely tokens to list per token)"
+    raise ValueError(f"{name} must be {wanted}, got {value!r}")
+
+
+def _raise_or_return(completions: list[Completion], errors: str) -> list[Completion]:
+    refused = [c for c in completions if c.finish_reason == "error"]
+    if not refused or errors == "return":
+        return completions
+    raise RequestError(
+        f"{len(refused)} of {len(completions)} requests refused"
+        + (", the others completed" if len(refused) < len(completions) else "")
+        + f" (see .completions): {_refusals(refused)}",
+        completions,
+    )
+
+
+def _refusals(refused: Sequence[Completion | tuple[int, str]]) -> str:
+    """``prompts[i]: why`` per refused prompt (its copies once), prompts refused for the same reason together."""
+    reasons: dict[str, list[int]] = {}
+    for item in refused:
+        index, error = (item.prompt_index, item.error) if isinstance(item, Completion) else item
+        indexes = reasons.setdefault(str(error), [])
+        if index not in indexes:
+            indexes.append(index)
+    parts = []
+    for error, indexes in list(reasons.items())[:5]:
+        names = ", ".join(f"prompts[{i}]" for i in indexes[:3])
+        if len(indexes) > 3:
+            names += f" (and {len(indexes) - 3} more)"
+        parts.append(f"{names}: {error}")
+    if len(reasons) > 5:
+        parts.append(f"and {len(reasons) - 5} more reasons")
+    return "; ".join(parts)
 
 
 def stream(
     model: Any,
-    prompts: Sequence[Prompt],
+    prompts: Prompt | Sequence[Prompt],
     *,
     tokenizer: Any = None,
     generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+    logprobs: bool | int = False,
     seed: int | None = None,
     tpot_target_ms: float | None = None,
     ttft_target_ms: float | None = None,
@@ -363,24 +440,20 @@ def stream(
     """Like `generate`, but yield every token of every request as soon as its step ends.
 
     All prompts run in one continuous batch (shared with every other caller of the model); events
-    interleave across requests. A refused prompt raises ValueError before anything runs. Closing the
-    iterator early cancels what is left (freeing its KV blocks). `adapter` as in `generate`.
+    interleave across requests. Prompts are given as to `generate` (a single prompt is a batch of
+    one). A refused prompt raises ValueError before anything runs. With ``logprobs`` each event
+    carries its token's `StreamEvent.logprob` (and with an int k, `StreamEvent.top_logprobs`).
+    Closing the iterator early cancels what is left (freeing its KV blocks).
     """
     with _patched(model) as state:
-        live, submission = _start_stream(
-            model,
-            state,
-            prompts,
-            tokenizer,
-            generation_config,
-            generate_kwargs,
-            seed=seed,
-            targets=_targets(tpot_target_ms, ttft_target_ms, priority),
-            adapter=adapter,
-        )
+        call, submission = _start_stream(
+            model, state, prompts, tokenizer, generation_config, generate_kwargs, "hfaccel.stream", logprobs,
+            seed=seed, targets=_targets(tpot_target_ms, ttft_target_ms, priority), adapter=adapter,
+        )  # fmt: skip
+        events = _StreamEvents(call, tokenizer)
+        yield from events.completed()
         if submission is None:
             return
-        events = _StreamEvents(live, tokenizer)
         with closing(submission.updates()) as updates:  # closing this generator cancels what is left
             for update in updates:
                 yield from events.of(update)
@@ -388,10 +461,11 @@ def stream(
 
 async def astream(
     model: Any,
-    prompts: Sequence[Prompt],
+    prompts: Prompt | Sequence[Prompt],
     *,
     tokenizer: Any = None,
     generation_config: GenerationConfig | Sequence[GenerationConfig] | None = None,
+    logprobs: bool | int = False,
     seed: int | None = None,
     tpot_target_ms: float | None = None,
     ttft_target_ms: float | None = None,
@@ -404,21 +478,16 @@ async def astream(
     Leaving the loop early (or cancelling the task) cancels what is left.
     """
     with _patched(model) as state:
-        live, submission = _start_stream(
-            model,
-            state,
-            prompts,
-            tokenizer,
-            generation_config,
-            generate_kwargs,
-            asynchronous=True,
-            seed=seed,
-            targets=_targets(tpot_target_ms, ttft_target_ms, priority),
+        call, submission = _start_stream(
+            model, state, prompts, tokenizer, generation_config, generate_kwargs, "hfaccel.astream", logprobs,
+            asynchronous=True, seed=seed, targets=_targets(tpot_target_ms, ttft_target_ms, priority),
             adapter=adapter,
-        )
+        )  # fmt: skip
+        events = _StreamEvents(call, tokenizer)
+        for event in events.completed():
+            yield event
         if submission is None:
             return
-        events = _StreamEvents(live, tokenizer)
         async with aclosing(submission.aupdates()) as updates:
             async for update in updates:
                 for event in events.of(update):
@@ -428,62 +497,79 @@ async def astream(
 def _start_stream(
     model: Any,
     state: PatchState,
-    prompts: Sequence[Prompt],
+    prompts: Any,
     tokenizer: Any,
     generation_config: Any,
     kwargs: dict[str, Any],
+    where: str,
+    logprobs: bool | int,
     asynchronous: bool = False,
     seed: int | None = None,
     targets: dict[str, Any] | None = None,
     adapter: str | Sequence[str | None] | None = None,
-) -> tuple[list[tuple[int, Request]], Submission | None]:
+) -> tuple[_Call, Submission | None]:
     """Plan the prompts (raising for a refused one) and submit the runnable ones as one stream."""
-    plans = _plan_all(
-        model,
-        state,
-        prompts,
-        tokenizer,
-        generation_config,
-        kwargs,
-        False,
-        seed,
-        targets=targets,
-        adapter=adapter,
+    call = _plan_all(
+        model, state, prompts, tokenizer, generation_config, kwargs, where, logprobs, seed, targets, adapter
     )
-    refused = [(i, p.error) for i, p in enumerate(plans) if isinstance(p, _Done) and p.error]
+    refused = [
+        (index, plan.error)
+        for plan, index in zip(call.plans, call.prompt_indexes)
+        if isinstance(plan, _Done) and plan.error
+    ]
     if refused:
-        raise ValueError("; ".join(f"prompts[{i}]: {e}" for i, e in refused))
-    live = [(i, plan) for i, plan in enumerate(plans) if isinstance(plan, Request)]
-    if not live:
-        return live, None
+        raise ValueError(_refusals(refused))
+    if not call.runnable:
+        return call, None
     loop = state.get_loop(model)
-    requests = [request for _, request in live]
     submission = (
-        loop.submit_async(requests, stream=True) if asynchronous else loop.submit(requests, stream=True)
+        loop.submit_async(call.runnable, stream=True)
+        if asynchronous
+        else loop.submit(call.runnable, stream=True)
     )
-    return live, submission
+    return call, submission
 
 
 class _StreamEvents:
     """Turns the loop's per-request updates into `StreamEvent`s (with incremental text)."""
 
-    def __init__(self, live: list[tuple[int, Request]], tokenizer: Any) -> None:
-        self.live = live
+    def __init__(self, call: _Call, tokenizer: Any) -> None:
+        self.call = call
+        self.live = [(i, plan) for i, plan in enumerate(call.plans) if isinstance(plan, Request)]
         self.tokenizer = tokenizer
-        self.tokens: list[list[int]] = [[] for _ in live]
-        self.texts = [""] * len(live)
+        self.tokens: dict[int, list[int]] = {}
+        self.texts: dict[int, str] = {}
+
+    def completed(self) -> Iterator[StreamEvent]:
+        """Events of the results that needed no engine (served by transformers' generate), up front."""
+        for index, plan in enumerate(self.call.plans):
+            if isinstance(plan, _Done):
+                for k, token in enumerate(plan.token_ids):
+                    done = k == len(plan.token_ids) - 1
+                    yield self._event(index, token, done, plan.finish_reason if done else None)
 
     def of(self, update: Update) -> Iterator[StreamEvent]:
         index, request = self.live[update.index]
-        tokens = self.tokens[update.index]
         for k, token in enumerate(update.token_ids):
-            tokens.append(token)
             done = update.finished and k == len(update.token_ids) - 1
-            delta = None
-            if self.tokenizer is not None:
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                delta, self.texts[update.index] = text[len(self.texts[update.index]) :], text
-            yield StreamEvent(index, token, delta, done, request.finish_reason if done else None)
+            yield self._event(index, token, done, request.finish_reason if done else None, request)
+
+    def _event(
+        self, index: int, token: int, done: bool, reason: str | None, request: Request | None = None
+    ) -> StreamEvent:
+        tokens = self.tokens.setdefault(index, [])
+        tokens.append(token)
+        delta = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            delta, self.texts[index] = text[len(self.texts.get(index, "")) :], text
+        logprob = top = None
+        if request is not None and request.sampling.output_logprobs:
+            position = len(tokens) - 1  # the sampler records before the token reaches the caller
+            logprob = request.logprobs[position]
+            if request.sampling.top_logprobs is not None:
+                top = request.top_logprobs[position]
+        return StreamEvent(index, token, delta, done, reason, logprob, top, self.call.prompt_indexes[index])
 
 
 _temporary_patch_lock = threading.Lock()
@@ -524,6 +610,37 @@ def _per_prompt_configs(
     return configs
 
 
+_DICT_PROMPT = (
+    "pass prompts=enc['input_ids'] (token-id lists: tokenize without padding and without "
+    "return_tensors) or the strings themselves with tokenizer="
+)
+
+
+def _prompt_list(prompts: Any) -> list[Any]:
+    """The prompts as a list; a single prompt (a string, a token-id list, one conversation) is a batch
+    of one. A tokenizer's output (dict / BatchEncoding) and 2-D tensors are refused, saying what to pass."""
+    if isinstance(prompts, Mapping):
+        raise ValueError(f"prompts is a dict (a tokenizer's output?), not a list of prompts: {_DICT_PROMPT}")
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() == 1:
+            return [prompts.tolist()]
+        raise ValueError(
+            f"prompts is a {prompts.dim()}-D tensor: pass a list of token-id lists (the pad tokens of a "
+            "padded batch would become part of the prompts), or call model.generate(input_ids=..., "
+            "attention_mask=...)"
+        )
+    if prompts is None:
+        raise ValueError("prompts is None: pass a list of strings, token-id lists or chat message lists")
+    items = list(prompts)
+    if items and all(isinstance(t, numbers.Integral) for t in items):
+        return [items]  # one token-id list
+    if items and isinstance(items[0], Mapping) and "role" in items[0]:
+        return [items]  # one conversation
+    return items
+
+
 def _per_prompt_adapters(adapter: str | Sequence[str | None] | None, count: int) -> list[str | None]:
     if adapter is None or isinstance(adapter, str):
         return [adapter] * count
@@ -552,6 +669,14 @@ def _encode(prompt: Prompt, tokenizer: Any) -> list[int]:
         if tokenizer is None:
             raise ValueError("a string prompt needs tokenizer= to encode it")
         return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, Mapping):
+        raise ValueError(f"a prompt is a dict (a tokenizer's output?): {_DICT_PROMPT}")
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.flatten().tolist() if prompt.dim() <= 1 else prompt
+    if isinstance(prompt, numbers.Integral):
+        raise ValueError(
+            "a prompt must be a string, a list of token ids or a list of chat messages, got an int"
+        )
     items = list(prompt)
     if items and isinstance(items[0], dict):
         if tokenizer is None:
@@ -566,6 +691,19 @@ def _encode(prompt: Prompt, tokenizer: Any) -> list[int]:
     return [int(t) for t in items]
 
 
+def _no_metrics(e2e_s: float | None = None) -> dict[str, float | None]:
+    """The metric keys every `Completion` has, for one the engine did not run."""
+    return {
+        "queue_s": None,
+        "ttft_s": None,
+        "tpot_s": None,
+        "itl_max_s": None,
+        "e2e_s": e2e_s,
+        "num_cached_prompt_tokens": None,
+        "num_preemptions": None,
+    }
+
+
 @dataclass
 class _Done:
     """A prompt completed without the engine: refused, given no room to generate, or run by HF."""
@@ -574,41 +712,101 @@ class _Done:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = "length"
     error: str | None = None
+    metrics: dict[str, float | None] = field(default_factory=_no_metrics)
+
+
+@dataclass
+class _Call:
+    """One call's plan: per result, an engine `Request` or a `_Done`, and the index of its prompt."""
+
+    plans: list[Request | _Done]
+    prompt_indexes: list[int]
+
+    @property
+    def runnable(self) -> list[Request]:
+        return [plan for plan in self.plans if isinstance(plan, Request)]
+
+
+# Names hfaccel.generate & co. take themselves (offered as suggestions for misspelt arguments).
+_OWN_PARAMETERS = (
+    "tokenizer",
+    "generation_config",
+    "progress",
+    "logprobs",
+    "prompt_logprobs",
+    "errors",
+    "seed",
+    "tpot_target_ms",
+    "ttft_target_ms",
+    "priority",
+    "adapter",
+)
+# Parameters of HF's generate that make no sense for a list of prompts.
+_NOT_FOR_PROMPT_LISTS = {
+    "inputs": "pass the prompts as the second argument",
+    "streamer": "iterate hfaccel.stream(...) to get tokens as they come",
+}
 
 
 def _plan_all(
     model: Any,
     state: PatchState,
-    prompts: Sequence[Prompt],
+    prompts: Any,
     tokenizer: Any,
     generation_config: Any,
     kwargs: dict[str, Any],
-    logprobs: bool,
+    where: str,
+    logprobs: bool | int = False,
     seed: int | None = None,
     targets: dict[str, Any] | None = None,
     adapter: str | Sequence[str | None] | None = None,
-) -> list[Request | _Done]:
-    """Every prompt turned into engine requests (n per prompt for num_return_sequences) or a `_Done`;
-    with `seed`, the i-th request's random stream is seeded with ``seed + i``."""
-    if isinstance(prompts, (str, torch.Tensor)):
-        raise ValueError("prompts must be a list (of strings, token-id lists or chat message lists)")
+) -> _Call:
+    """Every prompt turned into engine requests (n per prompt for num_return_sequences) or `_Done`s (a
+    refused prompt gives n error results, in its place); with `seed`, the i-th request's random stream
+    is seeded with ``seed + i``. Call-level mistakes (unknown arguments, prompts of the wrong shape)
+    raise ValueError before anything is planned."""
+    prompts = _prompt_list(prompts)
     configs = _per_prompt_configs(generation_config, len(prompts))
+    for name, hint in _NOT_FOR_PROMPT_LISTS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{where} does not take {name}=: {hint}")
+    check_generate_kwargs(model, kwargs, where, configs, model_inputs=False, own=_OWN_PARAMETERS)
+    _check_top_k("logprobs", logprobs)
+    top = None if isinstance(logprobs, bool) else int(logprobs)
     adapters = _per_prompt_adapters(adapter, len(prompts))
     checks = _adapter_checks(model, adapters)
     plans: list[Request | _Done] = []
-    for prompt, config, name in zip(prompts, configs, adapters):
+    indexes: list[int] = []
+    for index, (prompt, config, name) in enumerate(zip(prompts, configs, adapters)):
         try:
             first = None if seed is None else seed + len(plans)
             check = checks.get(name) if name is not None else None
             if isinstance(check, ValueError):
                 raise check
             ids = _encode(prompt, tokenizer)
-            plans.extend(
-                _plan(model, state, ids, config, kwargs, tokenizer, logprobs, first, targets, name, check)
-            )
+            planned = _plan(
+                model, state, ids, config, kwargs, tokenizer, bool(logprobs is not False), top, first,
+                targets, name, check,
+            )  # fmt: skip
         except ValueError as error:
-            plans.append(_Done([], finish_reason="error", error=str(error)))
-    return plans
+            copies = _copies(model, config, kwargs)
+            planned = [_Done([], finish_reason="error", error=str(error)) for _ in range(copies)]
+        plans.extend(planned)
+        indexes.extend([index] * len(planned))
+    live = [(i, plan) for i, plan in enumerate(plans) if isinstance(plan, Request)]
+    if live:
+        names = [f"prompts[{indexes[i]}]" for i, _ in live]
+        warn_past_context([plan for _, plan in live], state.get_engine(model).max_model_len, names)
+    return _Call(plans, indexes)
+
+
+def _copies(model: Any, config: GenerationConfig | None, kwargs: dict[str, Any]) -> int:
+    """How many results a refused prompt takes: the num_return_sequences it asked for (1 if invalid)."""
+    for source in (kwargs, vars(config) if config is not None else {}, vars(model.generation_config)):
+        n = source.get("num_return_sequences")
+        if n is not None:
+            return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+    return 1
 
 
 def _plan(
@@ -619,6 +817,7 @@ def _plan(
     kwargs: dict[str, Any],
     tokenizer: Any,
     logprobs: bool,
+    top_logprobs: int | None = None,
     seed: int | None = None,
     targets: dict[str, Any] | None = None,
     adapter: str | None = None,
@@ -629,28 +828,44 @@ def _plan(
     copies = prepared.num_return_sequences or 1
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-    reason = unsupported_reason(prepared)
-    extra: dict[str, Any] = {}
+    hf_only = {name: kwargs[name] for name in UNSUPPORTED_ARGUMENTS if given(kwargs.get(name))}
+    reason = unsupported_reason(prepared) or next((UNSUPPORTED_ARGUMENTS[name] for name in hf_only), None)
     if adapter is not None:
         reason = reason or adapter_fallback
-        extra["adapter_names"] = [adapter]  # for PEFT's own generate, if it falls back
+        hf_only["adapter_names"] = [adapter]  # for PEFT's own generate, if it falls back
     if reason is None:
         model._prepare_special_tokens(prepared, True, device=device)  # one unpadded row: no mask needed
         stopping, sampling = request_params(
-            model, prepared, input_ids, has_default_max, has_default_min, tokenizer, output_logprobs=logprobs
+            model,
+            prepared,
+            input_ids,
+            has_default_max,
+            has_default_min,
+            tokenizer,
+            output_logprobs=logprobs,
+            top_logprobs=top_logprobs,
         )
         reason = window_reason(model, len(ids) + stopping.max_new_tokens)
     if reason is not None:
         fall_back(state, reason)
+        start = time.perf_counter()
         output = state.run_original(
-            input_ids, generation_config=copy.deepcopy(prepared), tokenizer=tokenizer, **extra
+            input_ids, generation_config=copy.deepcopy(prepared), tokenizer=tokenizer, **hf_only
         )
+        seconds = time.perf_counter() - start
+        sequences = output.sequences if hasattr(output, "sequences") else output
         eos = prepared.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        rows = [row[len(ids) :].tolist() for row in output]
-        return [_Done(ids, new, "stop" if new and new[-1] in eos_ids else "length") for new in rows]
+        done = []
+        for row in sequences:
+            new = row[len(ids) :].tolist()
+            if any(t in eos_ids for t in new):  # HF pads the copies that stopped before the longest one
+                new = new[: next(k for k, t in enumerate(new) if t in eos_ids) + 1]
+            reason_done = "stop" if new and new[-1] in eos_ids else "length"
+            done.append(_Done(ids, new, reason_done, metrics=_no_metrics(seconds)))
+        return done
     if stopping.max_new_tokens <= 0:
-        return [_Done(ids) for _ in range(copies)]
+        return [_Done(ids, metrics=_no_metrics(0.0)) for _ in range(copies)]
     engine = state.get_engine(model)
     seeds = [None if seed is None else seed + i for i in range(copies)]
     return [
@@ -663,10 +878,22 @@ def _targets(tpot_target_ms: float | None, ttft_target_ms: float | None, priorit
     return {"tpot_target_ms": tpot_target_ms, "ttft_target_ms": ttft_target_ms, "priority": priority}
 
 
-def _completion(plan: Request | _Done, tokenizer: Any) -> Completion:
+def _completions(call: _Call, tokenizer: Any) -> list[Completion]:
+    return [_completion(plan, tokenizer, index) for plan, index in zip(call.plans, call.prompt_indexes)]
+
+
+def _completion(plan: Request | _Done, tokenizer: Any, prompt_index: int) -> Completion:
     if isinstance(plan, _Done):
         text = tokenizer.decode(plan.token_ids, skip_special_tokens=True) if tokenizer is not None else None
-        return Completion(plan.prompt_token_ids, plan.token_ids, text, plan.finish_reason, error=plan.error)
+        return Completion(
+            plan.prompt_token_ids,
+            plan.token_ids,
+            text,
+            plan.finish_reason,
+            dict(plan.metrics),
+            error=plan.error,
+            prompt_index=prompt_index,
+        )
     metrics = {
         **plan.metrics.as_dict(),
         "num_cached_prompt_tokens": plan.num_cached_prompt_tokens,
@@ -674,11 +901,16 @@ def _completion(plan: Request | _Done, tokenizer: Any) -> Completion:
     }
     if plan.spec_drafted:
         metrics.update(speculative_stats(plan))
-    tokens = list(plan.output_token_ids)
-    text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
-    logprobs = list(plan.logprobs) if plan.sampling.output_logprobs else None
     if plan.warnings:
         metrics["warnings"] = list(plan.warnings)
+    tokens = list(plan.output_token_ids)
+    text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
+    sampling = plan.sampling
+    logprobs = list(plan.logprobs) if sampling.output_logprobs else None
+    top = list(plan.top_logprobs) if sampling.top_logprobs is not None else None
+    error = (
+        plan.rejected_reason if plan.rejected_reason else (None if plan.error is None else str(plan.error))
+    )
     return Completion(
         list(plan.prompt_token_ids),
         tokens,
@@ -686,5 +918,35 @@ def _completion(plan: Request | _Done, tokenizer: Any) -> Completion:
         plan.finish_reason or "length",
         metrics,
         logprobs,
-        error=plan.rejected_reason,
+        error=error,
+        top_logprobs=top,
+        prompt_index=prompt_index,
     )
+
+
+def prompt_logprobs_of(model: Any, ids: list[int], k: int) -> list[dict[int, float] | None]:
+    """Per prompt token: None for the first, then ``{token id: log-probability}`` of that token and the
+    `k` most likely ones, from one plain forward of `model` (its own attention, the raw distribution)."""
+    device = next(model.parameters()).device
+    result: list[dict[int, float] | None] = [None]
+    if len(ids) < 2:
+        return result
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=device)).logits[0, :-1]
+        for start in range(0, logits.shape[0], 512):  # log-softmax in slices: one [L, V] float copy at most
+            rows = torch.log_softmax(logits[start : start + 512].float(), dim=-1).cpu()
+            for j, row in enumerate(rows):
+                result.append(top_logprobs(row, ids[start + j + 1], k))
+    return result
+
+
+def _add_prompt_logprobs(model: Any, completions: list[Completion], k: int) -> None:
+    """`Completion.prompt_logprobs` for every completion with a prompt; one forward per prompt (the
+    copies of a prompt share it)."""
+    done: dict[int, list[dict[int, float] | None]] = {}
+    for completion in completions:
+        if not completion.prompt_token_ids:
+            continue
+        if completion.prompt_index not in done:
+            done[completion.prompt_index] = prompt_logprobs_of(model, completion.prompt_token_ids, k)
+        completion.prompt_logprobs = done[completion.prompt_index]

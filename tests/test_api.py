@@ -20,6 +20,7 @@ def test_public_names():
         "astream",
         "engine_state",
         "generate",
+        "group_by_prompt",
         "patch",
         "plot_cost_model",
         "plot_run",
@@ -81,8 +82,8 @@ def test_generate_on_a_patched_model_keeps_it_patched_and_its_config():
 def test_call_level_errors_raise_before_anything_runs():
     model = tiny_model()
     assert hfaccel.generate(model, []) == []
-    with pytest.raises(ValueError, match="prompts must be a list"):
-        hfaccel.generate(model, "hello", progress=False)
+    with pytest.raises(ValueError, match="prompts is a dict"):
+        hfaccel.generate(model, {"input_ids": [[5, 6]]}, progress=False)
     with pytest.raises(ValueError, match="generation_config has 1 entries for 2 prompts"):
         hfaccel.generate(model, [[5], [6]], generation_config=[GenerationConfig()], progress=False)
     with pytest.raises(ValueError, match="errors must be 'raise' or 'return'"):

@@ -19,6 +19,9 @@ from hfaccel import EngineConfig
         ("dtype", "float8", "dtype must be a torch.dtype or one of"),
         ("max_model_len", 0, "max_model_len must be a positive integer"),
         ("block_size", True, "block_size must be a positive integer"),
+        ("dtype", torch.int8, r"dtype torch.int8 cannot hold a KV cache"),
+        ("dtype", torch.float8_e4m3fn, r"dtype torch.float8_e4m3fn cannot hold a KV cache"),
+        ("dtype", torch.bool, r"dtype torch.bool cannot hold a KV cache"),
     ],
 )
 def test_invalid_values_name_the_field(field, value, message):
@@ -29,7 +32,10 @@ def test_invalid_values_name_the_field(field, value, message):
 def test_overrides_are_validated_and_unknown_fields_rejected():
     config = EngineConfig().with_overrides(block_size=32, max_num_batched_tokens=64)
     assert (config.block_size, config.max_num_batched_tokens) == (32, 64)
-    with pytest.raises(ValueError, match=r"unknown EngineConfig field\(s\) \['blocksize'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown EngineConfig field\(s\) \['blocksize'\] \(did you mean 'blocksize' -> 'block_size'",
+    ):
         EngineConfig().with_overrides(blocksize=8)
     with pytest.raises(ValueError, match="block_size must be a positive integer"):
         EngineConfig().with_overrides(block_size=-1)

@@ -27,3 +27,29 @@ def test_grpo_rollouts_example_runs_on_the_tiny_model():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "rollouts on the engine" in result.stdout
     assert "same tokens as HF generate: True" in result.stdout
+
+
+@pytest.mark.slow
+def test_demo_runs_and_outputs_match_hf():
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hfaccel",
+            "demo",
+            "--num-prompts",
+            "6",
+            "--max-new-tokens",
+            "24",
+            "--batch-size",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "identical outputs: 6 of 6 requests" in out, out
+    assert "speed-up:" in out and "ISA" in out and "dtype: float32" in out
+    assert "prefix cache:" in out

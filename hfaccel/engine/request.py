@@ -48,6 +48,7 @@ class SamplingParams:
     output_scores: bool = False  # keep each step's processed scores
     output_logits: bool = False  # keep each step's raw logits
     output_logprobs: bool = False  # keep the log-probability of each chosen token
+    top_logprobs: int | None = None  # also keep the k most likely tokens' log-probabilities per step
 
 
 GREEDY = SamplingParams()
@@ -118,6 +119,13 @@ class Request:
     scores: list[Any] = field(default_factory=list)  # per token, when sampling.output_scores
     logits: list[Any] = field(default_factory=list)  # per token, when sampling.output_logits
     logprobs: list[float] = field(default_factory=list)  # per token, when sampling.output_logprobs
+    # per token, when sampling.top_logprobs is set: {token id: log-probability} of the k most likely
+    # tokens and the chosen one
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Token ids the logits processors see before the prompt: the left padding the row had in an HF
+    # batch, so processors that count the row's length (forced EOS, begin-suppress, length penalty) or
+    # read its tokens (repetition penalty, n-gram bans) see what HF's generate shows them.
+    processor_prefix: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)

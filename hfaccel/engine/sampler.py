@@ -25,7 +25,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     for i, request in enumerate(requests):
         params = request.sampling
         if params.processors:
-            ids = torch.tensor([request.all_token_ids], dtype=torch.long, device=scores.device)
+            history = request.processor_prefix + request.all_token_ids
+            ids = torch.tensor([history], dtype=torch.long, device=scores.device)
             scores[i : i + 1] = params.processors(ids, scores[i : i + 1])
         if params.warpers:
             groups[id(params)].append(i)
@@ -88,3 +89,15 @@ def _record_outputs(
             if logprobs is None:
                 logprobs = torch.log_softmax(scores, dim=-1)
             request.logprobs.append(float(logprobs[i, chosen[i]]))
+            if params.top_logprobs is not None:
+                request.top_logprobs.append(top_logprobs(logprobs[i], chosen[i], params.top_logprobs))
+
+
+def top_logprobs(row: torch.Tensor, chosen: int, k: int) -> dict[int, float]:
+    """``{token id: log-probability}`` of the `k` most likely tokens of a ``[V]`` log-softmax row, and of
+    the chosen token (vLLM's layout: k or k + 1 entries, most likely first, the chosen one last if it is
+    not among them)."""
+    values, ids = row.topk(min(k, row.shape[-1]))
+    top = dict(zip(ids.tolist(), values.tolist()))
+    top.setdefault(chosen, float(row[chosen]))
+    return top

@@ -23,13 +23,14 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hfaccel.config import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.loop import EngineLoop, LoopClosed
-from hfaccel.engine.request import Request
+from hfaccel.engine.request import Request, SamplingParams
 from hfaccel.patches import lora
+from hfaccel.patches.arguments import check_generate_kwargs
 from hfaccel.patches.models import window_reason
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 
 # Arguments of HF generate that the engine does not serve, with the reason shown to the user.
-_UNSUPPORTED_ARGUMENTS = {
+UNSUPPORTED_ARGUMENTS = {
     "stopping_criteria": "custom stopping_criteria",
     "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn (constrained decoding)",
     "assistant_model": "assistant_model (assisted decoding)",
@@ -128,8 +129,9 @@ def patched_generate(
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """Drop-in replacement for `model.generate`, bound on a patched instance."""
     state: PatchState = self._hfaccel
+    check_generate_kwargs(self, kwargs, "model.generate", [generation_config])
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-    reason = next((text for name, text in _UNSUPPORTED_ARGUMENTS.items() if _given(kwargs.get(name))), None)
+    reason = next((text for name, text in UNSUPPORTED_ARGUMENTS.items() if given(kwargs.get(name))), None)
     if reason is None and inputs is not None and kwargs.get("input_ids") is not None:
         reason = "both inputs and input_ids"
     if reason is None and (input_ids is None or input_ids.dim() != 2 or input_ids.dtype != torch.long):
@@ -148,11 +150,15 @@ def patched_generate(
 
     streamer = kwargs.get("streamer")
     tokenizer = kwargs.get("tokenizer")
-    skip = ("input_ids", "streamer", "tokenizer", "adapter_names")
-    call_kwargs = {k: v for k, v in kwargs.items() if k not in skip}
+    popped = ("input_ids", "streamer", "tokenizer", "trust_remote_code", "adapter_names")  # HF pops these too
+    call_kwargs = {k: v for k, v in kwargs.items() if k not in popped}
     has_default_max, has_default_min = has_default_lengths(self, generation_config, call_kwargs)
     config, model_kwargs = prepare_config(self, generation_config, call_kwargs)
-    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _SERVED_MODEL_KWARGS)
+    extra = sorted(
+        k
+        for k, v in model_kwargs.items()
+        if v is not None and v is not False and k not in _SERVED_MODEL_KWARGS
+    )
     copies = config.num_return_sequences or 1
     reason = unsupported_reason(config) or (f"model kwargs {extra}" if extra else None)
     if reason is None and streamer is not None and input_ids.shape[0] * copies != 1:
@@ -182,18 +188,67 @@ def patched_generate(
     loop = state.get_loop(self)
     keep = attention_mask.bool().cpu().repeat_interleave(copies, dim=0)
     rows = prompts.cpu()
+    samplings = [sampling] * len(rows)
+    if sampling.processors and not bool(keep.all()):
+        arguments = (self, config, input_ids, has_default_max, has_default_min, tokenizer)
+        samplings = _per_padding(arguments, attention_mask.repeat_interleave(copies, dim=0), sampling)
     adapters = [None] * len(rows) if names is None else [names[i // copies] for i in range(len(rows))]
     requests = [
-        loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, sampling, adapter=adapters[i])
+        loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, samplings[i], adapter=adapters[i])
         for i in range(len(rows))
     ]
+    if sampling.processors:  # HF's processors see the padded row: its length and its pad ids
+        for request, row, kept in zip(requests, rows, keep):
+            request.processor_prefix = row[~kept].tolist()
     for request in requests:  # HF returns the cache with return_dict_in_generate (and use_cache)
         request.keep_kv = bool(config.return_dict_in_generate and config.use_cache is not False)
+    warn_past_context(requests, loop.engine.max_model_len)
     if streamer is not None:
         _stream_one(loop, requests[0], input_ids, streamer)
     else:
         loop.run(requests, progress=state.progress)
     return _output(config, prompts, requests, self)
+
+
+def _per_padding(arguments: tuple, masks: torch.Tensor, unpadded: SamplingParams) -> list[SamplingParams]:
+    """One `SamplingParams` per row, built as HF builds its processors for the padded batch: the
+    processors see the padded row (`Request.processor_prefix`), and those HF gives the attention mask
+    (the repetition penalty, which skips a row's left padding) get the row's own mask. Rows with the
+    same padding share one object (and so one warper call)."""
+    by_padding: dict[int, SamplingParams] = {0: unpadded}
+    samplings = []
+    for mask in masks:
+        padding = int(mask.ne(0).int().argmax())  # HF's padding length of the row
+        if padding not in by_padding:
+            by_padding[padding] = request_params(*arguments, attention_mask=mask[None])[1]
+        samplings.append(by_padding[padding])
+    return samplings
+
+
+def warn_past_context(requests: list[Request], max_model_len: int, names: list[str] | None = None) -> None:
+    """Warn, once per call, when a prompt plus its max_new_tokens runs past the model's context: the
+    engine stops there; HF's generate would go on past it (where the model was never trained), with
+    a logger message only."""
+    short = [
+        i
+        for i, r in enumerate(requests)
+        if len(r.prompt_token_ids) + r.stopping.max_new_tokens > max_model_len
+    ]
+    if not short:
+        return
+    i = short[0]
+    length, max_new_tokens = len(requests[i].prompt_token_ids), requests[i].stopping.max_new_tokens
+    name = names[i] if names is not None else f"row {i}"
+    more = f" (and {len(short) - 1} more)" if len(short) > 1 else ""
+    warnings.warn(
+        f"hfaccel: {name}{more} has {length} prompt tokens; with max_new_tokens={max_new_tokens} it would "
+        f"run past the model's context (max_model_len={max_model_len}), so it stops at "
+        f"{max_model_len} tokens: {max_model_len - length} new token(s), finish_reason 'length'. "
+        "transformers' generate would go on past the context (where the model was not trained); "
+        "shorten the prompt or lower max_new_tokens to silence this",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _stream_one(loop: EngineLoop, request: Request, input_ids: torch.Tensor, streamer: Any) -> None:
@@ -229,8 +284,9 @@ def _check_adapter_names(model: torch.nn.Module, names: Any, rows: int) -> None:
     lora.check_adapter_names(model, names)
 
 
-def _given(value: Any) -> bool:
-    return value is not None and not (isinstance(value, list) and len(value) == 0)
+def given(value: Any) -> bool:
+    """Whether an argument asks for something: not None, False or an empty list (their defaults)."""
+    return value is not None and value is not False and not (isinstance(value, list) and len(value) == 0)
 
 
 def _output(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 
@@ -66,3 +67,51 @@ def max_model_len(model: torch.nn.Module, requested: int | None) -> int:
             raise ValueError(f"max_model_len ({requested}) exceeds what the model supports ({limit})")
         return requested
     return limit
+
+
+def kv_bytes_per_token(model: torch.nn.Module, kv_dtype: torch.dtype) -> int:
+    """Bytes of K and V one token takes across all layers, from the model's config alone (the same
+    count the engine's runner makes)."""
+    config = model.config.get_text_config(decoder=True)
+    num_q_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
+    return 2 * config.num_hidden_layers * num_kv_heads * head_dim * kv_dtype.itemsize
+
+
+def check_engine_config(model: torch.nn.Module, config: Any) -> None:
+    """Raise ValueError, at patch time, for an `EngineConfig` that cannot serve this model: what can be
+    known without building the engine (context length, a named backend's availability, and whether the
+    KV cache holds one request of ``max_model_len`` tokens)."""
+    from hfaccel.engine.engine import free_memory_bytes
+    from hfaccel.kernels.selection import unavailable_reason
+
+    context = max_model_len(model, config.max_model_len)
+    param = next(model.parameters())
+    kv_dtype = config.kv_dtype(param.dtype)
+    config_text = model.config.get_text_config(decoder=True)
+    head_dim = (
+        getattr(config_text, "head_dim", None) or config_text.hidden_size // config_text.num_attention_heads
+    )
+    if config.backend != "auto":
+        reason = unavailable_reason(config.backend, param.device, kv_dtype, head_dim)
+        if reason is not None:
+            raise ValueError(f"backend {config.backend!r} cannot serve this model here: {reason}")
+    block_bytes = kv_bytes_per_token(model, kv_dtype) * config.block_size
+    memory = config.kv_cache_memory
+    budget = int(memory * free_memory_bytes(param.device)) if isinstance(memory, float) else memory
+    blocks = budget // block_bytes
+    needed = -(-context // config.block_size)
+    if blocks < needed:
+        given = (
+            f"{memory} of the free memory = {budget:,} bytes"
+            if isinstance(memory, float)
+            else f"{budget:,} bytes"
+        )
+        fits = f", or set max_model_len to at most {blocks * config.block_size}" if blocks > 0 else ""
+        raise ValueError(
+            f"kv_cache_memory ({given}) holds {blocks} KV blocks of {config.block_size} tokens "
+            f"({block_bytes:,} bytes each for this model in {kv_dtype}), but one request of max_model_len="
+            f"{context} tokens needs {needed}: raise kv_cache_memory to at least {needed * block_bytes:,} "
+            f"bytes{fits}"
+        )

@@ -112,11 +112,15 @@ def request_params(
     has_default_min: bool,
     tokenizer: Any = None,
     output_logprobs: bool = False,
+    top_logprobs: int | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> tuple[StoppingParams, SamplingParams]:
     """Stopping and sampling parameters for the rows of a ``[B, L]`` (possibly left-padded) input.
 
     HF counts max/min length on the padded width, so every row gets ``max_length - L`` new tokens at
     most and ``min_length - L`` at least: the same numbers, given to each unpadded row.
+    `attention_mask` (``[1, L]``, one row's) is what HF hands its processors as a model kwarg: the
+    repetition penalty reads the row's padding length from it.
     """
     config = copy.deepcopy(config)
     width = input_ids.shape[1]
@@ -150,6 +154,7 @@ def request_params(
         encoder_input_ids=input_ids,
         logits_processor=LogitsProcessorList(),
         device=input_ids.device,
+        model_kwargs=None if attention_mask is None else {"attention_mask": attention_mask},
     )
     per_row, score_only = split_score_only(processors)
     sampling = SamplingParams(
@@ -158,7 +163,8 @@ def request_params(
         warpers=score_only or None,
         output_scores=bool(config.output_scores),
         output_logits=bool(config.output_logits),
-        output_logprobs=output_logprobs,
+        output_logprobs=output_logprobs or top_logprobs is not None,
+        top_logprobs=top_logprobs,
     )
     return stopping, sampling
 

@@ -36,7 +36,12 @@ def test_a_seeded_request_samples_the_same_alone_in_a_batch_cached_and_preempted
     hfaccel.unpatch(model)
     assert first[0].token_ids == second[0].token_ids == alone[0]
 
-    tight = {"kv_cache_memory": 2 * 2 * 2 * 16 * 4 * 4 * 24, "block_size": 4, "max_num_batched_tokens": 32}
+    tight = {
+        "kv_cache_memory": 2 * 2 * 2 * 16 * 4 * 4 * 24,
+        "block_size": 4,
+        "max_num_batched_tokens": 32,
+        "max_model_len": 96,  # what 24 blocks of 4 hold: patch refuses a cache too small for one full request
+    }
     preempted, stats = sample(model, [prompt] + others[:7], seed=123, **tight)
     assert stats["preemptions"] > 0
     assert preempted[0] == alone[0]

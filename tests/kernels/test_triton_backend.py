@@ -29,6 +29,7 @@ def _tokens(model, prompts, max_new_tokens=6, **config):
             "kv_cache_memory": 2 * 2 * 2 * 16 * 4 * 4 * 16,
             "block_size": 4,
             "max_num_batched_tokens": 16,
+            "max_model_len": 64,  # what 16 blocks of 4 hold (patch refuses less than one full request)
         },  # preempts
     ],
     ids=["mixed", "chunked", "preemption"],

@@ -1,0 +1,123 @@
+"""`python -m hfaccel`: help everywhere, --version, the generate command and its one-line errors."""
+
+import argparse
+import io
+import subprocess
+import sys
+
+import pytest
+
+import hfaccel
+from hfaccel.cli import build_parser, main
+from tests.helpers import hf_greedy, tiny_model, tiny_tokenizer
+
+
+def _subparsers(parser):
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices, action._choices_actions
+
+
+def test_every_command_and_option_has_help():
+    parser = build_parser()
+    commands, command_actions = _subparsers(parser)
+    assert set(commands) == {"generate", "demo", "doctor", "bench"}
+    assert all(a.help for a in command_actions)
+    for name, sub in [("hfaccel", parser), *commands.items()]:
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            assert action.help and action.help != argparse.SUPPRESS, (
+                f"{name} {action.option_strings or action.dest}"
+            )
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"hfaccel {hfaccel.__version__} (torch ") and "transformers" in out
+
+
+def test_version_from_the_module_entry_point():
+    result = subprocess.run([sys.executable, "-m", "hfaccel", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("hfaccel ")
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    tiny_model().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_generate_from_arguments_applies_the_chat_template(model_folder, capsys):
+    main(["generate", "--model", str(model_folder), "--max-new-tokens", "5", "hi", "there"])
+    out = capsys.readouterr().out
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    for prompt in ("hi", "there"):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        expected = tokenizer.decode(hf_greedy(model, ids["input_ids"], 5), skip_special_tokens=True).strip()
+        assert f"> {prompt}\n{expected}\n" in out
+
+
+def test_generate_reads_stdin_one_prompt_per_line(model_folder, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("first\n\nsecond\n"))
+    main(["generate", "--model", str(model_folder), "--max-new-tokens", "3", "--no-chat-template"])
+    out = capsys.readouterr().out
+    assert out.count("> ") == 2 and "> first\n" in out and "> second\n" in out
+    monkeypatch.setattr(sys, "stdin", io.StringIO("only one\n"))
+    main(
+        [
+            "generate",
+            "--model",
+            str(model_folder),
+            "--max-new-tokens",
+            "3",
+            "--temperature",
+            "0.7",
+            "--seed",
+            "1",
+        ]
+    )
+    assert "> " not in capsys.readouterr().out, "one prompt: just the answer"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "--model", "/no/such/folder", "hi"], "--model /no/such/folder: no such folder"),
+        (["generate", "--model", "/tmp", "hi"], "--model /tmp: no config.json there"),
+        (
+            ["generate", "--max-new-tokens", "0", "hi"],
+            "argument --max-new-tokens: expected a positive integer",
+        ),
+        (["generate", "--temperature", "-1", "hi"], "argument --temperature: expected a number >= 0"),
+        (["demo", "--dtype", "int8"], "argument --dtype: invalid choice"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_arguments_give_one_line_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(("hfaccel", "usage")), err
+
+
+def test_a_broken_model_folder_is_one_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tmp_path), "hi"])
+    err = capsys.readouterr().err
+    assert err.startswith(f"hfaccel generate: error: cannot load a model from {tmp_path}: ")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_no_prompts_on_stdin(model_folder, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n\n"))
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(model_folder)])
+    assert "no prompts on stdin (one per line)" in capsys.readouterr().err

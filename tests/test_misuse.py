@@ -1,0 +1,235 @@
+"""Misuse is caught early, with a message that says what to do instead."""
+
+import asyncio
+
+import pytest
+import torch
+
+import hfaccel
+from hfaccel.config import EngineConfig
+from tests.helpers import hf_greedy, tiny_model, tiny_tokenizer
+
+
+def _generate(model, prompts, **kwargs):
+    return hfaccel.generate(model, prompts, progress=False, **kwargs)
+
+
+def _stream(model, prompts, **kwargs):
+    return list(hfaccel.stream(model, prompts, **kwargs))
+
+
+def _agenerate(model, prompts, **kwargs):
+    return asyncio.run(hfaccel.agenerate(model, prompts, **kwargs))
+
+
+def _astream(model, prompts, **kwargs):
+    async def collect():
+        return [event async for event in hfaccel.astream(model, prompts, **kwargs)]
+
+    return asyncio.run(collect())
+
+
+ENTRY_POINTS = {
+    "hfaccel.generate": _generate,
+    "hfaccel.stream": _stream,
+    "hfaccel.agenerate": _agenerate,
+    "hfaccel.astream": _astream,
+}
+
+# (argument, the name suggested in the message)
+OTHER_NAMES = [
+    ("max_tokens", "max_new_tokens"),
+    ("stop", "stop_strings"),
+    ("n", "num_return_sequences"),
+    ("max_new_token", "max_new_tokens"),  # a typo: a close match
+    ("temprature", "temperature"),
+]
+
+
+@pytest.mark.parametrize("where", ENTRY_POINTS)
+@pytest.mark.parametrize(("name", "hint"), OTHER_NAMES, ids=[n for n, _ in OTHER_NAMES])
+def test_unknown_arguments_raise_with_a_suggestion(where, name, hint):
+    model = tiny_model()
+    with pytest.raises(ValueError) as info:
+        ENTRY_POINTS[where](model, [[5, 6, 7]], **{name: 4})
+    message = str(info.value)
+    assert f"{where} got unknown keyword argument(s) {name!r} (did you mean {hint}?)" in message
+    assert "GenerationConfig fields" in message
+    assert not hasattr(model, "_hfaccel"), "nothing was left patched"
+
+
+def test_every_unknown_name_is_listed_and_nothing_runs():
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=1_000_000)
+    with pytest.raises(ValueError, match=r"'max_tokens' \(did you mean max_new_tokens\?\), 'colour'"):
+        _generate(model, [[5, 6]], max_tokens=3, colour="red")
+    assert model._hfaccel.engine is None, "refused before the engine was built"
+
+
+@pytest.mark.parametrize(("name", "hint"), OTHER_NAMES, ids=[n for n, _ in OTHER_NAMES])
+def test_patched_model_generate_refuses_what_hf_refuses(name, hint):
+    model = tiny_model()
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="not used by the model"):  # HF's own refusal
+        type(model).generate(model, ids, max_new_tokens=2, **{name: 4})
+    hfaccel.patch(model, kv_cache_memory=1_000_000)
+    with pytest.raises(ValueError, match=rf"model.generate got unknown keyword argument\(s\) '{name}' "):
+        model.generate(ids, max_new_tokens=2, **{name: 4})
+    assert model._hfaccel.engine is None
+
+
+# Names transformers' generate takes (config fields, its own parameters, the model's inputs, None
+# values) and names it refuses, on a Llama: the patched generate must agree on every one.
+HF_NAMES = [
+    ("use_cache", True),
+    ("renormalize_logits", True),
+    ("position_ids", None),
+    ("token_type_ids", torch.zeros(1, 3, dtype=torch.long)),
+    ("output_router_logits", False),
+    ("synced_gpus", False),
+    ("trust_remote_code", False),
+    ("tokenizer", None),
+    ("my_custom_flag", None),
+    ("my_custom_flag", 1),
+    ("max_tokens", 3),
+    ("logprobs", True),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), HF_NAMES, ids=[f"{n}={v!r}"[:30] for n, v in HF_NAMES])
+def test_acceptance_set_is_hfs(name, value):
+    model = tiny_model()
+    ids = torch.tensor([[5, 6, 7]])
+
+    def refused(generate):
+        try:
+            generate(ids, max_new_tokens=2, do_sample=False, **{name: value})
+        except ValueError as error:
+            return "not used by the model" in str(error) or "unknown keyword argument" in str(error)
+        return False
+
+    hf = refused(lambda *a, **k: type(model).generate(model, *a, **k))
+    hfaccel.patch(model, kv_cache_memory=1_000_000)
+    assert refused(model.generate) == hf
+
+
+def test_custom_entries_of_the_models_generation_config_are_accepted():
+    model = tiny_model()
+    model.generation_config.my_option = 3  # HF carries custom entries over, so may a call
+    assert len(_generate(model, [[5, 6]], max_new_tokens=2, my_option=4)[0].token_ids) == 2
+
+
+def test_model_inputs_are_refused_by_the_list_api():
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"takes prompts as lists, not model inputs: \['attention_mask'\]"):
+        _generate(model, [[5, 6]], attention_mask=torch.ones(1, 2))
+    with pytest.raises(ValueError, match="hfaccel.generate does not take inputs=: pass the prompts"):
+        _generate(model, [[5, 6]], inputs=torch.tensor([[5, 6]]))
+    with pytest.raises(ValueError, match="hfaccel.stream does not take streamer=: iterate hfaccel.stream"):
+        _stream(model, [[5, 6]], streamer=object())
+
+
+@pytest.mark.parametrize("where", ENTRY_POINTS)
+def test_tokenizer_output_is_refused_saying_what_to_pass(where):
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    encoding = tokenizer(["hi", "there"])
+    for prompts in (encoding, dict(encoding)):
+        with pytest.raises(ValueError, match=r"prompts is a dict .*pass prompts=enc\['input_ids'\]"):
+            ENTRY_POINTS[where](model, prompts, tokenizer=tokenizer, max_new_tokens=2)
+    padded = tokenizer(["hi", "there"], padding=True, return_tensors="pt")["input_ids"]
+    with pytest.raises(ValueError, match="prompts is a 2-D tensor: pass a list of token-id lists"):
+        ENTRY_POINTS[where](model, padded, max_new_tokens=2)
+    # enc["input_ids"] as lists is what to pass
+    ids = encoding["input_ids"]
+    results = ENTRY_POINTS[where](model, ids, max_new_tokens=2)
+    assert {getattr(r, "prompt_index", None) for r in results} == {0, 1}
+
+
+@pytest.mark.parametrize("where", ENTRY_POINTS)
+def test_a_single_prompt_is_a_batch_of_one(where):
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    conversation = [{"role": "user", "content": "hi"}]
+    expected = hf_greedy(
+        model, tokenizer.apply_chat_template(conversation, add_generation_prompt=True)["input_ids"], 3
+    )
+    for prompt in ("hello", conversation, [5, 6, 7], torch.tensor([5, 6, 7])):
+        results = ENTRY_POINTS[where](model, prompt, tokenizer=tokenizer, max_new_tokens=3)
+        if where.endswith("generate"):
+            assert len(results) == 1 and results[0].prompt_index == 0
+            tokens = results[0].token_ids
+        else:
+            assert {e.index for e in results} == {0}
+            tokens = [e.token_id for e in results]
+        if prompt is conversation:
+            assert tokens == expected
+        if isinstance(prompt, list) and isinstance(prompt[0], int):
+            assert tokens == hf_greedy(model, prompt, 3)
+
+
+def test_kv_cache_too_small_for_one_full_request_raises_at_patch():
+    model = tiny_model()  # 512 positions; 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes = 512 B/token
+    with pytest.raises(
+        ValueError,
+        match=r"kv_cache_memory \(100,000 bytes\) holds 12 KV blocks of 16 tokens \(8,192 bytes each .*\), "
+        r"but one request of max_model_len=512 tokens needs 32: raise kv_cache_memory to at least "
+        r"262,144 bytes, or set max_model_len to at most 192",
+    ):
+        hfaccel.patch(model, kv_cache_memory=100_000)
+    assert not hasattr(model, "_hfaccel")
+    hfaccel.patch(model, kv_cache_memory=100_000, max_model_len=192)  # what the message says works
+    assert len(_generate(model, [[5, 6]], max_new_tokens=3)[0].token_ids) == 3
+    with pytest.raises(ValueError, match="kv_cache_memory"):  # a re-patch is checked too, and changes nothing
+        hfaccel.patch(model, max_model_len=512)
+    assert model._hfaccel.config.max_model_len == 192
+
+
+def test_other_engine_config_errors_raise_at_patch():
+    model = tiny_model()
+    with pytest.raises(ValueError, match=r"max_model_len \(1024\) exceeds what the model supports \(512\)"):
+        hfaccel.patch(model, max_model_len=1024)
+    with pytest.raises(ValueError, match="dtype torch.int8 cannot hold a KV cache"):
+        hfaccel.patch(model, dtype=torch.int8)
+    with pytest.raises(ValueError, match="dtype torch.float8_e5m2 cannot hold a KV cache"):
+        hfaccel.patch(model, EngineConfig(dtype=torch.float8_e5m2))
+    if not torch.cuda.is_available():  # under TRITON_INTERPRET (set for tests) Triton runs on a CPU
+        with pytest.raises(ValueError, match="backend 'flashinfer' cannot serve this model here"):
+            hfaccel.patch(model, backend="flashinfer")
+    assert not hasattr(model, "_hfaccel")
+
+
+def test_patch_again_changes_only_the_fields_given():
+    model = hfaccel.patch(tiny_model(), block_size=8, kv_cache_memory=1_000_000, strict=True)
+    _generate(model, [[5, 6]], max_new_tokens=2)
+    engine = model._hfaccel.engine
+    hfaccel.patch(model, max_num_seqs=4)
+    config = model._hfaccel.config
+    assert (config.block_size, config.kv_cache_memory, config.max_num_seqs) == (8, 1_000_000, 4)
+    assert model._hfaccel.strict, "strict stays unless given"
+    assert model._hfaccel.engine is None, "a changed config rebuilds the engine"
+    _generate(model, [[5, 6]], max_new_tokens=2)
+    engine = model._hfaccel.engine
+    hfaccel.patch(model, max_num_seqs=4, progress=False)  # the same values: nothing to rebuild
+    hfaccel.patch(model)
+    assert model._hfaccel.engine is engine and model._hfaccel.strict
+    hfaccel.patch(model, EngineConfig(kv_cache_memory=2_000_000))  # a whole config replaces the config
+    assert model._hfaccel.config == EngineConfig(kv_cache_memory=2_000_000)
+    hfaccel.patch(model, strict=False)
+    assert not model._hfaccel.strict and model._hfaccel.config.kv_cache_memory == 2_000_000
+
+
+def test_others_completed_is_said_only_when_others_exist():
+    model = tiny_model()
+    with pytest.raises(hfaccel.RequestError) as info:
+        _generate(model, [[], [5] * 600], max_new_tokens=2)
+    message = str(info.value)
+    assert message.startswith("2 of 2 requests refused (see .completions): prompts[0]: ")
+    assert "others" not in message and "prompts[1]: prompt has 600 tokens" in message
+    with pytest.raises(hfaccel.RequestError, match=r"^1 of 2 requests refused, the others completed"):
+        _generate(model, [[], [5, 6]], max_new_tokens=2)
+
+
+def test_bad_logprobs_values_raise():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="logprobs must be True, False, or an int k >= 0"):
+        _generate(model, [[5]], logprobs=-1)
+    with pytest.raises(ValueError, match="prompt_logprobs must be an int k >= 0"):
+        _generate(model, [[5]], prompt_logprobs="all")

@@ -1,0 +1,207 @@
+"""What `hfaccel.generate` returns besides tokens: log-probabilities, prompt log-probabilities, metrics on
+every completion, and the grouping of num_return_sequences copies."""
+
+import asyncio
+import math
+
+import pytest
+import torch
+from transformers import GenerationConfig, LogitsProcessorList
+
+import hfaccel
+from tests.helpers import FAMILIES, hf_greedy, tiny_model, varied_prompts
+
+METRIC_KEYS = {
+    "queue_s",
+    "ttft_s",
+    "tpot_s",
+    "itl_max_s",
+    "e2e_s",
+    "num_cached_prompt_tokens",
+    "num_preemptions",
+}
+
+
+def hf_scores(model, prompt, max_new_tokens, **kwargs):
+    """Unpatched HF greedy: the new tokens and each step's processed scores."""
+    with torch.no_grad():
+        out = type(model).generate(
+            model,
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [s[0] for s in out.scores]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_top_logprobs_match_hf_scores(family):
+    model = tiny_model(family)
+    prompts = varied_prompts(4, seed=3)
+    kwargs = {"max_new_tokens": 6, "repetition_penalty": 1.3}
+    completions = hfaccel.generate(model, prompts, logprobs=3, progress=False, **kwargs)
+    for prompt, completion in zip(prompts, completions):
+        tokens, scores = hf_scores(model, prompt, **kwargs)
+        assert completion.token_ids == tokens
+        assert len(completion.top_logprobs) == len(tokens) == len(completion.logprobs)
+        for token, lp, top, score in zip(tokens, completion.logprobs, completion.top_logprobs, scores):
+            reference = torch.log_softmax(score.float(), dim=-1)
+            values, ids = reference.topk(3)
+            assert list(top)[:3] == ids.tolist(), "most likely first"
+            assert token in top and top[token] == lp, "the chosen token is always there"
+            for token_id, value in top.items():
+                assert math.isclose(value, float(reference[token_id]), abs_tol=1e-4)
+            assert len(top) == 3 + (token not in ids.tolist())
+
+
+def test_logprobs_true_keeps_the_chosen_token_only_and_zero_gives_dicts_of_one():
+    model = tiny_model()
+    plain = hfaccel.generate(model, [[5, 6, 7]], logprobs=True, max_new_tokens=4, progress=False)[0]
+    assert plain.top_logprobs is None and len(plain.logprobs) == 4
+    zero = hfaccel.generate(model, [[5, 6, 7]], logprobs=0, max_new_tokens=4, progress=False)[0]
+    assert zero.top_logprobs == [{t: lp} for t, lp in zip(zero.token_ids, zero.logprobs)]
+    assert zero.logprobs == plain.logprobs
+    off = hfaccel.generate(model, [[5, 6, 7]], max_new_tokens=4, progress=False)[0]
+    assert off.logprobs is None and off.top_logprobs is None and off.prompt_logprobs is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_prompt_logprobs_match_a_plain_forward(family):
+    model = tiny_model(family)
+    prompts = varied_prompts(5, seed=4)
+    completions = hfaccel.generate(
+        model,
+        prompts,
+        prompt_logprobs=2,
+        max_new_tokens=2,
+        num_return_sequences=2,
+        do_sample=True,
+        progress=False,
+    )
+    for c in completions:
+        prompt = prompts[c.prompt_index]
+        assert len(c.prompt_logprobs) == len(prompt) and c.prompt_logprobs[0] is None
+        with torch.no_grad():
+            reference = torch.log_softmax(
+                type(model).forward(model, torch.tensor([prompt])).logits[0].float(), -1
+            )
+        for position in range(1, len(prompt)):
+            entry = c.prompt_logprobs[position]
+            token = prompt[position]
+            assert token in entry and len(entry) in (2, 3)
+            assert math.isclose(entry[token], float(reference[position - 1, token]), abs_tol=1e-4)
+            assert set(reference[position - 1].topk(2).indices.tolist()) <= set(entry)
+    copies = hfaccel.group_by_prompt(completions)
+    assert all(group[0].prompt_logprobs is group[1].prompt_logprobs for group in copies), (
+        "one forward per prompt"
+    )
+
+
+def test_stream_events_carry_logprobs():
+    model = tiny_model()
+    prompts = varied_prompts(3, seed=5)
+    reference = hfaccel.generate(model, prompts, logprobs=2, max_new_tokens=5, progress=False)
+    events = list(hfaccel.stream(model, prompts, logprobs=2, max_new_tokens=5))
+
+    async def collect():
+        return [e async for e in hfaccel.astream(model, prompts, logprobs=True, max_new_tokens=5)]
+
+    async_events = asyncio.run(collect())
+    for index, completion in enumerate(reference):
+        mine = [e for e in events if e.index == index]
+        assert [e.logprob for e in mine] == completion.logprobs
+        assert [e.top_logprobs for e in mine] == completion.top_logprobs
+        assert {e.prompt_index for e in mine} == {index}
+        theirs = [e for e in async_events if e.index == index]
+        assert [e.logprob for e in theirs] == completion.logprobs and theirs[0].top_logprobs is None
+    assert all(e.logprob is None for e in hfaccel.stream(model, prompts, max_new_tokens=2))
+
+
+def test_every_completion_has_metrics_fallbacks_and_refusals_included():
+    model = tiny_model()
+    prompts = [[5, 6, 7], [], [8, 9]]
+    completions = hfaccel.generate(model, prompts, max_new_tokens=3, errors="return", progress=False)
+    served, refused, _ = completions
+    assert all(set(c.metrics) == METRIC_KEYS for c in completions)
+    assert served.metrics["e2e_s"] > 0 and served.metrics["num_preemptions"] == 0
+    assert all(v is None for v in refused.metrics.values())
+    with pytest.warns(UserWarning, match="beam_search"):
+        beams = hfaccel.generate(model, [[5, 6, 7]], num_beams=2, max_new_tokens=3, progress=False)
+    assert set(beams[0].metrics) == METRIC_KEYS and beams[0].metrics["e2e_s"] > 0
+    assert beams[0].metrics["ttft_s"] is None, "transformers' generate does not say"
+
+
+def test_group_by_prompt_groups_the_copies_in_order():
+    model = tiny_model()
+    prompts = varied_prompts(4, seed=6)
+    completions = hfaccel.generate(
+        model, prompts, num_return_sequences=3, do_sample=True, max_new_tokens=4, seed=1, progress=False
+    )
+    assert [c.prompt_index for c in completions] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    groups = hfaccel.group_by_prompt(completions)
+    assert [len(g) for g in groups] == [3, 3, 3, 3]
+    for prompt, group in zip(prompts, groups):
+        assert all(c.prompt_token_ids == prompt for c in group)
+    assert hfaccel.group_by_prompt([]) == []
+
+
+@pytest.mark.parametrize("copies", [1, 3])
+def test_a_refused_prompt_gives_n_error_results_in_its_place(copies):
+    model = tiny_model()
+    prompts = [[5, 6, 7], [5] * 600, [8, 9]]
+    kwargs = {"num_return_sequences": copies, "do_sample": True, "max_new_tokens": 3, "seed": 0}
+    returned = hfaccel.generate(model, prompts, errors="return", progress=False, **kwargs)
+    assert len(returned) == 3 * copies
+    assert [c.prompt_index for c in returned] == [i for i in range(3) for _ in range(copies)]
+    assert [c.finish_reason == "error" for c in returned] == [i == 1 for i in range(3) for _ in range(copies)]
+    for c in returned:
+        if c.prompt_index != 1:
+            assert c.prompt_token_ids == prompts[c.prompt_index]
+    with pytest.raises(hfaccel.RequestError) as info:
+        hfaccel.generate(model, prompts, progress=False, **kwargs)
+    message = str(info.value)
+    assert message.startswith(f"{copies} of {3 * copies} requests refused, the others completed")
+    assert "prompts[1]: prompt has 600 tokens" in message and message.count("prompts[") == 1
+    # an invalid generation argument in one prompt's config, too
+    configs = [
+        GenerationConfig(max_new_tokens=2, num_return_sequences=copies, do_sample=True) for _ in range(2)
+    ]
+    configs[0].temperature = -1.0
+    mixed = hfaccel.generate(
+        model, [[5, 6], [7, 8]], generation_config=configs, errors="return", progress=False
+    )
+    assert [c.finish_reason == "error" for c in mixed] == [True] * copies + [False] * copies
+
+
+def test_hf_only_generate_arguments_fall_back_with_them():
+    class BanFive:
+        def __call__(self, input_ids, scores):
+            scores[:, 5] = -float("inf")
+            return scores
+
+    model = tiny_model()
+    prompt = [7, 8, 9]
+    with pytest.warns(UserWarning, match="custom logits_processor"):
+        out = hfaccel.generate(
+            model,
+            [prompt],
+            logits_processor=LogitsProcessorList([BanFive()]),
+            max_new_tokens=5,
+            progress=False,
+        )
+    assert out[0].token_ids == hf_greedy(model, prompt, 5, logits_processor=LogitsProcessorList([BanFive()]))
+
+
+@pytest.mark.parametrize("family", FAMILIES[:2])
+def test_fallback_copies_are_cut_at_their_eos(family):
+    model = tiny_model(family)
+    prompt = [5, 6, 7]
+    with pytest.warns(UserWarning):
+        out = hfaccel.generate(
+            model, [prompt], num_beams=3, num_return_sequences=3, max_new_tokens=12, progress=False
+        )
+    for c in out:
+        assert 2 not in c.token_ids[:-1], "nothing after EOS"
