@@ -98,6 +98,10 @@ def check_engine_config(model: torch.nn.Module, config: Any) -> None:
         if reason is not None:
             raise ValueError(f"backend {config.backend!r} cannot serve this model here: {reason}")
     block_bytes = kv_bytes_per_token(model, kv_dtype) * config.block_size
+    tp = getattr(model, "__dict__", {}).get("_hfaccel_tp")
+    if tp is not None and getattr(tp, "size", 1) > 1:  # a rank holds its share of the KV heads
+        kv_heads = getattr(config_text, "num_key_value_heads", None) or config_text.num_attention_heads
+        block_bytes = block_bytes * max(1, kv_heads // tp.size) // kv_heads
     memory = config.kv_cache_memory
     budget = int(memory * free_memory_bytes(param.device)) if isinstance(memory, float) else memory
     blocks = budget // block_bytes

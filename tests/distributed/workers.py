@@ -55,12 +55,13 @@ def parity(
                 sequence_parallel=sequence_parallel,
                 max_num_batched_tokens=16,
                 kv_cache_memory=SMALL_KV,
+                max_model_len=128,  # the small cache holds one request of 128 tokens (checked at patch)
             )
     else:
         from hfaccel.patches.tp_plan import shard_model
 
         model._hfaccel_tp = shard_model(model, 2, None, sequence_parallel, runtime=runtime)
-        hfaccel.patch(model, max_num_batched_tokens=16, kv_cache_memory=SMALL_KV)
+        hfaccel.patch(model, max_num_batched_tokens=16, kv_cache_memory=SMALL_KV, max_model_len=128)
     seen = _layer0_tokens(model)
     out = hfaccel.generate(model, prompts, max_new_tokens=MAX_NEW, do_sample=False, progress=False)
     tokens = [c.token_ids for c in out]
