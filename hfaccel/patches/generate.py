@@ -129,7 +129,9 @@ def patched_generate(
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """Drop-in replacement for `model.generate`, bound on a patched instance."""
     state: PatchState = self._hfaccel
-    check_generate_kwargs(self, kwargs, "model.generate", [generation_config])
+    # adapter_names is PEFT's (its generate pops it); checked against the model's LoRA layers below.
+    checked = {k: v for k, v in kwargs.items() if k != "adapter_names"}
+    check_generate_kwargs(self, checked, "model.generate", [generation_config])
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
     reason = next((text for name, text in UNSUPPORTED_ARGUMENTS.items() if given(kwargs.get(name))), None)
     if reason is None and inputs is not None and kwargs.get("input_ids") is not None:
