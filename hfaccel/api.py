@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationConfig
 
 from hfaccel.config import EngineConfig
+from hfaccel.distributed.pp import setup_pipeline_parallel
 from hfaccel.engine.loop import Submission, Update
 from hfaccel.engine.request import Request
 from hfaccel.engine.speculative.proposer import speculative_stats
@@ -89,6 +90,7 @@ def patch(
     tensor_parallel_size: int | None = None,
     device_mesh: Any = None,
     sequence_parallel: bool | None = None,
+    pipeline_parallel_size: int | None = None,
     **overrides: Any,
 ) -> Any:
     """Make `model.generate` run on the hfaccel engine; returns the same model object.
@@ -106,10 +108,15 @@ def patch(
     steps that hold prefill tokens. A model transformers sharded at load (``tp_plan="auto"``) is served
     as it is. Refusals (sizes that do not divide the heads, no process group) raise ValueError before
     anything is sharded.
+
+    Pipeline parallelism: ``pipeline_parallel_size=P`` splits the decoder layers into P stages over P
+    processes (``EngineConfig.num_microbatches`` microbatches pipelined through them in prefill).
     """
     state: PatchState | None = getattr(model, "_hfaccel", None)
     parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
     if state is not None:
+        if pipeline_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_pp") is None:
+            raise ValueError("pipeline parallelism is set at a model's first patch: unpatch it first")
         if any(p is not None for p in parallel):  # tensor parallelism is fixed at the first patch
             if model.__dict__.get("_hfaccel_tp") is None:
                 raise ValueError("tensor parallelism is set at a model's first patch: unpatch it first")
@@ -127,6 +134,7 @@ def patch(
     check_model(model)
     engine_config = (config or EngineConfig()).with_overrides(**overrides)
     setup_tensor_parallel(model, *parallel, engine_config.batching)  # shards the model when N > 1
+    setup_pipeline_parallel(model, pipeline_parallel_size)  # splits the layers into stages when P > 1
     register_attention()
     model._hfaccel = PatchState(
         config=engine_config,

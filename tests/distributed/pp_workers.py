@@ -1,0 +1,39 @@
+"""What each rank runs in the pipeline, data and expert parallel tests."""
+
+from __future__ import annotations
+
+import copy
+
+import hfaccel
+from tests.distributed.workers import MAX_NEW, _greedy_reference
+from tests.helpers import assert_same_or_near_tie, tiny_model, varied_prompts
+
+
+def pp_parity(rank: int, microbatches: int = 2, layers: int = 4, family: str = "llama") -> dict:
+    """Greedy parity of PP=2 (tiny model, `layers` decoder layers) with the single-process engine, with
+    chunked prefill (a 32-token budget) and `microbatches` microbatches per step."""
+    model = tiny_model(family, layers=layers)
+    whole = copy.deepcopy(model)
+    prompts = varied_prompts(8)
+    reference = _greedy_reference(whole, prompts)
+    hfaccel.patch(model, pipeline_parallel_size=2, num_microbatches=microbatches, max_num_batched_tokens=64)
+    out = hfaccel.generate(model, prompts, max_new_tokens=MAX_NEW, do_sample=False, progress=False)
+    tokens = [c.token_ids for c in out]
+    for prompt, ours, ref in zip(prompts, tokens, reference):
+        assert_same_or_near_tie(whole, prompt, ours, ref)
+    engine = model._hfaccel.engine
+    executor = engine.executor
+    sampled = hfaccel.generate(
+        model, prompts[:4], max_new_tokens=MAX_NEW, do_sample=True, temperature=1.5, seed=7, progress=False
+    )
+    return {
+        "tokens": tokens,
+        "reference": reference,
+        "num_layers": executor.num_layers,
+        "layers": (executor.pp.layer_start, executor.pp.layer_end),
+        "kv_caches": len(engine.runner.kv_caches),
+        "trace": list(executor.trace),
+        "microbatch_log": list(engine.runner.microbatch_log),
+        "plans": list(executor.step_sync.plans),
+        "sampled": [c.token_ids for c in sampled],
+    }
