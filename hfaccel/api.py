@@ -17,6 +17,8 @@ import torch
 from transformers import GenerationConfig
 
 from hfaccel.config import EngineConfig
+from hfaccel.distributed import dp as data_parallel
+from hfaccel.distributed.dp import setup_data_parallel
 from hfaccel.distributed.pp import setup_pipeline_parallel
 from hfaccel.engine.loop import Submission, Update
 from hfaccel.engine.request import Request
@@ -91,6 +93,7 @@ def patch(
     device_mesh: Any = None,
     sequence_parallel: bool | None = None,
     pipeline_parallel_size: int | None = None,
+    data_parallel_size: int | None = None,
     **overrides: Any,
 ) -> Any:
     """Make `model.generate` run on the hfaccel engine; returns the same model object.
@@ -111,12 +114,16 @@ def patch(
 
     Pipeline parallelism: ``pipeline_parallel_size=P`` splits the decoder layers into P stages over P
     processes (``EngineConfig.num_microbatches`` microbatches pipelined through them in prefill).
+    Data parallelism: ``data_parallel_size=D`` makes D engine replicas (of world // D ranks each, TP or PP
+    inside); `generate` spreads its requests over them by load and returns every completion on every rank.
     """
     state: PatchState | None = getattr(model, "_hfaccel", None)
     parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
     if state is not None:
         if pipeline_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_pp") is None:
             raise ValueError("pipeline parallelism is set at a model's first patch: unpatch it first")
+        if data_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_dp") is None:
+            raise ValueError("data parallelism is set at a model's first patch: unpatch it first")
         if any(p is not None for p in parallel):  # tensor parallelism is fixed at the first patch
             if model.__dict__.get("_hfaccel_tp") is None:
                 raise ValueError("tensor parallelism is set at a model's first patch: unpatch it first")
@@ -135,6 +142,7 @@ def patch(
     engine_config = (config or EngineConfig()).with_overrides(**overrides)
     setup_tensor_parallel(model, *parallel, engine_config.batching)  # shards the model when N > 1
     setup_pipeline_parallel(model, pipeline_parallel_size)  # splits the layers into stages when P > 1
+    setup_data_parallel(model, data_parallel_size)  # D engine replicas when D > 1
     register_attention()
     model._hfaccel = PatchState(
         config=engine_config,
@@ -237,9 +245,27 @@ def generate(
             model, state, prompts, tokenizer, generation_config, generate_kwargs, logprobs, seed
         )
         runnable = [plan for plan in plans if isinstance(plan, Request)]
+        dp = model.__dict__.get("_hfaccel_dp")
+        if dp is not None:  # data parallel: this replica runs its share, every rank returns all
+            return _data_parallel(model, state, dp, plans, tokenizer, errors, progress)
         if runnable:
             state.get_loop(model).run(runnable, progress=progress)
     return _results(plans, tokenizer, errors)
+
+
+def _data_parallel(
+    model: Any, state: PatchState, dp: Any, plans: list, tokenizer: Any, errors: str, progress: bool
+) -> list[Completion]:
+    indices = [i for i, plan in enumerate(plans) if isinstance(plan, Request)]
+    owner = data_parallel.spread(
+        dp, state.get_engine(model), [len(plans[i].prompt_token_ids) for i in indices]
+    )
+    mine = [i for i, o in zip(indices, owner) if o == dp.replica]
+    if mine:
+        state.get_loop(model).run([plans[i] for i in mine], progress=progress)
+    done = data_parallel.gather(dp, {i: _completion(plans[i], tokenizer) for i in mine})
+    completions = [done[i] if i in done else _completion(plan, tokenizer) for i, plan in enumerate(plans)]
+    return _raise_or_return(completions, errors)
 
 
 async def agenerate(
@@ -286,7 +312,10 @@ def _check_errors(errors: str) -> None:
 
 
 def _results(plans: list[Request | _Done], tokenizer: Any, errors: str) -> list[Completion]:
-    completions = [_completion(plan, tokenizer) for plan in plans]
+    return _raise_or_return([_completion(plan, tokenizer) for plan in plans], errors)
+
+
+def _raise_or_return(completions: list[Completion], errors: str) -> list[Completion]:
     failed = [(i, c.error) for i, c in enumerate(completions) if c.finish_reason == "error"]
     if failed and errors == "raise":
         details = "; ".join(f"prompts[{i}]: {error}" for i, error in failed[:5])

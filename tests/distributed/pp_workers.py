@@ -37,3 +37,40 @@ def pp_parity(rank: int, microbatches: int = 2, layers: int = 4, family: str = "
         "plans": list(executor.step_sync.plans),
         "sampled": [c.token_ids for c in sampled],
     }
+
+
+def dp_parity(rank: int, tensor_parallel_size: int | None = None) -> dict:
+    """Greedy parity of DP=2 replicas (each TP=`tensor_parallel_size` inside, or one process) with the
+    single-process engine; then a seeded sampled run, the same on every rank as in one process."""
+    model = tiny_model("llama")
+    whole = copy.deepcopy(model)
+    prompts = varied_prompts(10)
+    reference = _greedy_reference(whole, prompts)
+    sampled_reference = hfaccel.generate(
+        copy.deepcopy(whole), prompts[:6], max_new_tokens=MAX_NEW, do_sample=True, seed=3, progress=False
+    )
+    hfaccel.patch(
+        model,
+        data_parallel_size=2,
+        tensor_parallel_size=tensor_parallel_size,
+        max_num_batched_tokens=64,
+    )
+    out = hfaccel.generate(model, prompts, max_new_tokens=MAX_NEW, do_sample=False, progress=False)
+    tokens = [c.token_ids for c in out]
+    for prompt, ours, ref in zip(prompts, tokens, reference):
+        assert_same_or_near_tie(whole, prompt, ours, ref)
+    sampled = hfaccel.generate(
+        model, prompts[:6], max_new_tokens=MAX_NEW, do_sample=True, seed=3, progress=False
+    )
+    engine = model._hfaccel.engine
+    dp = model._hfaccel_dp
+    return {
+        "tokens": tokens,
+        "sampled": [c.token_ids for c in sampled],
+        "sampled_reference": [c.token_ids for c in sampled_reference],
+        "replica": dp.replica,
+        "assignment": dp.assignments[0][0],
+        "prompt_tokens": [len(p) for p in prompts],
+        "engine_requests": engine.stats().get("requests"),
+        "stats": engine.stats(),
+    }
