@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 from hfaccel.config import EngineConfig
 from hfaccel.distributed import dp as data_parallel
 from hfaccel.distributed.dp import setup_data_parallel
+from hfaccel.distributed.ep import setup_expert_parallel
 from hfaccel.distributed.pp import setup_pipeline_parallel
 from hfaccel.engine.loop import Submission, Update
 from hfaccel.engine.request import Request
@@ -94,6 +95,7 @@ def patch(
     sequence_parallel: bool | None = None,
     pipeline_parallel_size: int | None = None,
     data_parallel_size: int | None = None,
+    expert_parallel_size: int | None = None,
     **overrides: Any,
 ) -> Any:
     """Make `model.generate` run on the hfaccel engine; returns the same model object.
@@ -114,14 +116,18 @@ def patch(
 
     Pipeline parallelism: ``pipeline_parallel_size=P`` splits the decoder layers into P stages over P
     processes (``EngineConfig.num_microbatches`` microbatches pipelined through them in prefill).
-    Data parallelism: ``data_parallel_size=D`` makes D engine replicas (of world // D ranks each, TP or PP
-    inside); `generate` spreads its requests over them by load and returns every completion on every rank.
+    Expert parallelism: ``expert_parallel_size=E`` shards a MoE model's experts over E processes
+    (tokens dispatched to them by all-to-all). Data parallelism: ``data_parallel_size=D`` makes D engine
+    replicas (of world // D ranks each, TP, PP or EP inside); `generate` spreads its requests over them
+    by load and returns every completion on every rank. See docs/parallelism.md.
     """
     state: PatchState | None = getattr(model, "_hfaccel", None)
     parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
     if state is not None:
         if pipeline_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_pp") is None:
             raise ValueError("pipeline parallelism is set at a model's first patch: unpatch it first")
+        if expert_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_ep") is None:
+            raise ValueError("expert parallelism is set at a model's first patch: unpatch it first")
         if data_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_dp") is None:
             raise ValueError("data parallelism is set at a model's first patch: unpatch it first")
         if any(p is not None for p in parallel):  # tensor parallelism is fixed at the first patch
@@ -142,6 +148,7 @@ def patch(
     engine_config = (config or EngineConfig()).with_overrides(**overrides)
     setup_tensor_parallel(model, *parallel, engine_config.batching)  # shards the model when N > 1
     setup_pipeline_parallel(model, pipeline_parallel_size)  # splits the layers into stages when P > 1
+    setup_expert_parallel(model, expert_parallel_size)  # shards the experts when E > 1
     setup_data_parallel(model, data_parallel_size)  # D engine replicas when D > 1
     register_attention()
     model._hfaccel = PatchState(

@@ -51,7 +51,7 @@ def setup_data_parallel(model: Any, size: int | None) -> DPState | None:
     world = init_world(size, "data_parallel_size", next(model.parameters()).device)
     per = world // size
     inner = 1
-    for name in ("_hfaccel_tp", "_hfaccel_pp"):
+    for name in ("_hfaccel_tp", "_hfaccel_pp", "_hfaccel_ep"):
         state = model.__dict__.get(name)
         if state is not None:
             inner *= state.size

@@ -74,3 +74,28 @@ def dp_parity(rank: int, tensor_parallel_size: int | None = None) -> dict:
         "engine_requests": engine.stats().get("requests"),
         "stats": engine.stats(),
     }
+
+
+def ep_parity(rank: int, family: str = "mixtral", microbatches: int = 2) -> dict:
+    """Greedy parity of EP=2 (half the experts per rank, all-to-all routing) with the single-process
+    engine, with `microbatches` microbatches per step."""
+    from hfaccel.distributed.ep import expert_modules
+
+    model = tiny_model(family)
+    whole = copy.deepcopy(model)
+    prompts = varied_prompts(8)
+    reference = _greedy_reference(whole, prompts)
+    hfaccel.patch(model, expert_parallel_size=2, num_microbatches=microbatches, max_num_batched_tokens=64)
+    out = hfaccel.generate(model, prompts, max_new_tokens=MAX_NEW, do_sample=False, progress=False)
+    tokens = [c.token_ids for c in out]
+    for prompt, ours, ref in zip(prompts, tokens, reference):
+        assert_same_or_near_tie(whole, prompt, ours, ref)
+    module = expert_modules(model)[0]
+    return {
+        "tokens": tokens,
+        "local_experts": module.gate_up_proj.shape[0],
+        "dispatches": model._hfaccel_ep.num_dispatches,
+        "all_experts": expert_modules(whole)[0].gate_up_proj.shape[0],
+        "plans": list(model._hfaccel.engine.executor.step_sync.plans),
+        "microbatch_log": list(model._hfaccel.engine.runner.microbatch_log),
+    }
