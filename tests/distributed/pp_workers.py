@@ -39,7 +39,9 @@ def pp_parity(rank: int, microbatches: int = 2, layers: int = 4, family: str = "
     }
 
 
-def dp_parity(rank: int, tensor_parallel_size: int | None = None) -> dict:
+def dp_parity(
+    rank: int, tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None
+) -> dict:
     """Greedy parity of DP=2 replicas (each TP=`tensor_parallel_size` inside, or one process) with the
     single-process engine; then a seeded sampled run, the same on every rank as in one process."""
     model = tiny_model("llama")
@@ -53,6 +55,8 @@ def dp_parity(rank: int, tensor_parallel_size: int | None = None) -> dict:
         model,
         data_parallel_size=2,
         tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        num_microbatches=2,
         max_num_batched_tokens=64,
     )
     out = hfaccel.generate(model, prompts, max_new_tokens=MAX_NEW, do_sample=False, progress=False)

@@ -36,6 +36,11 @@ def test_dp2_with_tp2_inside():
     check(run_ranks("tests.distributed.pp_workers:dp_parity", world=4, tensor_parallel_size=2), 2)
 
 
+@full_only
+def test_dp2_with_pp2_inside():
+    check(run_ranks("tests.distributed.pp_workers:dp_parity", world=4, pipeline_parallel_size=2), 2)
+
+
 def test_assignment_follows_load_not_round_robin():
     # Equal replicas: longest first, balanced by tokens.
     assert assign_requests([10, 10, 10, 10], [(0, 1000), (0, 1000)]) == [0, 1, 0, 1]
