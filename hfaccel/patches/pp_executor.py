@@ -68,7 +68,9 @@ class PPExecutor(HFExecutor):
         base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.base = base
         self.layers = list(base.layers[pp.layer_start : pp.layer_end])
-        self.hidden_size = model.config.get_text_config(decoder=True).hidden_size
+        config = model.config.get_text_config(decoder=True)
+        self.hidden_size = config.hidden_size
+        self.softcap = getattr(config, "final_logit_softcapping", None)
         # (step, stage, microbatch, phase, start_s, end_s) per microbatch this stage ran, for tests.
         self.trace: deque[tuple[int, int, str, float, float]] = deque(maxlen=100_000)
         self.num_steps = 0
@@ -117,7 +119,9 @@ class PPExecutor(HFExecutor):
             hidden = self._layers(hidden, positions, context)
             if pp.last:
                 hidden = self.base.norm(hidden)
-                logits = self.model.lm_head(hidden[:, logits_indices])
+                logits = self.model.get_output_embeddings()(hidden[:, logits_indices])
+                if self.softcap:  # as the families with final_logit_softcapping do after the head
+                    logits = torch.tanh(logits / self.softcap) * self.softcap
                 outputs.append(logits[0])
             else:
                 hidden = hidden.contiguous()

@@ -54,6 +54,12 @@ def test_pp2_microbatches(microbatches):
     check(run_ranks("tests.distributed.pp_workers:pp_parity", microbatches=microbatches), microbatches)
 
 
+@full_only
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_pp2_families(family):
+    check(run_ranks("tests.distributed.pp_workers:pp_parity", family=family), 2)
+
+
 @pytest.mark.parametrize("bad", [0, 1.5, True])
 def test_bad_pipeline_sizes_are_refused(bad):
     import hfaccel
