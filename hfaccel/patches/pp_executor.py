@@ -20,8 +20,9 @@ The seed's rules (shared/seeds/000, "Microbatching"), where they are enforced:
   attention op's global ``layer_idx`` is mapped to the local slot, `StageCaches`).
 
 Only the last stage has logits: the others return zeros of the right shape, sample from them, and
-take the last stage's tokens (`StepSync` with ``src`` the last stage's rank). Every rank records which
-microbatch its stage ran when in `trace`.
+take the last stage's tokens (`StepSync` with ``src`` the last stage's rank). A step holding a request
+that records scores, logits or logprobs broadcasts the last stage's logits to every stage instead.
+Every rank records which microbatch its stage ran when in `trace`.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class PPExecutor(HFExecutor):
         # (step, stage, microbatch, phase, start_s, end_s) per microbatch this stage ran, for tests.
         self.trace: deque[tuple[int, int, str, float, float]] = deque(maxlen=100_000)
         self.num_steps = 0
+        self.num_logits_broadcasts = 0
 
     def compile(self, dynamic: bool) -> Callable[..., torch.Tensor]:
         raise ValueError("torch.compile is not supported with pipeline parallelism: use compile='off'")
@@ -133,9 +135,17 @@ class PPExecutor(HFExecutor):
         for work in send_works:
             work.wait()
         if pp.last:
-            return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
-        rows = sum(len(p.logits_indices) for p in parts)
-        return torch.zeros((rows, self.vocab_size), dtype=self.dtype, device=self.device)
+            logits = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        else:
+            rows = sum(len(p.logits_indices) for p in parts)
+            logits = torch.zeros((rows, self.vocab_size), dtype=self.dtype, device=self.device)
+        if any(_wants_outputs(r) for p in parts for r in p.sampled_requests):
+            # Scores, logits or logprobs are recorded from the logits on every rank: share the last
+            # stage's (only in steps that hold such a request; otherwise its tokens are enough).
+            logits = logits.contiguous()
+            dist.broadcast(logits, src=pp.ranks[-1], group=pp.group)
+            self.num_logits_broadcasts += 1
+        return logits
 
     def _layers(self, hidden: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         stage_context = ForwardContext(
@@ -156,3 +166,8 @@ class PPExecutor(HFExecutor):
 
     def state_token(self) -> Hashable:
         return self.step_sync.agree_token(super().state_token())
+
+
+def _wants_outputs(request: Any) -> bool:
+    sampling = request.sampling
+    return bool(sampling.output_scores or sampling.output_logits or sampling.output_logprobs)

@@ -26,9 +26,18 @@ def pp_parity(rank: int, microbatches: int = 2, layers: int = 4, family: str = "
     sampled = hfaccel.generate(
         model, prompts[:4], max_new_tokens=MAX_NEW, do_sample=True, temperature=1.5, seed=7, progress=False
     )
+    with_logprobs = hfaccel.generate(
+        model, prompts[:3], max_new_tokens=4, do_sample=False, logprobs=True, progress=False
+    )
+    logprobs_reference = hfaccel.generate(
+        copy.deepcopy(whole), prompts[:3], max_new_tokens=4, do_sample=False, logprobs=True, progress=False
+    )
     return {
         "tokens": tokens,
         "reference": reference,
+        "logprobs": [c.logprobs for c in with_logprobs],
+        "logprobs_reference": [c.logprobs for c in logprobs_reference],
+        "logits_broadcasts": executor.num_logits_broadcasts,
         "num_layers": executor.num_layers,
         "layers": (executor.pp.layer_start, executor.pp.layer_end),
         "kv_caches": len(engine.runner.kv_caches),

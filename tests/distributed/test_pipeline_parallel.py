@@ -21,6 +21,12 @@ def check(results: list[dict], microbatches: int) -> None:
     assert first["tokens"] == last["tokens"]
     assert first["sampled"] == last["sampled"]
     assert first["plans"] == last["plans"]
+    # Logprobs: the last stage's logits are shared in steps that record them, so every stage (rank 0
+    # among them) reports the single-process engine's values.
+    assert first["logits_broadcasts"] == last["logits_broadcasts"] > 0
+    for result in results:
+        for ours, ref in zip(result["logprobs"], first["logprobs_reference"]):
+            assert ours == pytest.approx(ref, abs=1e-4)
     # Each stage holds and caches only its layers.
     assert first["layers"] == (0, 2) and last["layers"] == (2, 4)
     assert first["num_layers"] == last["num_layers"] == first["kv_caches"] == 2
