@@ -36,7 +36,9 @@ test-faults: $(STAMP)
 	HFACCEL_FULL_FAULT_TESTS=1 $(PY) -m pytest tests/engine/test_fault_injection.py -q
 
 # Tensor/sequence parallelism on every family, replicated KV heads, the DTensor runtime and a model sharded by
-# transformers (2 gloo processes per test; make test runs Llama TP and TP+SP and the refusals).
+# transformers; PP=2 with 1/4 microbatches and on Qwen3/Mistral, DP=2 x TP=2 and DP=2 x PP=2 (4 processes), EP=2 on
+# Qwen2-MoE/Qwen3-MoE (2 gloo processes per test; make test runs Llama TP and TP+SP, PP=2 with 2 microbatches,
+# DP=2, EP=2 on Mixtral, and the refusals).
 test-dist: $(STAMP)
 	HFACCEL_FULL_DIST_TESTS=1 $(PY) -m pytest tests/distributed -q
 

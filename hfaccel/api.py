@@ -20,6 +20,10 @@ import torch
 from transformers import GenerationConfig
 
 from hfaccel.config import EngineConfig, is_draft_model
+from hfaccel.distributed import dp as data_parallel
+from hfaccel.distributed.dp import setup_data_parallel
+from hfaccel.distributed.ep import setup_expert_parallel
+from hfaccel.distributed.pp import setup_pipeline_parallel
 from hfaccel.engine.loop import Submission, Update
 from hfaccel.engine.request import Request
 from hfaccel.engine.sampler import top_logprobs
@@ -128,6 +132,9 @@ def patch(
     tensor_parallel_size: int | None = None,
     device_mesh: Any = None,
     sequence_parallel: bool | None = None,
+    pipeline_parallel_size: int | None = None,
+    data_parallel_size: int | None = None,
+    expert_parallel_size: int | None = None,
     **overrides: Any,
 ) -> Any:
     """Make `model.generate` run on the hfaccel engine; returns the same model object.
@@ -151,11 +158,26 @@ def patch(
     Parallelism (docs/parallelism.md): ``tensor_parallel_size=N`` (or ``device_mesh=`` a 1-D
     ``DeviceMesh``) shards the model in place over N processes from its transformers TP plan; every rank
     runs the same script and makes the same calls. ``sequence_parallel=True`` also shards the tokens of
-    steps that hold prefill tokens. Refusals raise ValueError before anything is sharded.
+    steps that hold prefill tokens. A model transformers sharded at load (``tp_plan="auto"``) is served
+    as it is. Refusals (sizes that do not divide the heads, no process group) raise ValueError before
+    anything is sharded.
+
+    Pipeline parallelism: ``pipeline_parallel_size=P`` splits the decoder layers into P stages over P
+    processes (``EngineConfig.num_microbatches`` microbatches pipelined through them in prefill).
+    Expert parallelism: ``expert_parallel_size=E`` shards a MoE model's experts over E processes
+    (tokens dispatched to them by all-to-all). Data parallelism: ``data_parallel_size=D`` makes D engine
+    replicas (of world // D ranks each, TP, PP or EP inside); `generate` spreads its requests over them
+    by load and returns every completion on every rank. See docs/parallelism.md.
     """
     state: PatchState | None = getattr(model, "_hfaccel", None)
     parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
     if state is not None:
+        if pipeline_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_pp") is None:
+            raise ValueError("pipeline parallelism is set at a model's first patch: unpatch it first")
+        if expert_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_ep") is None:
+            raise ValueError("expert parallelism is set at a model's first patch: unpatch it first")
+        if data_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_dp") is None:
+            raise ValueError("data parallelism is set at a model's first patch: unpatch it first")
         if any(p is not None for p in parallel):  # tensor parallelism is fixed at the first patch
             if model.__dict__.get("_hfaccel_tp") is None:
                 raise ValueError("tensor parallelism is set at a model's first patch: unpatch it first")
@@ -177,6 +199,9 @@ def patch(
     engine_config = (config or EngineConfig()).with_overrides(**overrides)
     _check_draft_model(model, engine_config)
     setup_tensor_parallel(model, *parallel, engine_config.batching)  # shards the model when N > 1
+    setup_pipeline_parallel(model, pipeline_parallel_size)  # splits the layers into stages when P > 1
+    setup_expert_parallel(model, expert_parallel_size)  # shards the experts when E > 1
+    setup_data_parallel(model, data_parallel_size)  # D engine replicas when D > 1
     check_engine_config(model, engine_config)
     register_attention()
     model._hfaccel = PatchState(
@@ -319,12 +344,34 @@ def generate(
             model, state, prompts, tokenizer, generation_config, generate_kwargs, "hfaccel.generate",
             logprobs, seed, _targets(tpot_target_ms, ttft_target_ms, priority), adapter,
         )  # fmt: skip
-        if call.runnable:
-            state.get_loop(model).run(call.runnable, progress=progress)
-        completions = _completions(call, tokenizer)
+        dp = model.__dict__.get("_hfaccel_dp")
+        if dp is not None:  # data parallel: this replica runs its share, every rank returns all
+            completions = _data_parallel(model, state, dp, call, tokenizer, progress)
+        else:
+            if call.runnable:
+                state.get_loop(model).run(call.runnable, progress=progress)
+            completions = _completions(call, tokenizer)
         if prompt_logprobs is not None:
             _add_prompt_logprobs(model, completions, int(prompt_logprobs))
     return _raise_or_return(completions, errors)
+
+
+def _data_parallel(model: Any, state: PatchState, dp: Any, call: Any, tokenizer: Any, progress: bool) -> list:
+    """Data parallelism: spread the call's requests over the replicas by load, run this replica's share,
+    and gather every completion on every rank (in request order)."""
+    plans = call.plans
+    indices = [i for i, plan in enumerate(plans) if isinstance(plan, Request)]
+    owner = data_parallel.spread(
+        dp, state.get_engine(model), [len(plans[i].prompt_token_ids) for i in indices]
+    )
+    mine = [i for i, o in zip(indices, owner) if o == dp.replica]
+    if mine:
+        state.get_loop(model).run([plans[i] for i in mine], progress=progress)
+    index_of = call.prompt_indexes
+    done = data_parallel.gather(dp, {i: _completion(plans[i], tokenizer, index_of[i]) for i in mine})
+    return [
+        done[i] if i in done else _completion(plan, tokenizer, index_of[i]) for i, plan in enumerate(plans)
+    ]
 
 
 async def agenerate(

@@ -134,6 +134,16 @@ class ModelRunner:
         replayed graph); any other step runs eager, or compiled with a dynamic token count under
         ``compile="all"``. `bucket` forces the padding (warm-up).
         """
+        run_pipeline = getattr(self.executor, "run_pipeline", None)
+        if run_pipeline is not None:  # pipeline parallel: the stage streams the microbatches itself
+            parts = [packed]
+            if self.num_microbatches > 1 and packed.layout.num_seqs > 1:
+                parts = split_microbatches(
+                    packed, self.num_microbatches, self.backend.capabilities.decode_query_len
+                )
+                if len(parts) > 1:
+                    self.microbatch_log.append([len(p.layout.query_lens) for p in parts])
+            return run_pipeline(parts, self._prepare)[: len(packed.logits_indices)]
         if self.num_microbatches > 1 and bucket is None and packed.layout.num_seqs > 1:
             parts = split_microbatches(
                 packed, self.num_microbatches, self.backend.capabilities.decode_query_len
@@ -143,6 +153,15 @@ class ModelRunner:
                 # Each part runs alone; clone: a replayed graph's output buffer is reused by the next part.
                 return torch.cat([self._run_one(part, None).clone() for part in parts])
         return self._run_one(packed, bucket)
+
+    def _prepare(self, packed: PackedStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardContext]:
+        """Stage one (eager, unpadded) step's inputs and build its metadata: what a pipeline stage runs."""
+        tokens = len(packed.input_ids)
+        input_ids = self._stage("input_ids", packed.input_ids, tokens)
+        positions = self._stage("positions", packed.positions, tokens)
+        logits_indices = self._stage("logits_indices", packed.logits_indices, len(packed.logits_indices))
+        metadata = self.builder.build(packed.layout, None, tokens)
+        return input_ids, positions, logits_indices, ForwardContext(self.backend, metadata, self.kv_caches)
 
     def _run_one(self, packed: PackedStep, bucket: int | None) -> torch.Tensor:
         if self._copied is not None:

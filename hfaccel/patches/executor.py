@@ -109,6 +109,16 @@ def _attention_scale(model: Any, head_dim: int) -> float:
 def make_hf_executor(model: Any) -> HFExecutor:
     """The executor of an HF model: a `TPExecutor` when the model is tensor-parallel (sharded by
     ``hfaccel.patch(..., tensor_parallel_size=N)`` or by transformers at load)."""
+    ep = model.__dict__.get("_hfaccel_ep")
+    if ep is not None:
+        from hfaccel.patches.ep_executor import EPExecutor
+
+        return EPExecutor(model, ep)
+    pp = model.__dict__.get("_hfaccel_pp")
+    if pp is not None:
+        from hfaccel.patches.pp_executor import PPExecutor
+
+        return PPExecutor(model, pp)
     tp = model.__dict__.get("_hfaccel_tp")
     if tp is not None:
         from hfaccel.patches.tp_executor import TPExecutor

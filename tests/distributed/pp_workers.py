@@ -1,0 +1,114 @@
+"""What each rank runs in the pipeline, data and expert parallel tests."""
+
+from __future__ import annotations
+
+import copy
+
+import hfaccel
+from tests.distributed.workers import MAX_NEW, _greedy_reference
+from tests.helpers import assert_same_or_near_tie, tiny_model, varied_prompts
+
+
+def pp_parity(rank: int, microbatches: int = 2, layers: int = 4, family: str = "llama") -> dict:
+    """Greedy parity of PP=2 (tiny model, `layers` decoder layers) with the single-process engine, with
+    chunked prefill (a 32-token budget) and `microbatches` microbatches per step."""
+    model = tiny_model(family, layers=layers)
+    whole = copy.deepcopy(model)
+    prompts = varied_prompts(8)
+    reference = _greedy_reference(whole, prompts)
+    hfaccel.patch(model, pipeline_parallel_size=2, num_microbatches=microbatches, max_num_batched_tokens=64)
+    out = hfaccel.generate(model, prompts, max_new_tokens=MAX_NEW, do_sample=False, progress=False)
+    tokens = [c.token_ids for c in out]
+    for prompt, ours, ref in zip(prompts, tokens, reference):
+        assert_same_or_near_tie(whole, prompt, ours, ref)
+    engine = model._hfaccel.engine
+    executor = engine.executor
+    sampled = hfaccel.generate(
+        model, prompts[:4], max_new_tokens=MAX_NEW, do_sample=True, temperature=1.5, seed=7, progress=False
+    )
+    with_logprobs = hfaccel.generate(
+        model, prompts[:3], max_new_tokens=4, do_sample=False, logprobs=True, progress=False
+    )
+    logprobs_reference = hfaccel.generate(
+        copy.deepcopy(whole), prompts[:3], max_new_tokens=4, do_sample=False, logprobs=True, progress=False
+    )
+    return {
+        "tokens": tokens,
+        "reference": reference,
+        "logprobs": [c.logprobs for c in with_logprobs],
+        "logprobs_reference": [c.logprobs for c in logprobs_reference],
+        "logits_broadcasts": executor.num_logits_broadcasts,
+        "num_layers": executor.num_layers,
+        "layers": (executor.pp.layer_start, executor.pp.layer_end),
+        "kv_caches": len(engine.runner.kv_caches),
+        "trace": list(executor.trace),
+        "microbatch_log": list(engine.runner.microbatch_log),
+        "plans": list(executor.step_sync.plans),
+        "sampled": [c.token_ids for c in sampled],
+    }
+
+
+def dp_parity(
+    rank: int, tensor_parallel_size: int | None = None, pipeline_parallel_size: int | None = None
+) -> dict:
+    """Greedy parity of DP=2 replicas (each TP=`tensor_parallel_size` inside, or one process) with the
+    single-process engine; then a seeded sampled run, the same on every rank as in one process."""
+    model = tiny_model("llama")
+    whole = copy.deepcopy(model)
+    prompts = varied_prompts(10)
+    reference = _greedy_reference(whole, prompts)
+    sampled_reference = hfaccel.generate(
+        copy.deepcopy(whole), prompts[:6], max_new_tokens=MAX_NEW, do_sample=True, seed=3, progress=False
+    )
+    hfaccel.patch(
+        model,
+        data_parallel_size=2,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        num_microbatches=2,
+        max_num_batched_tokens=64,
+    )
+    out = hfaccel.generate(model, prompts, max_new_tokens=MAX_NEW, do_sample=False, progress=False)
+    tokens = [c.token_ids for c in out]
+    for prompt, ours, ref in zip(prompts, tokens, reference):
+        assert_same_or_near_tie(whole, prompt, ours, ref)
+    sampled = hfaccel.generate(
+        model, prompts[:6], max_new_tokens=MAX_NEW, do_sample=True, seed=3, progress=False
+    )
+    engine = model._hfaccel.engine
+    dp = model._hfaccel_dp
+    return {
+        "tokens": tokens,
+        "sampled": [c.token_ids for c in sampled],
+        "sampled_reference": [c.token_ids for c in sampled_reference],
+        "replica": dp.replica,
+        "assignment": dp.assignments[0][0],
+        "prompt_tokens": [len(p) for p in prompts],
+        "engine_requests": engine.stats().get("requests"),
+        "stats": engine.stats(),
+    }
+
+
+def ep_parity(rank: int, family: str = "mixtral", microbatches: int = 2) -> dict:
+    """Greedy parity of EP=2 (half the experts per rank, all-to-all routing) with the single-process
+    engine, with `microbatches` microbatches per step."""
+    from hfaccel.distributed.ep import expert_modules
+
+    model = tiny_model(family)
+    whole = copy.deepcopy(model)
+    prompts = varied_prompts(8)
+    reference = _greedy_reference(whole, prompts)
+    hfaccel.patch(model, expert_parallel_size=2, num_microbatches=microbatches, max_num_batched_tokens=64)
+    out = hfaccel.generate(model, prompts, max_new_tokens=MAX_NEW, do_sample=False, progress=False)
+    tokens = [c.token_ids for c in out]
+    for prompt, ours, ref in zip(prompts, tokens, reference):
+        assert_same_or_near_tie(whole, prompt, ours, ref)
+    module = expert_modules(model)[0]
+    return {
+        "tokens": tokens,
+        "local_experts": module.gate_up_proj.shape[0],
+        "dispatches": model._hfaccel_ep.num_dispatches,
+        "all_experts": expert_modules(whole)[0].gate_up_proj.shape[0],
+        "plans": list(model._hfaccel.engine.executor.step_sync.plans),
+        "microbatch_log": list(model._hfaccel.engine.runner.microbatch_log),
+    }
