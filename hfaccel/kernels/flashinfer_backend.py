@@ -137,16 +137,13 @@ class FlashInferMetadataBuilder(MetadataBuilder):
     def __init__(
         self,
         *args: Any,
-        scratch_block: int | None = None,
         workspace_bytes: int = WORKSPACE_BYTES,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.scratch_block = scratch_block
         # FlashInfer wants the float workspace zeroed before its first use; all wrappers share it (one
         # runs at a time on the stream), each wrapper adds its own small int workspace.
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
-        self._write_slots = torch.zeros(self.max_num_tokens, dtype=torch.int64, device=self.device)
         self.config: PlanConfig | None = None
         self.cuda_graph_batch_sizes: frozenset[int] = frozenset()
         self._decode_wrapper: Any = None
@@ -245,12 +242,7 @@ class FlashInferMetadataBuilder(MetadataBuilder):
             raise ValueError("FlashInfer's decode path takes one query token per sequence")
 
         # K/V write slots: one fixed-shape index_copy_ per layer, padding sent to the scratch block.
-        write_slots = self._write_slots[:t_pad]
-        write_slots.copy_(common.slot_mapping)
-        if t_pad > t:
-            if self.scratch_block is None:
-                raise ValueError("a padded step needs the scratch block (num_blocks given to make_builder)")
-            write_slots.masked_fill_(write_slots < 0, self.scratch_block * self.block_size)
+        write_slots = self.write_slots(common)
 
         # Padded sequences ride the decode path of a pure-decode step (a CUDA-graph bucket), one row each.
         pure_decode = nd == b
@@ -323,6 +315,8 @@ class FlashInferPagedAttention(AttentionBackend):
         cuda_graph_decode=True,
         decode_query_len=1,
     )
+    builder_class = FlashInferMetadataBuilder
+    uses_scratch_block = True  # the K/V store is a fixed-shape index_copy_
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -334,24 +328,6 @@ class FlashInferPagedAttention(AttentionBackend):
         if not torch.cuda.is_available():
             return "no CUDA device"
         return super().unavailable_reason(device, dtype, head_dim)
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
-        """One extra block past the usable ones: the scratch block padded tokens are written to."""
-        return (num_blocks + 1, block_size, num_kv_heads, head_dim)
-
-    def make_builder(
-        self,
-        max_num_seqs: int,
-        max_num_tokens: int,
-        max_blocks_per_seq: int,
-        block_size: int,
-        device: torch.device,
-        num_blocks: int | None = None,
-    ) -> FlashInferMetadataBuilder:
-        """The engine's builder; call its ``configure(...)`` before the first step."""
-        return FlashInferMetadataBuilder(
-            max_num_seqs, max_num_tokens, max_blocks_per_seq, block_size, device, scratch_block=num_blocks
-        )
 
     def forward(
         self,

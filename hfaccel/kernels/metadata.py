@@ -117,6 +117,7 @@ class MetadataBuilder:
         max_blocks_per_seq: int,
         block_size: int,
         device: torch.device,
+        scratch_block: int | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_num_tokens = max_num_tokens
@@ -125,6 +126,13 @@ class MetadataBuilder:
         self.device = torch.device(device)
         # A CUDA graph bakes in the block-table width: the runner fixes it when it captures graphs.
         self.fixed_width: int | None = None
+        # Backends that store K/V with a fixed-shape scatter send padded tokens to this block.
+        self.scratch_block = scratch_block
+        self._write_slots = (
+            None
+            if scratch_block is None
+            else torch.zeros(max_num_tokens, dtype=torch.int64, device=self.device)
+        )
         pin = self.device.type == "cuda"
         shapes = {
             "slot_mapping": ((max_num_tokens,), torch.int64),
@@ -217,6 +225,20 @@ class MetadataBuilder:
             host_seq_lens=list(layout.seq_lens),
         )
 
+    def write_slots(self, common: AttentionMetadata) -> torch.Tensor:
+        """`slot_mapping` with padded tokens (``-1``) sent to the scratch block, in a persistent buffer (a
+        fixed address for CUDA graphs): what a fixed-shape ``index_copy_`` store writes to."""
+        padded = common.num_padded_tokens > common.num_tokens
+        if self._write_slots is None:
+            if padded:
+                raise ValueError("a padded step needs the scratch block (num_blocks given to make_builder)")
+            return common.slot_mapping  # already a view of a persistent buffer
+        slots = self._write_slots[: common.num_padded_tokens]
+        slots.copy_(common.slot_mapping)
+        if padded:
+            slots.masked_fill_(slots < 0, self.scratch_block * self.block_size)
+        return slots
+
     def build(
         self, layout: StepLayout, num_padded_seqs: int | None = None, num_padded_tokens: int | None = None
     ) -> AttentionMetadata:
@@ -229,6 +251,10 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     capabilities: ClassVar[BackendCapabilities]
+    builder_class: ClassVar[type[MetadataBuilder]] = MetadataBuilder
+    # Padded tokens go to one extra block past the usable ones (a fixed-shape store needs somewhere to
+    # write them); a backend whose store kernel skips slot -1 needs none.
+    uses_scratch_block: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -244,8 +270,9 @@ class AttentionBackend(ABC):
         return None
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
-        """Shape of one layer's K (and of its V) cache for `num_blocks` usable blocks."""
-        return (num_blocks, block_size, num_kv_heads, head_dim)
+        """Shape of one layer's K (and of its V) cache for `num_blocks` usable blocks (plus the scratch
+        block, for backends that use one)."""
+        return (num_blocks + int(self.uses_scratch_block), block_size, num_kv_heads, head_dim)
 
     def make_builder(
         self,
@@ -257,8 +284,11 @@ class AttentionBackend(ABC):
         num_blocks: int | None = None,
     ) -> MetadataBuilder:
         """The metadata builder for one engine (made once; it owns the step buffers). `num_blocks` is
-        the number of usable blocks of the cache."""
-        return MetadataBuilder(max_num_seqs, max_num_tokens, max_blocks_per_seq, block_size, device)
+        the number of usable blocks of the cache (the scratch block's index, for backends that use one)."""
+        scratch = num_blocks if self.uses_scratch_block else None
+        return self.builder_class(
+            max_num_seqs, max_num_tokens, max_blocks_per_seq, block_size, device, scratch_block=scratch
+        )
 
     @abstractmethod
     def forward(

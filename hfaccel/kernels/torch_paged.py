@@ -61,9 +61,8 @@ def context_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size
 class TorchMetadataBuilder(MetadataBuilder):
     """Builds `TorchMetadata`; padding slots are redirected to the scratch block."""
 
-    def __init__(self, *args, scratch_block: int | None = None, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.scratch_block = scratch_block
         self._positions = torch.arange(self.max_blocks_per_seq * self.block_size, device=self.device)
 
     def build(
@@ -73,13 +72,7 @@ class TorchMetadataBuilder(MetadataBuilder):
         meta = TorchMetadata(common)
         block_size = self.block_size
         device = self.device
-        padded = common.num_padded_tokens > common.num_tokens or common.num_padded_seqs > common.num_seqs
-        meta.write_slots = common.slot_mapping
-        if padded:
-            if self.scratch_block is None:
-                raise ValueError("a padded step needs the scratch block (num_blocks given to make_builder)")
-            scratch = self.scratch_block * block_size
-            meta.write_slots = torch.where(common.slot_mapping < 0, scratch, common.slot_mapping)
+        meta.write_slots = self.write_slots(common)
         block_tables = common.block_tables
         num_decodes = common.num_decodes
         if num_decodes:
@@ -138,23 +131,8 @@ class TorchPagedAttention(AttentionBackend):
         cuda_graph_decode=False,  # gather sizes follow the longest context: not one shape per bucket
         decode_query_len=8,  # verification rows of 1 + k tokens (k <= 7) share the batched decode call
     )
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
-        """One extra block past the usable ones: the scratch block padded tokens are written to."""
-        return (num_blocks + 1, block_size, num_kv_heads, head_dim)
-
-    def make_builder(
-        self,
-        max_num_seqs: int,
-        max_num_tokens: int,
-        max_blocks_per_seq: int,
-        block_size: int,
-        device: torch.device,
-        num_blocks: int | None = None,
-    ) -> TorchMetadataBuilder:
-        return TorchMetadataBuilder(
-            max_num_seqs, max_num_tokens, max_blocks_per_seq, block_size, device, scratch_block=num_blocks
-        )
+    builder_class = TorchMetadataBuilder
+    uses_scratch_block = True
 
     def forward(
         self,
