@@ -343,8 +343,7 @@ class Engine:
         for request in finished:  # freed just now, not reused yet: copy the KV out for the caller
             if id(request) in kept:
                 request.kv_snapshot = self.runner.gather_kv(kept[id(request)], request.num_computed_tokens)
-        if self.proposer is not None:
-            self._propose()
+        self._propose()
         num_decode = sum(1 for n in step.num_tokens if n == 1)
         end = time.perf_counter()
         stats = StepStats(
@@ -392,13 +391,18 @@ class Engine:
         self.scheduler.prepare_ahead()
 
     def _propose(self) -> None:
-        """Draft the next step's tokens for every decoding request that speculates; a request whose
-        acceptance stays below `speculative_min_acceptance` (after 16 drafts) stops speculating."""
-        k = self.config.num_speculative_tokens
-        candidates, budgets = [], []
+        """Draft the next step's tokens for every decoding request that speculates, with its own draft
+        source and length where it has one (`Request.proposer`, `Request.num_spec_tokens`), else the
+        engine's; a request whose acceptance stays below `speculative_min_acceptance` (after 16 drafts)
+        stops speculating."""
+        groups: dict[int, tuple[Any, list[Request], list[int]]] = {}
         for request in self.scheduler.running:
+            proposer = request.proposer if request.proposer is not None else self.proposer
+            if proposer is None:
+                continue
             if not request.speculate or request.is_finished or request.num_uncomputed_tokens != 1:
                 continue
+            k = request.num_spec_tokens or self.config.num_speculative_tokens
             drafted = request.spec_drafted
             if drafted >= 16 and request.spec_accepted < self.config.speculative_min_acceptance * drafted:
                 request.speculate = False
@@ -409,10 +413,12 @@ class Engine:
                 self.max_model_len - request.num_tokens,
             )
             if room - 1 > 0:
+                _, candidates, budgets = groups.setdefault(id(proposer), (proposer, [], []))
                 candidates.append(request)
                 budgets.append(min(k, room - 1))
-        for request, drafts in zip(candidates, self.proposer.propose(candidates, budgets)):
-            request.spec_token_ids = list(drafts)
+        for proposer, candidates, budgets in groups.values():
+            for request, drafts in zip(candidates, proposer.propose(candidates, budgets)):
+                request.spec_token_ids = list(drafts)
 
     def check_model_state(self) -> bool:
         """Forget the prefix cache if `model_state` says the model changed since the last check; returns

@@ -17,13 +17,16 @@ class RequestStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class StoppingParams:
-    """When a request stops: ``max_new_tokens``, EOS ids (never before ``min_new_tokens``), or when
-    `stop_check` (given the generated ids) says a stop string has appeared."""
+    """When a request stops: ``max_new_tokens``, EOS ids (never before ``min_new_tokens``), when
+    `stop_check` (given the generated ids) says a stop string has appeared, or when `criteria` (given
+    the request, after each new token) says so. As in HF's generate, only EOS waits for
+    ``min_new_tokens``: stop strings and custom criteria may stop a request before it."""
 
     max_new_tokens: int
     min_new_tokens: int = 0
     eos_token_ids: frozenset[int] = frozenset()
     stop_check: Callable[[list[int]], bool] | None = None
+    criteria: Callable[[Request], bool] | None = None  # e.g. HF's custom stopping criteria, run per row
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -122,9 +125,10 @@ class Request:
     # per token, when sampling.top_logprobs is set: {token id: log-probability} of the k most likely
     # tokens and the chosen one
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    # Token ids the logits processors see before the prompt: the left padding the row had in an HF
-    # batch, so processors that count the row's length (forced EOS, begin-suppress, length penalty) or
-    # read its tokens (repetition penalty, n-gram bans) see what HF's generate shows them.
+    # Token ids the logits processors (and custom stopping criteria) see before the prompt: the left
+    # padding the row had in an HF batch, so processors that count the row's length (forced EOS,
+    # begin-suppress, length penalty) or read its tokens (repetition penalty, n-gram bans) see what HF's
+    # generate shows them.
     processor_prefix: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -153,6 +157,10 @@ class Request:
     keep_kv: bool = False
     kv_snapshot: list[tuple[Any, Any]] | None = field(default=None, repr=False)
     spec_token_ids: list[int] = field(default_factory=list)
+    # This request's own draft source and draft length (e.g. HF's prompt_lookup_num_tokens), used instead
+    # of the engine's (`EngineConfig.speculative` / `num_speculative_tokens`); None: the engine's.
+    proposer: Any = field(default=None, repr=False)
+    num_spec_tokens: int | None = None
     # Draft-model speculation: the draft's probabilities of `spec_token_ids` (``[k, V]``, for the rejection
     # rule; None: drafts without probabilities), and how many of the request's leading tokens the draft
     # model's KV cache holds (0 whenever the request's blocks are freed: the draft recomputes them).
@@ -196,7 +204,10 @@ class Request:
         return self.output_token_ids[position - prompt_len]
 
     def append_token(self, token_id: int, max_model_len: int, now: float | None = None) -> None:
-        """Record a generated token and finish the request if a stopping rule fires."""
+        """Record a generated token and finish the request if a stopping rule fires. Nothing for a request
+        already finished (one that failed while its token was chosen: its own logits processor raised)."""
+        if self.is_finished:
+            return
         self.output_token_ids.append(token_id)
         now = time.perf_counter() if now is None else now
         self.metrics.token_times.append(now)
@@ -204,13 +215,15 @@ class Request:
             self.metrics.first_token_time = now
         num_new = len(self.output_token_ids)
         stopping = self.stopping
-        may_stop = num_new >= stopping.min_new_tokens
-        if may_stop and token_id in stopping.eos_token_ids:
+        if num_new >= stopping.min_new_tokens and token_id in stopping.eos_token_ids:
             self.finish("stop")
             return
-        if may_stop and stopping.stop_check is not None:
+        checks = ((stopping.stop_check, self.output_token_ids), (stopping.criteria, self))
+        for check, argument in checks:
+            if check is None:
+                continue
             try:
-                stop = stopping.stop_check(self.output_token_ids)
+                stop = check(argument)
             except Exception as error:  # the request's own callback: it fails alone
                 self.fail(error)
                 return

@@ -14,7 +14,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
 
     As in HF ``generate``: scores are processed in float32; EOS is masked while a request is below its
     ``min_new_tokens`` (batched here, since every benchmark request uses it); each request's
-    id-dependent processors run on its row; score-only warpers run once per group of rows sharing them;
+    id-dependent processors run on its row (a request whose processors raise fails alone, with that
+    error; its token is ignored); score-only warpers run once per group of rows sharing them;
     then greedy rows take the argmax and each sampled row draws from its softmax with its own generator
     (an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)``: exactly a categorical draw), one copy of
     the chosen tokens to the host per step.
@@ -27,7 +28,10 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         if params.processors:
             history = request.processor_prefix + request.all_token_ids
             ids = torch.tensor([history], dtype=torch.long, device=scores.device)
-            scores[i : i + 1] = params.processors(ids, scores[i : i + 1])
+            try:
+                scores[i : i + 1] = params.processors(ids, scores[i : i + 1])
+            except Exception as error:  # the request's own processors (a caller's custom one): it fails alone
+                request.fail(error)
         if params.warpers:
             groups[id(params)].append(i)
     for rows in groups.values():

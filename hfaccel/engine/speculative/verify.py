@@ -1,7 +1,8 @@
 """Verifying one request's drafted tokens against the target's logits at its 1 + k positions.
 
 Position ``j`` of the row block scores the token after ``all_token_ids + drafts[:j]``: the request's
-logits processors see exactly that history (as they would decoding one token at a time), EOS is
+logits processors see exactly that history, after its `processor_prefix` (as they would decoding one
+token at a time), EOS is
 masked while the request is below ``min_new_tokens``, and the score-only warpers run last. Greedy
 requests keep drafts while they are the argmax; sampled ones go through the rejection rule with the
 request's own generator.
@@ -27,7 +28,8 @@ def process_row(row: torch.Tensor, request: Request, drafts: list[int]) -> torch
             if 0 <= eos < row.shape[-1]:
                 row[0, eos] = -float("inf")
     if params.processors or params.warpers:
-        ids = torch.tensor([request.all_token_ids + drafts], dtype=torch.long, device=row.device)
+        history = request.processor_prefix + request.all_token_ids + drafts  # the padded row, as in `sample`
+        ids = torch.tensor([history], dtype=torch.long, device=row.device)
         if params.processors:
             row = params.processors(ids, row)
         if params.warpers:
@@ -40,8 +42,12 @@ def verify_drafts(logits: torch.Tensor, request: Request, drafts: list[int]) -> 
     whose drafts came with probabilities (`Request.spec_draft_probs`, a draft model's) uses them in the
     rejection rule; otherwise each draft counts as certain (one-hot)."""
     scores = logits.to(dtype=torch.float32, copy=True)
-    for j in range(len(drafts) + 1):
-        scores[j : j + 1] = process_row(scores[j : j + 1], request, drafts[:j])
+    try:
+        for j in range(len(drafts) + 1):
+            scores[j : j + 1] = process_row(scores[j : j + 1], request, drafts[:j])
+    except Exception as error:  # the request's own processors raised: it fails alone (as in `sample`)
+        request.fail(error)
+        return [int(scores[0].argmax())]
     if not request.sampling.do_sample:
         return accept_greedy(scores, drafts)
     probs = torch.softmax(scores, dim=-1)
