@@ -299,11 +299,11 @@ class Engine:
         partial batch).
 
         Fault safety: if anything raises inside the step (a kernel error, out of memory, a
-        KeyboardInterrupt, a processor), the requests the step had scheduled finish with
-        ``finish_reason="error"`` and the exception in ``Request.error``, their blocks are freed, every
-        other request stays runnable, the bookkeeping is made whole again (`_recover`), and the exception
-        propagates. A request whose own ``stop_check`` raises fails alone, without failing the step: it
-        is returned among the finished requests with its error.
+        KeyboardInterrupt), the requests the step had scheduled finish with ``finish_reason="error"`` and
+        the exception in ``Request.error``, their blocks are freed, every other request stays runnable,
+        the bookkeeping is made whole again (`_recover`), and the exception propagates. A request whose
+        own ``stop_check``, stopping ``criteria`` or logits processors raise (an ``Exception``) fails
+        alone, without failing the step: it is returned among the finished requests with its error.
         """
         try:
             return self._step(draining)
