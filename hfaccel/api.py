@@ -31,6 +31,7 @@ from hfaccel.engine.speculative.proposer import speculative_stats
 from hfaccel.patches.arguments import check_generate_kwargs
 from hfaccel.patches.attention import register_attention, restore_attention
 from hfaccel.patches.generate import (
+    PER_ROW_ARGUMENTS,
     UNSUPPORTED_ARGUMENTS,
     PatchState,
     fall_back,
@@ -875,8 +876,9 @@ def _plan(
     copies = prepared.num_return_sequences or 1
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-    hf_only = {name: kwargs[name] for name in UNSUPPORTED_ARGUMENTS if given(kwargs.get(name))}
-    reason = unsupported_reason(prepared) or next((UNSUPPORTED_ARGUMENTS[name] for name in hf_only), None)
+    fallbacks = {**UNSUPPORTED_ARGUMENTS, **PER_ROW_ARGUMENTS}  # per-row ones: model.generate serves them
+    hf_only = {name: kwargs[name] for name in fallbacks if given(kwargs.get(name))}
+    reason = unsupported_reason(prepared, device=device) or next((fallbacks[name] for name in hf_only), None)
     if adapter is not None:
         reason = reason or adapter_fallback
         hf_only["adapter_names"] = [adapter]  # for PEFT's own generate, if it falls back

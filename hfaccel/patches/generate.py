@@ -1,10 +1,18 @@
 """The drop-in `generate`: HF's arguments and output layout, the hfaccel engine underneath.
 
-Served: greedy and sampling with every logits processor HF builds for them, EOS / length / stop-string
-stopping, `num_return_sequences`, `return_dict_in_generate` with `scores` / `logits`, a streamer
-for one sequence, and PEFT's mixed-adapter batches (``adapter_names``: LoRA applied per request, see
-`patches/lora.py`). What the engine does not serve goes to the original `generate`, with one warning
-naming the reason (or an error with ``patch(model, strict=True)``).
+Served: greedy and sampling with every logits processor HF builds for them, plus custom
+``logits_processor`` lists (merged by HF's own `_get_logits_processor`, run per row on the padded row);
+EOS / length / stop-string stopping, plus custom ``stopping_criteria`` (run per row after each token,
+`patches/criteria.py`); `num_return_sequences`; `return_dict_in_generate` with `scores` / `logits` /
+`past_key_values`; a streamer for one sequence; ``cache_implementation`` values with the default
+numerics (static, offloaded on CUDA, the deprecated static aliases) and ``compile_config`` (the engine's
+paged cache and compile settings serve them); ``position_ids`` equal to HF's own and an int
+``logits_to_keep`` (`patches/model_kwargs.py`); assisted decoding by prompt lookup
+(``prompt_lookup_num_tokens``) or by the engine's own draft model (``assistant_model``) on the
+speculative path (`patches/assisted.py`); and PEFT's mixed-adapter batches (``adapter_names``: LoRA
+applied per request, see `patches/lora.py`). What the engine does not serve goes to the original
+`generate`, with one warning naming the reason (or an error with ``patch(model, strict=True)``). The
+full list, with why each served option gives HF's result: docs/generate.md.
 """
 
 from __future__ import annotations
@@ -24,24 +32,29 @@ from hfaccel.config import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.loop import EngineLoop, LoopClosed
 from hfaccel.engine.request import Request, SamplingParams
-from hfaccel.patches import lora
+from hfaccel.patches import assisted, criteria, lora
+from hfaccel.patches import model_kwargs as extra_inputs
 from hfaccel.patches.arguments import check_generate_kwargs
 from hfaccel.patches.models import window_reason
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 
 # Arguments of HF generate that the engine does not serve, with the reason shown to the user.
 UNSUPPORTED_ARGUMENTS = {
-    "stopping_criteria": "custom stopping_criteria",
     "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn (constrained decoding)",
-    "assistant_model": "assistant_model (assisted decoding)",
     "negative_prompt_ids": "negative_prompt_ids (classifier-free guidance)",
     "negative_prompt_attention_mask": "negative_prompt_attention_mask",
     "custom_generate": "custom_generate",
-    "logits_processor": "custom logits_processor",
     "synced_gpus": "synced_gpus",
     "assistant_tokenizer": "assistant_tokenizer",
 }
-_SERVED_MODEL_KWARGS = {"input_ids", "attention_mask"}
+# Served by `model.generate` (per row on the engine) but not by `hfaccel.generate` and its siblings yet,
+# which fall back for them.
+PER_ROW_ARGUMENTS = {
+    "stopping_criteria": "custom stopping_criteria",
+    "assistant_model": "assistant_model (assisted decoding)",
+    "logits_processor": "custom logits_processor",
+}
+_SERVED_MODEL_KWARGS = {"input_ids", "attention_mask", *extra_inputs.SERVED}
 
 
 @dataclass
@@ -152,7 +165,8 @@ def patched_generate(
 
     streamer = kwargs.get("streamer")
     tokenizer = kwargs.get("tokenizer")
-    popped = ("input_ids", "streamer", "tokenizer", "trust_remote_code", "adapter_names")  # HF pops these too
+    custom = {name: kwargs.get(name) for name in PER_ROW_ARGUMENTS}  # generate's own: never model kwargs
+    popped = ("input_ids", "streamer", "tokenizer", "trust_remote_code", "adapter_names", *custom)
     call_kwargs = {k: v for k, v in kwargs.items() if k not in popped}
     has_default_max, has_default_min = has_default_lengths(self, generation_config, call_kwargs)
     config, model_kwargs = prepare_config(self, generation_config, call_kwargs)
@@ -162,7 +176,8 @@ def patched_generate(
         if v is not None and v is not False and k not in _SERVED_MODEL_KWARGS
     )
     copies = config.num_return_sequences or 1
-    reason = unsupported_reason(config) or (f"model kwargs {extra}" if extra else None)
+    device = next(self.parameters()).device
+    reason = unsupported_reason(config, True, device) or (f"model kwargs {extra}" if extra else None)
     if reason is None and streamer is not None and input_ids.shape[0] * copies != 1:
         reason = "a streamer with more than one sequence"
     if reason is not None:
@@ -177,7 +192,14 @@ def patched_generate(
         raise ValueError(
             f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
         )
-    stopping, sampling = request_params(self, config, input_ids, has_default_max, has_default_min, tokenizer)
+    reason = _options_reason(self, state, config, custom, input_ids, attention_mask, model_kwargs)
+    if reason is not None:
+        fall_back(state, reason)
+        return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
+    per_row = {name: custom[name] for name in ("logits_processor", "stopping_criteria")}
+    stopping, sampling = request_params(
+        self, config, input_ids, has_default_max, has_default_min, tokenizer, **per_row
+    )
     reason = None if is_left_padding(attention_mask) else "an attention mask that is not left padding"
     longest = int(attention_mask.sum(dim=1).max()) + stopping.max_new_tokens
     reason = reason or window_reason(self, longest)
@@ -193,15 +215,20 @@ def patched_generate(
     samplings = [sampling] * len(rows)
     if sampling.processors and not bool(keep.all()):
         arguments = (self, config, input_ids, has_default_max, has_default_min, tokenizer)
-        samplings = _per_padding(arguments, attention_mask.repeat_interleave(copies, dim=0), sampling)
+        samplings = _per_padding(
+            arguments, per_row, attention_mask.repeat_interleave(copies, dim=0), sampling
+        )
     adapters = [None] * len(rows) if names is None else [names[i // copies] for i in range(len(rows))]
     requests = [
         loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, samplings[i], adapter=adapters[i])
         for i in range(len(rows))
     ]
-    if sampling.processors:  # HF's processors see the padded row: its length and its pad ids
+    if sampling.processors or stopping.criteria is not None:  # they see the padded row, as in HF
         for request, row, kept in zip(requests, rows, keep):
             request.processor_prefix = row[~kept].tolist()
+    proposer, num_spec_tokens = assisted.request_speculation(config)
+    for request in requests:  # prompt lookup: this call's own draft source (None: the engine's)
+        request.proposer, request.num_spec_tokens = proposer, num_spec_tokens
     for request in requests:  # HF returns the cache with return_dict_in_generate (and use_cache)
         request.keep_kv = bool(config.return_dict_in_generate and config.use_cache is not False)
     warn_past_context(requests, loop.engine.max_model_len)
@@ -212,7 +239,9 @@ def patched_generate(
     return _output(config, prompts, requests, self)
 
 
-def _per_padding(arguments: tuple, masks: torch.Tensor, unpadded: SamplingParams) -> list[SamplingParams]:
+def _per_padding(
+    arguments: tuple, per_row: dict[str, Any], masks: torch.Tensor, unpadded: SamplingParams
+) -> list[SamplingParams]:
     """One `SamplingParams` per row, built as HF builds its processors for the padded batch: the
     processors see the padded row (`Request.processor_prefix`), and those HF gives the attention mask
     (the repetition penalty, which skips a row's left padding) get the row's own mask. Rows with the
@@ -222,9 +251,32 @@ def _per_padding(arguments: tuple, masks: torch.Tensor, unpadded: SamplingParams
     for mask in masks:
         padding = int(mask.ne(0).int().argmax())  # HF's padding length of the row
         if padding not in by_padding:
-            by_padding[padding] = request_params(*arguments, attention_mask=mask[None])[1]
+            by_padding[padding] = request_params(*arguments, attention_mask=mask[None], **per_row)[1]
         samplings.append(by_padding[padding])
     return samplings
+
+
+def _options_reason(
+    model: torch.nn.Module,
+    state: PatchState,
+    config: GenerationConfig,
+    custom: dict[str, Any],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    model_kwargs: dict[str, Any],
+) -> str | None:
+    """Why the engine cannot serve this call's custom stopping criteria, assisted decoding or extra model
+    inputs (`position_ids`, `logits_to_keep`) as HF would, or None. `config` has its special tokens."""
+    rows = input_ids.shape[0] * (config.num_return_sequences or 1)
+    stopping_criteria = custom["stopping_criteria"]
+    stops = bool(config.stop_strings) or given(stopping_criteria)
+    return (
+        criteria.unsupported_reason(model, config, stopping_criteria, rows)
+        or assisted.unsupported_reason(
+            model, config, custom["assistant_model"], state.config.speculative, input_ids.shape[0], stops
+        )
+        or extra_inputs.unsupported_reason(model_kwargs, input_ids, attention_mask)
+    )
 
 
 def warn_past_context(requests: list[Request], max_model_len: int, names: list[str] | None = None) -> None:

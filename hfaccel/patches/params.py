@@ -17,9 +17,32 @@ from transformers.generation import logits_process
 from transformers.generation.configuration_utils import GenerationMode
 
 from hfaccel.engine.request import SamplingParams, StoppingParams
+from hfaccel.patches.criteria import RowCriteria
 
 _UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
 _SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+# transformers 5.23's cache implementations whose numerics are its default dynamic cache's: the KV is kept
+# whole and in the model's dtype (static: preallocated to max_length, masked past the tokens written;
+# offloaded: moved to the CPU between layers; the deprecated aliases are static caches whose layer types
+# come from the model config, as the engine's do). The engine keeps the same KV in its own paged cache,
+# so greedy results are the same. Not served: "quantized" (a quantized KV cache: other numerics) and
+# "paged" (transformers' own continuous batching, with another output layout).
+SERVED_CACHE_IMPLEMENTATIONS = (
+    None,
+    "dynamic",
+    "offloaded",
+    "static",
+    "offloaded_static",
+    "sliding_window",
+    "hybrid",
+    "hybrid_chunked",
+    "offloaded_hybrid",
+    "offloaded_hybrid_chunked",
+)
+_CACHE_REASONS = {
+    "quantized": "cache_implementation='quantized' (a quantized KV cache changes the numerics)",
+    "paged": "cache_implementation='paged' (transformers' own continuous batching)",
+}
 # Processors that read only the scores (not the token ids): safe to run on many rows at once.
 _SCORE_ONLY = tuple(
     getattr(logits_process, name)
@@ -69,9 +92,24 @@ def validate_values(config: GenerationConfig) -> None:
         )
 
 
-def unsupported_reason(config: GenerationConfig) -> str | None:
-    """Why the engine cannot serve this (prepared) generation config, or None if it can."""
-    mode = config.get_generation_mode()
+def unsupported_reason(
+    config: GenerationConfig, assisted: bool = False, device: torch.device | None = None
+) -> str | None:
+    """Why the engine cannot serve this (prepared) generation config, or None if it can.
+
+    ``assisted=True``: the caller serves prompt lookup (``prompt_lookup_num_tokens``) on the engine's
+    speculative path (`patches/assisted.py`), so the mode is judged without it (greedy or sampling).
+    `device`: the model's; transformers' offloaded caches need CUDA (elsewhere its generate raises, and
+    so a call there falls back and raises the same)."""
+    if assisted:
+        for name in ("use_mtp", "assistant_early_exit"):
+            if getattr(config, name, None) not in (None, False):
+                return f"{name} (assisted decoding)"
+        plain = copy.copy(config)
+        plain.prompt_lookup_num_tokens = None
+        mode = plain.get_generation_mode()
+    else:
+        mode = config.get_generation_mode()
     if mode not in _SERVED_MODES:
         return f"generation mode {mode.value!r}"
     for name in _UNSUPPORTED_OUTPUTS:
@@ -79,8 +117,13 @@ def unsupported_reason(config: GenerationConfig) -> str | None:
             return f"{name}=True"
     if config.max_time is not None:
         return "max_time"
-    if config.cache_implementation not in (None, "dynamic"):
-        return f"cache_implementation={config.cache_implementation!r}"
+    implementation = config.cache_implementation
+    if implementation not in SERVED_CACHE_IMPLEMENTATIONS:
+        return _CACHE_REASONS.get(implementation, f"cache_implementation={implementation!r}")
+    if implementation and "offloaded" in implementation and device is not None and device.type != "cuda":
+        return (
+            f"cache_implementation={implementation!r} on {device.type} (transformers offloads to CUDA only)"
+        )
     if getattr(config, "token_healing", False):
         return "token_healing"
     if (config.guidance_scale or 1) != 1:
@@ -114,6 +157,8 @@ def request_params(
     output_logprobs: bool = False,
     top_logprobs: int | None = None,
     attention_mask: torch.Tensor | None = None,
+    logits_processor: Any = None,
+    stopping_criteria: Any = None,
 ) -> tuple[StoppingParams, SamplingParams]:
     """Stopping and sampling parameters for the rows of a ``[B, L]`` (possibly left-padded) input.
 
@@ -121,6 +166,12 @@ def request_params(
     most and ``min_length - L`` at least: the same numbers, given to each unpadded row.
     `attention_mask` (``[1, L]``, one row's) is what HF hands its processors as a model kwarg: the
     repetition penalty reads the row's padding length from it.
+
+    `logits_processor` (generate's custom list) is merged into HF's own list by HF's
+    `_get_logits_processor`, with its order and replacement rules; the list then runs per row, HF's
+    min-length processors included (the engine's batched EOS mask is not used, so a custom processor
+    sees the scores HF would show it). `stopping_criteria` (generate's custom list) runs per row after
+    each new token (`patches/criteria.py`).
     """
     config = copy.deepcopy(config)
     width = input_ids.shape[1]
@@ -140,19 +191,25 @@ def request_params(
             raise ValueError("stop_strings needs the tokenizer: pass tokenizer= to generate")
         strings = [config.stop_strings] if isinstance(config.stop_strings, str) else list(config.stop_strings)
         stop_check = stop_string_check(tokenizer, strings)
+    custom = list(logits_processor) if logits_processor is not None else []
+    criteria = None
+    if stopping_criteria is not None and len(stopping_criteria) > 0:
+        criteria = RowCriteria(stopping_criteria, input_ids.device, config)
     stopping = StoppingParams(
         max_new_tokens=config.max_length - width,
-        min_new_tokens=max(0, (config.min_length or 0) - width),
+        # With custom processors HF's own min-length processors run (per row, in HF's order).
+        min_new_tokens=0 if custom else max(0, (config.min_length or 0) - width),
         eos_token_ids=frozenset(eos.flatten().tolist()) if eos is not None else frozenset(),
         stop_check=stop_check,
+        criteria=criteria,
     )
-    # Min length is applied by the sampler, batched; every other processor HF would build is kept.
-    config.min_length, config.min_new_tokens = 0, None
+    if not custom:  # min length is applied by the sampler, batched; every other processor HF builds is kept
+        config.min_length, config.min_new_tokens = 0, None
     processors = model._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=width,
         encoder_input_ids=input_ids,
-        logits_processor=LogitsProcessorList(),
+        logits_processor=LogitsProcessorList(custom),
         device=input_ids.device,
         model_kwargs=None if attention_mask is None else {"attention_mask": attention_mask},
     )
@@ -170,9 +227,10 @@ def request_params(
 
 
 def split_score_only(processors: LogitsProcessorList) -> tuple[LogitsProcessorList, LogitsProcessorList]:
-    """Split off the trailing processors that read scores only (HF puts the sampling warpers last)."""
+    """Split off the trailing processors that read scores only (HF puts the sampling warpers last). The
+    type must be exactly one of HF's: a subclass (a custom processor) may read the token ids."""
     cut = len(processors)
-    while cut > 0 and isinstance(processors[cut - 1], _SCORE_ONLY):
+    while cut > 0 and type(processors[cut - 1]) in _SCORE_ONLY:
         cut -= 1
     return LogitsProcessorList(processors[:cut]), LogitsProcessorList(processors[cut:])
 

@@ -109,9 +109,9 @@ def test_strict_mode_turns_the_fallback_into_an_error():
         ValueError, match=r"hfaccel \(strict=True\) does not serve generation mode 'beam_search'"
     ):
         model.generate(torch.tensor([[5, 6, 7]]), num_beams=2, max_new_tokens=3)
-    with pytest.raises(ValueError, match="custom stopping_criteria"):
+    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
         model.generate(
-            torch.tensor([[5, 6, 7]]), stopping_criteria=[lambda ids, scores: False], max_new_tokens=3
+            torch.tensor([[5, 6, 7]]), prefix_allowed_tokens_fn=lambda i, ids: [5], max_new_tokens=3
         )
     out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3)
     assert out[0, 3:].tolist() == hf_greedy(model, [5, 6, 7], 3)

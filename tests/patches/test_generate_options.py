@@ -1,0 +1,592 @@
+"""generate's options served on the engine (issue #11 item 3): custom logits processors and stopping
+criteria run per row, cache implementations and compile configs, position_ids / logits_to_keep, and
+assisted decoding (prompt lookup, a draft model) on the speculative path. Each against unpatched HF
+generate; each option that still falls back warns (or raises under strict=True)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+
+import pytest
+import torch
+from transformers import (
+    CompileConfig,
+    EosTokenCriteria,
+    LogitsProcessor,
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+
+import hfaccel
+from hfaccel.engine.engine import Engine
+from hfaccel.engine.request import SamplingParams, StoppingParams
+from tests.helpers import EOS, PAD, tiny_model, tiny_tokenizer, varied_prompts
+
+FAMILIES = ("llama", "qwen2", "mistral")
+PROMPTS = [[5, 6, 7], [9] * 12, [11, 12, 13, 14, 15, 16, 17], [20], [30, 31, 30, 31, 30]]
+
+
+def left_padded(prompts):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def hf(model, **kwargs):
+    with torch.no_grad():
+        return type(model).generate(model, **kwargs)
+
+
+def patch(model, **config):
+    return hfaccel.patch(model, kv_cache_memory=4_000_000, block_size=8, **config)
+
+
+class BanAfterLast(LogitsProcessor):
+    """Stateless: bans a token chosen by the row's last id."""
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        rows = torch.arange(input_ids.shape[0])
+        scores[rows, (input_ids[:, -1] * 7 + 3) % scores.shape[-1]] = -float("inf")
+        return scores
+
+
+class BoostByLength(LogitsProcessor):
+    """Reads cur_len = input_ids.shape[-1] (the padded width plus the tokens generated so far)."""
+
+    def __call__(self, input_ids, scores):
+        cur_len = input_ids.shape[-1]
+        scores = scores.clone()
+        scores[:, 3 + cur_len % 40] += 4.0
+        return scores
+
+
+class StopOnToken(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+class StopAtLength(StoppingCriteria):
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids.shape[-1] >= self.length
+
+
+class Recorder(StoppingCriteria):
+    """Records the rows it was shown (as tuples) and what `scores` was."""
+
+    def __init__(self):
+        self.rows, self.scores = set(), []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.rows.update(tuple(row) for row in input_ids.tolist())
+        self.scores.append(None if scores is None else (len(scores), tuple(scores[-1].shape)))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@contextlib.contextmanager
+def no_fallback():
+    """A context in which any hfaccel warning (a fallback) is an error."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="hfaccel")
+        yield
+
+
+# ----------------------------------------------------------------- 1. custom logits processors
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_custom_logits_processors_run_per_row_as_hf(family):
+    model = tiny_model(family)
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    processors = LogitsProcessorList([BanAfterLast(), BoostByLength()])
+    reference = hf(model, logits_processor=processors, **kwargs)
+    assert not torch.equal(reference, hf(model, **kwargs)), "the processors must change the result"
+    patch(model)
+    with no_fallback():
+        out = model.generate(logits_processor=processors, **kwargs)
+    assert torch.equal(out, reference)
+
+
+def test_custom_processors_merge_with_hfs_own_as_hf_does():
+    """HF's merge: a custom processor of a type it builds takes that one's place (here the repetition
+    penalty); the others come after its own; min_new_tokens' processor runs in HF's order."""
+    model = tiny_model("qwen2")
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=9,
+        min_new_tokens=4,
+        repetition_penalty=1.2,
+        no_repeat_ngram_size=2,
+        do_sample=False,
+    )
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(3.0), BoostByLength()])
+    reference = hf(model, logits_processor=processors, **kwargs)
+    patch(model)
+    with no_fallback():
+        out = model.generate(logits_processor=processors, **kwargs)
+    assert torch.equal(out, reference)
+
+
+def test_custom_processor_that_allows_eos_before_min_new_tokens_stops_as_in_hf():
+    """HF's min-length processor runs before the custom ones; a custom one that puts EOS back in play
+    can end the row early (HF's EOS criterion does not wait for min_new_tokens)."""
+
+    class ForceEos(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            if input_ids.shape[-1] >= 6:
+                scores[:, EOS] = 1e4
+            return scores
+
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    kwargs = dict(input_ids=ids, max_new_tokens=10, min_new_tokens=8, do_sample=False)
+    processors = LogitsProcessorList([ForceEos()])
+    reference = hf(model, logits_processor=processors, **kwargs)
+    patch(model)
+    out = model.generate(logits_processor=processors, **kwargs)
+    assert torch.equal(out, reference) and out[0, -1].item() == EOS
+
+
+def test_sampling_runs_the_custom_processor_on_every_row():
+    class OnlyTwo(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            keep = torch.full_like(scores, -float("inf"))
+            keep[:, [40, 41]] = 0.0
+            return scores + keep
+
+    model = patch(tiny_model("llama"))
+    ids, mask = left_padded(PROMPTS)
+    with no_fallback():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=6,
+            do_sample=True,
+            logits_processor=LogitsProcessorList([OnlyTwo()]),
+        )
+    assert set(out[:, ids.shape[1] :].flatten().tolist()) <= {40, 41}
+
+
+def test_a_raising_custom_processor_fails_its_own_request_only():
+    class Boom(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            raise RuntimeError("boom")
+
+    model = tiny_model("llama")
+    engine = Engine(model, hfaccel.EngineConfig(kv_cache_memory=2_000_000, block_size=8))
+    bad = engine.add_request(
+        [5, 6, 7], StoppingParams(5), SamplingParams(processors=LogitsProcessorList([Boom()]))
+    )
+    good = engine.add_request([8, 9, 10], StoppingParams(5))
+    engine.step()
+    assert bad.is_finished and bad.finish_reason == "error" and str(bad.error) == "boom"
+    while not good.is_finished:
+        engine.step()
+    assert good.finish_reason == "length" and len(good.output_token_ids) == 5
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    # Through model.generate, the call raises the processor's error and the model goes on generating.
+    patch(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, logits_processor=[Boom()])
+    prompt = [5, 6, 7]
+    assert torch.equal(
+        model.generate(torch.tensor([prompt]), max_new_tokens=4),
+        hf(model, inputs=torch.tensor([prompt]), max_new_tokens=4),
+    )
+
+
+# ----------------------------------------------------------------- 2. custom stopping criteria
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_custom_stopping_criteria_stop_rows_as_hf(family):
+    model = tiny_model(family)
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    plain = hf(model, **kwargs)
+    token = plain[1, ids.shape[1] + 3].item()  # a token row 1 produces after 4 steps
+    cases = [
+        StoppingCriteriaList([StopOnToken(token)]),
+        [StopAtLength(ids.shape[1] + 5)],  # counts the padded width, as HF does
+        StoppingCriteriaList([StopOnToken(token), StopAtLength(ids.shape[1] + 9)]),
+    ]
+    references = [hf(model, stopping_criteria=c, **kwargs) for c in cases]
+    assert references[0].shape[1] < plain.shape[1] or not torch.equal(references[0], plain)
+    patch(model)
+    for criteria, reference in zip(cases, references):
+        with no_fallback():
+            out = model.generate(stopping_criteria=criteria, **kwargs)
+        assert torch.equal(out, reference), criteria
+
+
+def test_criteria_see_each_row_as_hf_shows_it_and_scores_only_when_kept():
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    theirs, ours = Recorder(), Recorder()
+    hf(model, stopping_criteria=[theirs], **kwargs)
+    patch(model)
+    model.generate(stopping_criteria=[ours], **kwargs)
+    assert ours.rows == theirs.rows  # the padded rows, prompt and tokens so far, at every step
+    assert set(ours.scores) == {None} == set(theirs.scores)
+    theirs, ours = Recorder(), Recorder()
+    scored = dict(kwargs, return_dict_in_generate=True, output_scores=True)
+    hf(model, stopping_criteria=[theirs], **scored)
+    model.generate(stopping_criteria=[ours], **scored)
+    vocab = model.config.vocab_size
+    # HF's tuple holds every step's scores so far, [B, V] each; a row's call gets its own, [1, V] each.
+    assert {n for n, _ in ours.scores} == {n for n, _ in theirs.scores} == set(range(1, 7))
+    assert {shape for _, shape in theirs.scores} == {(len(PROMPTS), vocab)}
+    assert {shape for _, shape in ours.scores} == {(1, vocab)}
+
+
+def test_criteria_and_stop_strings_are_not_held_back_by_min_new_tokens():
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    plain = hf(model, inputs=ids, max_new_tokens=12, do_sample=False)[0, 4:].tolist()
+    at = next(i for i, t in enumerate(plain) if 3 <= t < 98 and i >= 1)
+    stop = tokenizer.decode([plain[at]])
+    cases = [
+        dict(stop_strings=[stop], tokenizer=tokenizer),
+        dict(stopping_criteria=[StopOnToken(plain[at])]),
+    ]
+    references = [
+        hf(model, inputs=ids, max_new_tokens=12, min_new_tokens=at + 3, do_sample=False, **c) for c in cases
+    ]
+    patch(model)
+    for case, reference in zip(cases, references):
+        out = model.generate(ids, max_new_tokens=12, min_new_tokens=at + 3, do_sample=False, **case)
+        assert torch.equal(out, reference), case
+        assert out.shape[1] == 4 + at + 1
+
+
+def test_a_raising_criterion_raises_from_generate():
+    class Boom(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            raise ValueError("criterion boom")
+
+    model = patch(tiny_model("llama"))
+    with pytest.raises(ValueError, match="criterion boom"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, stopping_criteria=[Boom()])
+    engine = model._hfaccel.engine
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_criteria_fall_back_where_hf_applies_them_otherwise():
+    model = patch(tiny_model("llama"))
+    ids, mask = left_padded(PROMPTS[:2])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    # A custom criterion of a type HF builds itself: HF uses it in place of its own.
+    custom_eos = [EosTokenCriteria(eos_token_id=7)]
+    with pytest.warns(UserWarning, match="a custom EosTokenCriteria in stopping_criteria"):
+        out = model.generate(stopping_criteria=custom_eos, **kwargs)
+    assert torch.equal(out, hf(model, stopping_criteria=custom_eos, **kwargs))
+    # No EOS id: HF keeps generating a stopped row's tokens while another row runs.
+    model.generation_config.eos_token_id = None
+    plain = hf(model, **kwargs)
+    criteria = [StopOnToken(plain[0, ids.shape[1] + 1].item())]
+    with pytest.warns(UserWarning, match="stopping_criteria on a batch without an eos_token_id"):
+        out = model.generate(stopping_criteria=criteria, **kwargs)
+    assert torch.equal(out, hf(model, stopping_criteria=criteria, **kwargs))
+    with pytest.warns(UserWarning, match="stop_strings on a batch without an eos_token_id"):
+        model.generate(stop_strings=["x"], tokenizer=tiny_tokenizer(), **kwargs)
+    # One row without EOS: stopping it stops the call, as in HF; served.
+    with no_fallback():
+        out = model.generate(
+            stopping_criteria=criteria, input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=8
+        )
+    assert torch.equal(
+        out,
+        hf(model, stopping_criteria=criteria, input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=8),
+    )
+
+
+# ----------------------------------------------------------------- 3. cache implementations, compile config
+
+
+@pytest.mark.parametrize(
+    "implementation", ["static", "sliding_window", "hybrid", "hybrid_chunked", "dynamic"]
+)
+def test_cache_implementations_with_the_default_numerics_are_served(implementation):
+    model = tiny_model("qwen2")
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    reference = hf(model, cache_implementation=implementation, **kwargs)
+    assert torch.equal(reference, hf(model, **kwargs))
+    patch(model)
+    with no_fallback():
+        out = model.generate(cache_implementation=implementation, **kwargs)
+    assert torch.equal(out, reference)
+
+
+def test_compile_config_is_served_with_the_engines_own_compile_settings():
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    reference = hf(model, **kwargs)
+    patch(model)
+    with no_fallback():
+        out = model.generate(
+            cache_implementation="static", compile_config=CompileConfig(fullgraph=False), **kwargs
+        )
+    assert torch.equal(out, reference)
+
+
+def _stub_original(model):
+    """Replace the original generate by a recorder: for fallbacks whose HF run is slow (paged) or needs
+    what this machine lacks (optimum-quanto, CUDA)."""
+    calls = []
+    model._hfaccel.original_generate = lambda *args, **kwargs: calls.append(kwargs) or "hf"
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("implementation", "reason"),
+    [
+        ("quantized", r"cache_implementation='quantized' \(a quantized KV cache changes the numerics\)"),
+        ("paged", r"cache_implementation='paged' \(transformers' own continuous batching\)"),
+        ("offloaded", r"cache_implementation='offloaded' on cpu \(transformers offloads to CUDA only\)"),
+        ("offloaded_static", r"cache_implementation='offloaded_static' on cpu"),
+    ],
+)
+def test_cache_implementations_that_differ_fall_back(implementation, reason):
+    model = patch(tiny_model("llama"))
+    calls = _stub_original(model)
+    with pytest.warns(UserWarning, match=reason):
+        assert (
+            model.generate(torch.tensor([[5, 6]]), max_new_tokens=3, cache_implementation=implementation)
+            == "hf"
+        )
+    assert calls[0]["cache_implementation"] == implementation
+
+
+# ----------------------------------------------------------------- 4. position_ids, logits_to_keep
+
+
+def test_position_ids_that_hf_would_compute_are_served():
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    reference = hf(model, **kwargs)
+    cumsum = mask.long().cumsum(-1) - 1
+    patch(model)
+    for positions in (cumsum.masked_fill(mask == 0, 0), cumsum.masked_fill(mask == 0, 1), cumsum):
+        assert torch.equal(hf(model, position_ids=positions, **kwargs), reference)
+        with no_fallback():
+            out = model.generate(position_ids=positions, **kwargs)
+        assert torch.equal(out, reference)
+    one = torch.tensor([[5, 6, 7, 8]])
+    with no_fallback():
+        out = model.generate(one, position_ids=torch.arange(4)[None], max_new_tokens=5)
+    assert torch.equal(out, hf(model, inputs=one, max_new_tokens=5))
+
+
+def test_other_position_ids_fall_back_naming_them():
+    model = patch(tiny_model("llama"))
+    ids, mask = left_padded(PROMPTS[:2])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0) + 5
+    with pytest.warns(UserWarning, match=r"position_ids other than the attention mask's"):
+        out = model.generate(position_ids=positions, **kwargs)
+    assert torch.equal(out, hf(model, position_ids=positions, **kwargs))
+
+
+def test_logits_to_keep_does_not_change_the_result():
+    model = tiny_model("mistral")
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    reference = hf(model, **kwargs)
+    patch(model)
+    for keep in (0, 1, 3):
+        assert torch.equal(hf(model, logits_to_keep=keep, **kwargs), reference)
+        with no_fallback():
+            assert torch.equal(model.generate(logits_to_keep=keep, **kwargs), reference)
+    calls = _stub_original(model)
+    with pytest.warns(
+        UserWarning, match=r"logits_to_keep=a tensor of shape \(1,\) \(only an int is served\)"
+    ):
+        model.generate(logits_to_keep=torch.tensor([0]), **kwargs)
+    assert len(calls) == 1
+
+
+# ----------------------------------------------------------------- 5. assisted decoding
+
+REPEATS = [5, 6, 7, 8, 9, 10] * 3 + [5, 6]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prompt_lookup_runs_on_the_engine_with_hfs_greedy_tokens(family):
+    model = tiny_model(family)
+    ids = torch.tensor([REPEATS])
+    reference = hf(model, inputs=ids, max_new_tokens=24, do_sample=False)
+    assert torch.equal(
+        hf(model, inputs=ids, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=3), reference
+    )
+    patch(model)
+    with no_fallback():
+        out = model.generate(ids, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=3)
+    assert torch.equal(out, reference)
+    stats = model._hfaccel.engine.stats()
+    assert stats["spec_drafted"] > 0
+    # The engine itself does not speculate: the next call without prompt lookup drafts nothing.
+    model.generate(ids, max_new_tokens=10, do_sample=False)
+    assert model._hfaccel.engine.stats()["spec_drafted"] == stats["spec_drafted"]
+
+
+def test_prompt_lookup_with_sampling_keeps_its_processors():
+    model = patch(tiny_model("llama"))
+    ids = torch.tensor([REPEATS])
+    with no_fallback():
+        out = model.generate(
+            ids,
+            max_new_tokens=12,
+            do_sample=True,
+            top_k=2,
+            prompt_lookup_num_tokens=2,
+            return_dict_in_generate=True,
+        )
+    assert out.sequences.shape == (1, len(REPEATS) + 12)
+
+
+def test_the_engines_draft_model_serves_assistant_model():
+    model = tiny_model("qwen2")
+    draft = tiny_model("qwen2", layers=1, seed=3)
+    ids = torch.tensor([REPEATS])
+    reference = hf(model, inputs=ids, max_new_tokens=16, do_sample=False)
+    assert torch.equal(
+        hf(model, inputs=ids, max_new_tokens=16, do_sample=False, assistant_model=draft), reference
+    )
+    patch(model, speculative=draft, num_speculative_tokens=3)
+    with no_fallback():
+        out = model.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=draft)
+    assert torch.equal(out, reference)
+    assert model._hfaccel.engine.stats()["spec_drafted"] > 0
+    # Another assistant falls back: the engine's draft model is built with its cache.
+    other = tiny_model("qwen2", layers=1, seed=4)
+    with pytest.warns(
+        UserWarning, match=r"an assistant_model other than the engine's draft model \(hfaccel.patch"
+    ):
+        out = model.generate(ids, max_new_tokens=16, do_sample=False, assistant_model=other)
+    assert torch.equal(out, reference)
+
+
+def test_assisted_decoding_falls_back_where_hf_refuses_or_differs():
+    model = patch(tiny_model("llama"))
+    ids, mask = left_padded(PROMPTS[:2])
+    with (
+        pytest.warns(
+            UserWarning, match=r"assisted decoding \(prompt_lookup_num_tokens\) on a batch of 2 rows"
+        ),
+        pytest.raises(ValueError, match="batch_size = 1"),
+    ):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, prompt_lookup_num_tokens=2)
+    one = torch.tensor([REPEATS])
+    with (
+        pytest.warns(UserWarning, match=r"with num_return_sequences > 1 \(transformers refuses it\)"),
+        pytest.raises(ValueError, match="num_return_sequences has to be 1"),
+    ):
+        model.generate(
+            one, max_new_tokens=4, prompt_lookup_num_tokens=2, num_return_sequences=2, do_sample=True
+        )
+    with pytest.warns(UserWarning, match=r"with stop_strings or stopping_criteria"):
+        out = model.generate(
+            one, max_new_tokens=6, prompt_lookup_num_tokens=2, stopping_criteria=[StopAtLength(30)]
+        )
+    assert torch.equal(
+        out,
+        hf(
+            model,
+            inputs=one,
+            max_new_tokens=6,
+            prompt_lookup_num_tokens=2,
+            stopping_criteria=[StopAtLength(30)],
+        ),
+    )
+    calls = _stub_original(model)
+    with pytest.warns(
+        UserWarning, match=r"assisted decoding \(prompt_lookup_num_tokens\) with use_cache=False"
+    ):
+        model.generate(one, max_new_tokens=4, prompt_lookup_num_tokens=2, use_cache=False)
+    with pytest.warns(UserWarning, match=r"with cache_implementation='static' \(transformers refuses it\)"):
+        model.generate(one, max_new_tokens=4, prompt_lookup_num_tokens=2, cache_implementation="static")
+    with pytest.warns(UserWarning, match=r"assistant_ensemble_weight \(assisted decoding\)"):
+        model.generate(one, max_new_tokens=4, prompt_lookup_num_tokens=2, assistant_ensemble_weight=0.5)
+    with pytest.warns(UserWarning, match=r"an assistant_model other than"):
+        model.generate(one, max_new_tokens=4, assistant_model=tiny_model("llama", layers=1))
+    other_vocab = tiny_model("llama", layers=1)
+    other_vocab.resize_token_embeddings(300)
+    with pytest.warns(UserWarning, match=r"assistant_model with another vocabulary"):
+        model.generate(one, max_new_tokens=4, assistant_model=other_vocab)
+    assert len(calls) == 5
+
+
+def test_speculation_on_a_padded_batch_shows_processors_the_padded_row():
+    """With the engine speculating (patch(speculative="ngram")), verification runs the processors on
+    each draft position with the row's left padding before it, as decoding one token at a time does."""
+    model = tiny_model("llama")
+    prompts = [REPEATS, REPEATS[:9], [30, 31, 30, 31, 30, 31]]
+    ids, mask = left_padded(prompts)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    cases = [
+        dict(no_repeat_ngram_size=3),
+        dict(logits_processor=LogitsProcessorList([BoostByLength()])),
+        dict(exponential_decay_length_penalty=(2, 1.5)),
+    ]
+    references = [hf(model, **kwargs, **c) for c in cases]
+    patch(model, speculative="ngram", num_speculative_tokens=3)
+    for case, reference in zip(cases, references):
+        assert torch.equal(model.generate(**kwargs, **case), reference), case
+    assert model._hfaccel.engine.stats()["spec_drafted"] > 0
+
+
+# ----------------------------------------------------------------- concurrency
+
+
+def test_concurrent_callers_keep_their_own_options():
+    """Calls with their own processors, criteria and prompt lookup share the engine's steps; each gets
+    HF's result for its own options."""
+    model = tiny_model("llama")
+    prompts = varied_prompts(4, seed=11)
+    calls = [
+        dict(logits_processor=[BanAfterLast()]),
+        dict(stopping_criteria=[StopAtLength(len(prompts[1]) + 3)]),
+        dict(prompt_lookup_num_tokens=2),
+        dict(),
+    ]
+    references = [
+        hf(model, inputs=torch.tensor([p]), max_new_tokens=10, do_sample=False, **c)
+        for p, c in zip(prompts, calls)
+    ]
+    patch(model)
+    results = [None] * 4
+    barrier = threading.Barrier(4)
+
+    def run(i):
+        barrier.wait()
+        results[i] = model.generate(
+            torch.tensor([prompts[i]]), max_new_tokens=10, do_sample=False, **calls[i]
+        )
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for result, reference in zip(results, references):
+        assert torch.equal(result, reference)
