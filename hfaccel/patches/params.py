@@ -114,13 +114,15 @@ def request_params(
     output_logprobs: bool = False,
     top_logprobs: int | None = None,
     attention_mask: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
 ) -> tuple[StoppingParams, SamplingParams]:
     """Stopping and sampling parameters for the rows of a ``[B, L]`` (possibly left-padded) input.
 
     HF counts max/min length on the padded width, so every row gets ``max_length - L`` new tokens at
     most and ``min_length - L`` at least: the same numbers, given to each unpadded row.
     `attention_mask` (``[1, L]``, one row's) is what HF hands its processors as a model kwarg: the
-    repetition penalty reads the row's padding length from it.
+    repetition penalty reads the row's padding length from it. With `inputs_embeds` (the prompt given as
+    embeddings; `input_ids` are the ids beside them, or ``[B, 0]``) HF's length rules for embeddings apply.
     """
     config = copy.deepcopy(config)
     width = input_ids.shape[1]
@@ -128,9 +130,9 @@ def request_params(
         generation_config=config,
         has_default_max_length=has_default_max,
         has_default_min_length=has_default_min,
-        model_input_name="input_ids",
+        model_input_name="input_ids" if inputs_embeds is None else "inputs_embeds",
         input_ids_length=width,
-        inputs_tensor=input_ids,
+        inputs_tensor=input_ids if inputs_embeds is None else inputs_embeds,
     )
     model._validate_generated_length(config, width, has_default_max)
     eos = config._eos_token_tensor
@@ -151,7 +153,7 @@ def request_params(
     processors = model._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=width,
-        encoder_input_ids=input_ids,
+        encoder_input_ids=input_ids if inputs_embeds is None else inputs_embeds,
         logits_processor=LogitsProcessorList(),
         device=input_ids.device,
         model_kwargs=None if attention_mask is None else {"attention_mask": attention_mask},
