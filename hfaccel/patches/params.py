@@ -81,6 +81,11 @@ def unsupported_reason(config: GenerationConfig) -> str | None:
         return "max_time"
     if config.cache_implementation not in (None, "dynamic"):
         return f"cache_implementation={config.cache_implementation!r}"
+    # HF builds these with the whole batch's prompts ([B, L]); the engine's processors run per request.
+    if (config.encoder_repetition_penalty or 1.0) != 1.0:
+        return "encoder_repetition_penalty"
+    if config.encoder_no_repeat_ngram_size:
+        return "encoder_no_repeat_ngram_size"
     if getattr(config, "token_healing", False):
         return "token_healing"
     if (config.guidance_scale or 1) != 1:
