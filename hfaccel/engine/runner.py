@@ -284,9 +284,10 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device)
         table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
-        for (k_cache, v_cache), (k, v) in zip(self.kv_caches, kv, strict=True):
-            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.device, k_cache.dtype))
-            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.device, v_cache.dtype))
+        with torch.no_grad():
+            for (k_cache, v_cache), (k, v) in zip(self.kv_caches, kv, strict=True):
+                k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.device, k_cache.dtype))
+                v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.device, v_cache.dtype))
 
 
 def kv_bytes_per_token(executor: ModelExecutor, dtype: torch.dtype) -> int:

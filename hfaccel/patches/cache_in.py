@@ -72,6 +72,9 @@ class CacheImport:
         the engine's K/V makes, ``[B, Hkv, width, D]``) and return `output` holding the user's object."""
         for index, layer in enumerate(built.layers):
             keys, values = layer.keys[:, :, self.length :], layer.values[:, :, self.length :]
+            if index < len(self.cache.layers) and self.cache.layers[index].is_initialized:
+                given = self.cache.layers[index].keys
+                keys, values = keys.to(given.device, given.dtype), values.to(given.device, given.dtype)
             self.cache.update(keys, values, index)
         if hasattr(output, "past_key_values"):
             output.past_key_values = self.cache
@@ -119,7 +122,10 @@ def plan(
             continue
         rows.append(
             [
-                (layer.keys[i, :, pad:length].transpose(0, 1), layer.values[i, :, pad:length].transpose(0, 1))
+                (
+                    layer.keys[i, :, pad:length].detach().transpose(0, 1),
+                    layer.values[i, :, pad:length].detach().transpose(0, 1),
+                )
                 for layer in cache.layers
             ]
         )

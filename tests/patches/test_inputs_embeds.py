@@ -212,3 +212,29 @@ def test_unserved_embeddings_fall_back_with_the_warning(case):
             model.generate(**kwargs)
     finally:
         hfaccel.unpatch(model)
+
+
+def test_a_streamer_sees_what_hf_shows_it():
+    """Embeddings only: HF first puts the empty prompt ([1, 0]), then each new token."""
+
+    class Collect:
+        def __init__(self):
+            self.puts, self.ended = [], 0
+
+        def put(self, value):
+            self.puts.append(value.tolist())
+
+        def end(self):
+            self.ended += 1
+
+    model = tiny_model("llama")
+    embeds = embeddings(model, torch.tensor([[5, 6, 7, 8]]), seed=6)
+    theirs, ours = Collect(), Collect()
+    hf(model, inputs_embeds=embeds, max_new_tokens=5, do_sample=False, streamer=theirs)
+    hfaccel.patch(model)
+    try:
+        served(model, inputs_embeds=embeds, max_new_tokens=5, do_sample=False, streamer=ours)
+    finally:
+        hfaccel.unpatch(model)
+    assert ours.puts == theirs.puts and ours.puts[0] == [[]]
+    assert ours.ended == theirs.ended == 1
