@@ -274,7 +274,6 @@ class ModelRunner:
             for k, v in self.kv_caches
         ]
 
-
     def write_kv(self, block_ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write K and V (``[n, Hkv, D]`` per layer) into the slots of positions ``[0, n)`` of `block_ids`:
         the inverse of `gather_kv`."""
