@@ -26,6 +26,7 @@ SUITES = (
     "kernels",
     "tp",
     "goodput",
+    "coverage",
 )
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -139,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         "adapters mixed vs one by one, release/rebuild), step (decode step vs HF and the matmul floor), kernels "
         "(attention backends that run natively here), tp (TP=1 with 2 threads vs TP=2 with 1 thread each, 2 "
         "gloo processes), goodput (requests/s meeting TPOT and TTFT targets under Poisson arrivals: fixed "
-        "settings vs adaptive scheduling vs HF generate_batch)",
+        "settings vs adaptive scheduling vs HF generate_batch), coverage (which HF generate options run on the engine "
+        "and which fall back, on a tiny random Llama: a markdown table and a bar chart)",
     )
     bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="model dtype (default bfloat16)")
     bench.add_argument("--num-requests", type=_positive_int, default=32, help="offline: number of requests")
@@ -154,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="offline: comma-separated systems to compare (hf_static, hf_generate_batch, hfaccel)",
     )
     bench.add_argument("--json", default=None, help="also write the results to this file")
+    bench.add_argument(
+        "--coverage-out", default="bench-results", help="coverage: folder for coverage.md and coverage.png"
+    )
     bench.add_argument("--callers", default="1,4,16", help="concurrency: numbers of concurrent callers")
     bench.add_argument(
         "--requests-per-caller", type=_positive_int, default=4, help="concurrency: requests each caller sends"
@@ -306,6 +311,13 @@ def run_bench(args: argparse.Namespace) -> None:
     if unknown:
         raise SystemExit(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
     dtype = _DTYPES[args.dtype]
+    if "coverage" in suites:  # a tiny random model of its own, seconds
+        from hfaccel.bench.coverage import run_coverage
+
+        run_coverage(args.coverage_out)
+        suites = [s for s in suites if s != "coverage"]
+        if not suites:
+            return
     if "tp" in suites:  # its own processes and its own SmolLM2-sized model (divisible heads)
         from hfaccel.bench.parallel import run_parallel_benchmark
 

@@ -84,6 +84,9 @@ class PackedStep:
     rows_per_request: list[int] | None = None
     # The adapter of each packed token (its request's `adapter`), or None when no request has one.
     token_adapters: list[str | None] | None = None
+    # Prompt positions fed as embeddings (`Request.prompt_embeds`): (packed index of the first token,
+    # request, first prompt position, end position) per run; None when the step has none.
+    prompt_embeds: list[tuple[int, Request, int, int]] | None = None
 
 
 def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -> PackedStep:
@@ -100,11 +103,14 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
     sampled: list[Request] = []
     rows: list[int] = []
     adapters: list[str | None] | None = [] if any(r.adapter is not None for r in step.requests) else None
+    embedded: list[tuple[int, Request, int, int]] = []
     for i in order:
         request, count = step.requests[i], step.num_tokens[i]
         start = request.num_computed_tokens
         end = start + count
         drafts = request.spec_token_ids
+        if request.prompt_embeds is not None and start < len(request.prompt_embeds):
+            embedded.append((len(input_ids), request, start, min(end, len(request.prompt_embeds))))
         verifying = bool(drafts) and request.num_uncomputed_tokens == 1 and count == 1 + len(drafts)
         if count == 1:
             input_ids.append(request.token_at(start))
@@ -136,4 +142,4 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
         slot_mapping=slots,
         num_decodes=num_leading_decodes(query_lens, decode_query_len),
     )
-    return PackedStep(input_ids, positions, logits_indices, sampled, layout, rows, adapters)
+    return PackedStep(input_ids, positions, logits_indices, sampled, layout, rows, adapters, embedded or None)

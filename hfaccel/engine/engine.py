@@ -20,6 +20,7 @@ from hfaccel.engine.cost_model import StepCostModel
 from hfaccel.engine.executor import ModelExecutor, make_executor
 from hfaccel.engine.limits import Limits, resolve_limits
 from hfaccel.engine.metrics import StepStats
+from hfaccel.engine.prompt_inputs import write_imported_kv
 from hfaccel.engine.request import GREEDY, Request, SamplingParams, StoppingParams
 from hfaccel.engine.runner import ModelRunner, kv_bytes_per_token
 from hfaccel.engine.scheduler import Scheduler
@@ -330,6 +331,7 @@ class Engine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = start
         scheduled = time.perf_counter()
+        write_imported_kv(self.runner, step.requests)  # K/V given with a prompt (engine/prompt_inputs.py)
         packed = pack_step(step, self.config.block_size, self.runner.backend.capabilities.decode_query_len)
         if self.step_sync is not None:  # tensor parallel: every rank runs this very step
             self.step_sync.check_step(step, packed)

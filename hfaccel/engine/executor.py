@@ -37,13 +37,18 @@ class ModelExecutor(Protocol):
         logits_indices: torch.Tensor,
         compiled: Callable[..., torch.Tensor] | None = None,
         token_adapters: list[str | None] | None = None,
+        prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``[1, T]`` packed ids and positions -> ``[N, V]`` logits at the `logits_indices` positions,
         through `compiled` (a function from `compile`) when given. The caller has set the forward
         context (metadata, KV caches) for the step. `token_adapters` (passed only when some request
         names an adapter, and then never with `compiled`): each packed token's LoRA adapter, None for
         the model as it is. An executor that serves adapters also has ``check_adapter(name)``, which
-        raises ValueError for a name it cannot serve."""
+        raises ValueError for a name it cannot serve. `prompt_embeds` (passed only for a step with
+        embedded prompt tokens, and then never with `compiled`): the packed indices ``[n]`` of those
+        tokens and their embeddings ``[n, H]``, fed to the model instead of their ids. An executor that
+        takes them (and imported K/V, see `engine/prompt_inputs.py`) has ``prompt_inputs_reason()``
+        returning None."""
 
     def compile(self, dynamic: bool) -> Callable[..., torch.Tensor]:
         """A ``torch.compile``d model forward for `forward`'s `compiled` (dynamic token dimension or not)."""

@@ -156,6 +156,15 @@ class Request:
     # of its blocks when it finishes (before they can be reused).
     keep_kv: bool = False
     kv_snapshot: list[tuple[Any, Any]] | None = field(default=None, repr=False)
+    # Prompt inputs other than token ids (engine/prompt_inputs.py): embeddings ``[n, H]`` fed to the model
+    # instead of the ids at prompt positions ``[0, n)`` (whenever they are computed: after a preemption
+    # too), and K/V per layer ``[m, Hkv, D]`` of positions ``[0, m)`` written into the request's blocks
+    # when it is admitted instead of being computed. Such requests have a cache salt of their own: their
+    # blocks never match another prompt's by token ids. `processor_sees_prompt` False: the logits
+    # processors see the generated tokens only (HF's ``inputs_embeds`` without ``input_ids``).
+    prompt_embeds: Any = field(default=None, repr=False)
+    imported_kv: list[tuple[Any, Any]] | None = field(default=None, repr=False)
+    processor_sees_prompt: bool = True
     spec_token_ids: list[int] = field(default_factory=list)
     # This request's own draft source and draft length (e.g. HF's prompt_lookup_num_tokens), used instead
     # of the engine's (`EngineConfig.speculative` / `num_speculative_tokens`); None: the engine's.
@@ -196,6 +205,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def num_imported_tokens(self) -> int:
+        """Leading tokens whose K/V is imported (`imported_kv`) rather than computed."""
+        return 0 if self.imported_kv is None else int(self.imported_kv[0][0].shape[0])
+
+    def processor_ids(self) -> list[int]:
+        """The token ids the logits processors see: `processor_prefix`, the prompt (unless hidden) and the
+        generated tokens."""
+        body = self.all_token_ids if self.processor_sees_prompt else self.output_token_ids
+        return self.processor_prefix + body
 
     def token_at(self, position: int) -> int:
         prompt_len = len(self.prompt_token_ids)

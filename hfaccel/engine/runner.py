@@ -144,7 +144,13 @@ class ModelRunner:
                 if len(parts) > 1:
                     self.microbatch_log.append([len(p.layout.query_lens) for p in parts])
             return run_pipeline(parts, self._prepare)[: len(packed.logits_indices)]
-        if self.num_microbatches > 1 and bucket is None and packed.layout.num_seqs > 1:
+        # A step that feeds prompt embeddings runs whole (microbatches carry token ids only).
+        if (
+            self.num_microbatches > 1
+            and bucket is None
+            and packed.layout.num_seqs > 1
+            and packed.prompt_embeds is None
+        ):
             parts = split_microbatches(
                 packed, self.num_microbatches, self.backend.capabilities.decode_query_len
             )
@@ -167,9 +173,11 @@ class ModelRunner:
         if self._copied is not None:
             self._copied.synchronize()
         adapters = packed.token_adapters  # per-token LoRA adapters: such a step runs eager
-        if bucket is None and self.decode_buckets and adapters is None:
+        embeds = packed.prompt_embeds  # prompt embeddings: only in prefill steps, which run eager
+        eager = adapters is not None or embeds is not None
+        if bucket is None and self.decode_buckets and not eager:
             bucket = choose_bucket(packed.layout, self.decode_buckets)
-        compiled = self._compiled_for(bucket) if adapters is None else None
+        compiled = self._compiled_for(bucket) if not eager else None
         # A dynamic-shape graph specialises sizes 0 and 1: pad its token and sampled-row counts to 2+.
         floor = 2 if compiled is not None and bucket is None else 0
         tokens = bucket or max(len(packed.input_ids), floor)
@@ -195,11 +203,19 @@ class ModelRunner:
             logits = self.graphs.replay(key)
         else:
             extra = {} if adapters is None else {"token_adapters": adapters}
+            if embeds is not None:
+                extra["prompt_embeds"] = self._prompt_embeds(embeds)
             with forward_context(context):
                 logits = self.executor.forward(
                     input_ids, positions, logits_indices, compiled=compiled, **extra
                 )
         return logits[: len(packed.logits_indices)]
+
+    def _prompt_embeds(self, runs: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed indices of the step's embedded prompt tokens and their embedding rows, ``[n, H]``."""
+        index = torch.cat([torch.arange(at, at + end - start) for at, _, start, end in runs])
+        rows = torch.cat([request.prompt_embeds[start:end] for _, request, start, end in runs])
+        return index.to(self.device), rows.to(self.device)
 
     def _compiled_for(self, bucket: int | None) -> Callable[..., torch.Tensor] | None:
         """The compiled forward for a bucketed decode step (or, under "all", any step); None: eager."""
@@ -257,6 +273,20 @@ class ModelRunner:
             (k.view(-1, *k.shape[2:]).index_select(0, slots), v.view(-1, *v.shape[2:]).index_select(0, slots))
             for k, v in self.kv_caches
         ]
+
+    def write_kv(self, block_ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write K and V (``[n, Hkv, D]`` per layer) into the slots of positions ``[0, n)`` of `block_ids`:
+        the inverse of `gather_kv`."""
+        num_tokens = int(kv[0][0].shape[0])
+        if num_tokens == 0:
+            return
+        positions = torch.arange(num_tokens, device=self.device)
+        table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        with torch.no_grad():
+            for (k_cache, v_cache), (k, v) in zip(self.kv_caches, kv, strict=True):
+                k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.device, k_cache.dtype))
+                v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.device, v_cache.dtype))
 
 
 def kv_bytes_per_token(executor: ModelExecutor, dtype: torch.dtype) -> int:

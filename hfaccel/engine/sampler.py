@@ -26,8 +26,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     for i, request in enumerate(requests):
         params = request.sampling
         if params.processors:
-            history = request.processor_prefix + request.all_token_ids
-            ids = torch.tensor([history], dtype=torch.long, device=scores.device)
+            ids = torch.tensor([request.processor_ids()], dtype=torch.long, device=scores.device)
             try:
                 scores[i : i + 1] = params.processors(ids, scores[i : i + 1])
             except Exception as error:  # the request's own processors (a caller's custom one): it fails alone

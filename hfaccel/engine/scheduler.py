@@ -355,7 +355,8 @@ class Scheduler:
                     index += 1
                     continue
                 break
-            request.num_computed_tokens = cached
+            # Imported K/V (engine/prompt_inputs.py) counts as computed; the engine writes it this step.
+            request.num_computed_tokens = max(cached, request.num_imported_tokens)
             count = self._chunk(request, budget)
             if count and timed is not None:
                 count = timed.take_admission(request, count, self.block_manager.block_size)

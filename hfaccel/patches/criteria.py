@@ -38,7 +38,7 @@ class RowCriteria:
 
     def __call__(self, request: Any) -> bool:
         ids = torch.tensor(
-            [request.processor_prefix + request.all_token_ids], dtype=torch.long, device=self.device
+            [request.processor_ids()], dtype=torch.long, device=self.device
         )
         scores = None
         if self.with_scores:

@@ -47,12 +47,22 @@ class HFExecutor:
         logits_indices: torch.Tensor,
         compiled: Callable[..., torch.Tensor] | None = None,
         token_adapters: list[str | None] | None = None,
+        prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         with engine_attention(self.model):
-            if token_adapters is None:
+            if token_adapters is None and prompt_embeds is None:
                 return (compiled or self._model_forward)(input_ids, positions, logits_indices)
+            if token_adapters is None:
+                return self._model_forward(input_ids, positions, logits_indices, prompt_embeds)
             with lora.adapter_step(token_adapters, self.device):  # each token gets its request's LoRA
-                return self._model_forward(input_ids, positions, logits_indices)
+                return self._model_forward(input_ids, positions, logits_indices, prompt_embeds)
+
+    def prompt_inputs_reason(self) -> str | None:
+        """Why this executor cannot take prompt embeddings or imported K/V (None: it can). A sharded
+        model (tensor, pipeline or expert parallel) holds a rank's share of the heads or layers."""
+        if type(self) is not HFExecutor:
+            return f"a model run by {type(self).__name__} (parallel)"
+        return None
 
     def check_adapter(self, name: str) -> None:
         """Raise ValueError unless the engine can apply LoRA adapter `name` per request.
@@ -81,10 +91,25 @@ class HFExecutor:
         return torch.compile(self._model_forward, fullgraph=True, dynamic=dynamic)
 
     def _model_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        if prompt_embeds is None:
+            output = self.model(
+                input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=logits_indices
+            )
+            return output.logits[0]
+        # Embedded prompt tokens: the model's own embedding of every packed id, then the given rows at
+        # their packed positions; the model runs on the embeddings (as HF's generate does for a prompt
+        # given as inputs_embeds).
+        index, rows = prompt_embeds
+        embeds = self.model.get_input_embeddings()(input_ids)
+        embeds[0, index] = rows.to(embeds.dtype)
         output = self.model(
-            input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=logits_indices
+            inputs_embeds=embeds, position_ids=positions, use_cache=False, logits_to_keep=logits_indices
         )
         return output.logits[0]
 

@@ -9,10 +9,12 @@ numerics (static, offloaded on CUDA, the deprecated static aliases) and ``compil
 paged cache and compile settings serve them); ``position_ids`` equal to HF's own and an int
 ``logits_to_keep`` (`patches/model_kwargs.py`); assisted decoding by prompt lookup
 (``prompt_lookup_num_tokens``) or by the engine's own draft model (``assistant_model``) on the
-speculative path (`patches/assisted.py`); and PEFT's mixed-adapter batches (``adapter_names``: LoRA
-applied per request, see `patches/lora.py`). What the engine does not serve goes to the original
-`generate`, with one warning naming the reason (or an error with ``patch(model, strict=True)``). The
-full list, with why each served option gives HF's result: docs/generate.md.
+speculative path (`patches/assisted.py`); prompts as ``inputs_embeds`` (`patches/embeds.py`); a
+`DynamicCache` to continue from in ``past_key_values`` (`patches/cache_in.py`); and PEFT's
+mixed-adapter batches (``adapter_names``: LoRA applied per request, see `patches/lora.py`). What the
+engine does not serve goes to the original `generate`, with one warning naming the reason (or an error
+with ``patch(model, strict=True)``). The full list, with why each served option gives HF's result:
+docs/generate.md.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from hfaccel.config import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.loop import EngineLoop, LoopClosed
+from hfaccel.engine.prompt_inputs import prompt_inputs_reason
 from hfaccel.engine.request import Request, SamplingParams
-from hfaccel.patches import assisted, criteria, lora
+from hfaccel.patches import assisted, cache_in, criteria, lora
+from hfaccel.patches import embeds as embeds_in
 from hfaccel.patches import model_kwargs as extra_inputs
 from hfaccel.patches.arguments import check_generate_kwargs
 from hfaccel.patches.models import window_reason
@@ -149,8 +153,18 @@ def patched_generate(
     reason = next((text for name, text in UNSUPPORTED_ARGUMENTS.items() if given(kwargs.get(name))), None)
     if reason is None and inputs is not None and kwargs.get("input_ids") is not None:
         reason = "both inputs and input_ids"
+    # inputs_embeds (patches/embeds.py): `visible_ids` are HF's input_ids (the output's start, what the
+    # processors see: [B, 0] without ids), `input_ids` the engine's prompt rows (placeholders without ids).
+    embeds, ids_given, visible_ids = kwargs.get("inputs_embeds"), input_ids is not None, input_ids
+    if reason is None and embeds is not None:
+        reason = embeds_in.unsupported_reason(self, embeds, input_ids)
+        if reason is None:
+            visible_ids, input_ids = embeds_in.visible_and_engine_ids(embeds, input_ids)
     if reason is None and (input_ids is None or input_ids.dim() != 2 or input_ids.dtype != torch.long):
         reason = "inputs other than a 2-D tensor of token ids"
+    cache = kwargs.get("past_key_values")  # a DynamicCache to continue from (patches/cache_in.py)
+    if reason is None and cache is not None:
+        reason = cache_in.type_reason(cache)
     if reason is not None:
         fall_back(state, reason)
         return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
@@ -170,11 +184,8 @@ def patched_generate(
     call_kwargs = {k: v for k, v in kwargs.items() if k not in popped}
     has_default_max, has_default_min = has_default_lengths(self, generation_config, call_kwargs)
     config, model_kwargs = prepare_config(self, generation_config, call_kwargs)
-    extra = sorted(
-        k
-        for k, v in model_kwargs.items()
-        if v is not None and v is not False and k not in _SERVED_MODEL_KWARGS
-    )
+    served = _SERVED_MODEL_KWARGS | {"inputs_embeds", "past_key_values"}  # both checked above
+    extra = sorted(k for k, v in model_kwargs.items() if v is not None and v is not False and k not in served)
     copies = config.num_return_sequences or 1
     device = next(self.parameters()).device
     reason = unsupported_reason(config, True, device) or (f"model kwargs {extra}" if extra else None)
@@ -186,8 +197,9 @@ def patched_generate(
 
     attention_mask = model_kwargs.get("attention_mask")
     self._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device)
-    if attention_mask is None:
-        attention_mask = self._prepare_attention_mask_for_generation(input_ids, config, model_kwargs)
+    if attention_mask is None:  # HF infers padding from ids, never from embeddings
+        source = input_ids if ids_given else embeds
+        attention_mask = self._prepare_attention_mask_for_generation(source, config, model_kwargs)
     elif attention_mask.shape != input_ids.shape:
         raise ValueError(
             f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
@@ -197,46 +209,68 @@ def patched_generate(
         fall_back(state, reason)
         return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
     per_row = {name: custom[name] for name in ("logits_processor", "stopping_criteria")}
+    lengths = {} if embeds is None else {"inputs_embeds": embeds}
     stopping, sampling = request_params(
-        self, config, input_ids, has_default_max, has_default_min, tokenizer, **per_row
+        self, config, visible_ids, has_default_max, has_default_min, tokenizer, **per_row, **lengths
     )
     reason = None if is_left_padding(attention_mask) else "an attention mask that is not left padding"
     longest = int(attention_mask.sum(dim=1).max()) + stopping.max_new_tokens
     reason = reason or window_reason(self, longest)
+    imported = None
+    if reason is None and (embeds is not None or cache is not None):
+        engine = state.get_engine(self)
+        reason = prompt_inputs_reason(engine)
+        if reason is None and cache is not None:
+            dtype = next(self.parameters()).dtype
+            imported, reason = cache_in.plan(
+                engine, cache, attention_mask, copies, config, embeds is not None, dtype
+            )
     if reason is not None:  # HF keeps masked positions in place; past a sliding window attention differs
         fall_back(state, reason)
         return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
-    prompts = input_ids.repeat_interleave(copies, dim=0)
+    prompts = visible_ids.repeat_interleave(copies, dim=0)
     if stopping.max_new_tokens <= 0:
         return _output(config, prompts, [])
     loop = state.get_loop(self)
     keep = attention_mask.bool().cpu().repeat_interleave(copies, dim=0)
-    rows = prompts.cpu()
+    rows = input_ids.repeat_interleave(copies, dim=0).cpu()
     samplings = [sampling] * len(rows)
     if sampling.processors and not bool(keep.all()):
-        arguments = (self, config, input_ids, has_default_max, has_default_min, tokenizer)
-        samplings = _per_padding(
-            arguments, per_row, attention_mask.repeat_interleave(copies, dim=0), sampling
-        )
+        arguments = (self, config, visible_ids, has_default_max, has_default_min, tokenizer)
+        masks = attention_mask.repeat_interleave(copies, dim=0)
+        samplings = _per_padding(arguments, {**per_row, **lengths}, masks, sampling)
     adapters = [None] * len(rows) if names is None else [names[i // copies] for i in range(len(rows))]
     requests = [
         loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, samplings[i], adapter=adapters[i])
         for i in range(len(rows))
     ]
-    if sampling.processors or stopping.criteria is not None:  # they see the padded row, as in HF
+    if (sampling.processors or stopping.criteria is not None) and ids_given:  # the padded row, as in HF
         for request, row, kept in zip(requests, rows, keep):
             request.processor_prefix = row[~kept].tolist()
     proposer, num_spec_tokens = assisted.request_speculation(config)
     for request in requests:  # prompt lookup: this call's own draft source (None: the engine's)
         request.proposer, request.num_spec_tokens = proposer, num_spec_tokens
-    for request in requests:  # HF returns the cache with return_dict_in_generate (and use_cache)
-        request.keep_kv = bool(config.return_dict_in_generate and config.use_cache is not False)
+    # HF returns the cache with return_dict_in_generate and use_cache (which it sets for inputs_embeds).
+    keep_kv = bool(config.return_dict_in_generate and (config.use_cache is not False or embeds is not None))
+    for request in requests:
+        request.keep_kv = keep_kv
+    if embeds is not None:  # after the draft source: embedded prompts never speculate
+        embeds_in.attach(loop.engine, requests, embeds, keep, copies, ids_given)
+    if imported is not None:  # after the embeddings: both isolate the request from the prefix cache
+        imported.attach(loop.engine, requests, copies)
     warn_past_context(requests, loop.engine.max_model_len)
     if streamer is not None:
-        _stream_one(loop, requests[0], input_ids, streamer)
+        _stream_one(loop, requests[0], visible_ids, streamer)
     else:
         loop.run(requests, progress=state.progress)
-    return _output(config, prompts, requests, self)
+    output = _output(config, prompts, requests, self, kv_width=input_ids.shape[1])
+    if imported is None:
+        return output
+    built = output.past_key_values if config.return_dict_in_generate else None
+    if built is None:
+        width = max(len(r.output_token_ids) for r in requests)
+        built = _dynamic_cache(self, requests, input_ids.shape[1], width, input_ids.device)
+    return imported.finish(output, built)
 
 
 def _per_padding(
@@ -344,11 +378,16 @@ def given(value: Any) -> bool:
 
 
 def _output(
-    config: GenerationConfig, prompts: torch.Tensor, requests: list[Request], model: Any = None
+    config: GenerationConfig,
+    prompts: torch.Tensor,
+    requests: list[Request],
+    model: Any = None,
+    kv_width: int | None = None,
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """HF's layout: each prompt as given, its new tokens, right-padded with the pad id; and, for
     ``return_dict_in_generate``, per-step ``scores``/``logits`` of shape ``[B, V]`` (a row that had
-    already finished holds -inf there: it was not computed) and ``past_key_values``."""
+    already finished holds -inf there: it was not computed) and ``past_key_values`` (its prompt part
+    `kv_width` wide: the prompts' width, or the embeddings' for a prompt given as embeddings only)."""
     pad = config._pad_token_tensor
     pad_id = int(pad.flatten()[0]) if pad is not None else 0
     width = max((len(r.output_token_ids) for r in requests), default=0)
@@ -362,7 +401,8 @@ def _output(
         return sequences
     cache = None
     if requests and all(r.kv_snapshot is not None for r in requests) and model is not None:
-        cache = _dynamic_cache(model, requests, prompts.shape[1], width, prompts.device)
+        kv_width = prompts.shape[1] if kv_width is None else kv_width
+        cache = _dynamic_cache(model, requests, kv_width, width, prompts.device)
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
         scores=_per_step(requests, "scores", width) if config.output_scores else None,

@@ -124,6 +124,11 @@ def unsupported_reason(
         return (
             f"cache_implementation={implementation!r} on {device.type} (transformers offloads to CUDA only)"
         )
+    # HF builds these with the whole batch's prompts ([B, L]); the engine's processors run per request.
+    if (config.encoder_repetition_penalty or 1.0) != 1.0:
+        return "encoder_repetition_penalty"
+    if config.encoder_no_repeat_ngram_size:
+        return "encoder_no_repeat_ngram_size"
     if getattr(config, "token_healing", False):
         return "token_healing"
     if (config.guidance_scale or 1) != 1:
@@ -159,6 +164,7 @@ def request_params(
     attention_mask: torch.Tensor | None = None,
     logits_processor: Any = None,
     stopping_criteria: Any = None,
+    inputs_embeds: torch.Tensor | None = None,
 ) -> tuple[StoppingParams, SamplingParams]:
     """Stopping and sampling parameters for the rows of a ``[B, L]`` (possibly left-padded) input.
 
@@ -172,6 +178,8 @@ def request_params(
     min-length processors included (the engine's batched EOS mask is not used, so a custom processor
     sees the scores HF would show it). `stopping_criteria` (generate's custom list) runs per row after
     each new token (`patches/criteria.py`).
+    With `inputs_embeds` (the prompt given as embeddings; `input_ids` are the ids beside them, or
+    ``[B, 0]``) HF's length rules for embeddings apply.
     """
     config = copy.deepcopy(config)
     width = input_ids.shape[1]
@@ -179,9 +187,9 @@ def request_params(
         generation_config=config,
         has_default_max_length=has_default_max,
         has_default_min_length=has_default_min,
-        model_input_name="input_ids",
+        model_input_name="input_ids" if inputs_embeds is None else "inputs_embeds",
         input_ids_length=width,
-        inputs_tensor=input_ids,
+        inputs_tensor=input_ids if inputs_embeds is None else inputs_embeds,
     )
     model._validate_generated_length(config, width, has_default_max)
     eos = config._eos_token_tensor
@@ -208,7 +216,7 @@ def request_params(
     processors = model._get_logits_processor(
         generation_config=config,
         input_ids_seq_length=width,
-        encoder_input_ids=input_ids,
+        encoder_input_ids=input_ids if inputs_embeds is None else inputs_embeds,
         logits_processor=LogitsProcessorList(custom),
         device=input_ids.device,
         model_kwargs=None if attention_mask is None else {"attention_mask": attention_mask},

@@ -28,7 +28,7 @@ def process_row(row: torch.Tensor, request: Request, drafts: list[int]) -> torch
             if 0 <= eos < row.shape[-1]:
                 row[0, eos] = -float("inf")
     if params.processors or params.warpers:
-        history = request.processor_prefix + request.all_token_ids + drafts  # the padded row, as in `sample`
+        history = request.processor_ids() + drafts  # the padded row, as in `sample`
         ids = torch.tensor([history], dtype=torch.long, device=row.device)
         if params.processors:
             row = params.processors(ids, row)
