@@ -109,6 +109,11 @@ class Scheduler:
         """Raise ValueError if `request` could never be served on its own by this cache and budget."""
         longest = min(len(request.prompt_token_ids) + request.stopping.max_new_tokens, self.max_model_len)
         needed = self._most_blocks(request)
+        if request.beam_group is not None and request.beam_group.params.num_beams > self.max_num_seqs:
+            raise ValueError(
+                f"request {request.request_id!r} searches {request.beam_group.params.num_beams} beams, more "
+                f"than max_num_seqs ({self.max_num_seqs}) sequences a step; raise max_num_seqs"
+            )
         if needed > self.block_manager.num_blocks:
             raise ValueError(
                 f"the KV cache holds {self.block_manager.num_blocks} blocks of {self.block_manager.block_size} "
@@ -371,8 +376,12 @@ class Scheduler:
         shared = self._running_prefill_keys() if prefix_aware else []
         admitted: list[Request] = []
         index = 0  # stays 0 unless a request is held back for a prefix being computed (prefix-aware)
-        while index < len(queue) and budget > 0 and len(self.running) < self.max_num_seqs:
+        # A beam request (one sequence until its prompt is computed) holds seats for all its beams.
+        seats = len(self.running) + sum(_seats(r) - 1 for r in self.running if r.beam_group is not None)
+        while index < len(queue) and budget > 0 and seats < self.max_num_seqs:
             request = queue[index]
+            if seats + _seats(request) > self.max_num_seqs:
+                break  # a beam group waits for seats for all its beams
             if prefix_aware and self._hold_for_shared_prefix(request, shared):
                 index += 1
                 continue
@@ -413,6 +422,7 @@ class Scheduler:
             chosen.append((request, count))
             admitted.append(request)
             budget -= count
+            seats += _seats(request)
         if adaptive and admitted:
             self._count_passed_over(admitted, queue)
 
@@ -852,6 +862,15 @@ class Scheduler:
 
 def _priority(request: Request) -> int:
     return -1 if request.priority is None else request.priority
+
+
+def _seats(request: Request) -> int:
+    """Sequences `request` takes in the batch: a beam group's first slot stands for all its beams (one
+    each, once it forks); any other request takes one."""
+    group = request.beam_group
+    if group is None:
+        return 1
+    return group.params.num_beams if request is group.handle and not group.forked else 1
 
 
 def _whole_groups(planned: list[tuple[Request, int]], budget: int) -> tuple[list[tuple[Request, int]], int]:

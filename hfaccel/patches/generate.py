@@ -26,6 +26,7 @@ from hfaccel.engine.loop import EngineLoop, LoopClosed
 from hfaccel.engine.request import Request, SamplingParams
 from hfaccel.patches import lora
 from hfaccel.patches.arguments import check_generate_kwargs
+from hfaccel.patches.beam import beam_unsupported_reason, generate_beams, is_beam_search
 from hfaccel.patches.models import window_reason
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 
@@ -162,7 +163,11 @@ def patched_generate(
         if v is not None and v is not False and k not in _SERVED_MODEL_KWARGS
     )
     copies = config.num_return_sequences or 1
-    reason = unsupported_reason(config) or (f"model kwargs {extra}" if extra else None)
+    beams = is_beam_search(config)  # served by patches/beam.py, with its own refusals
+    if beams:
+        reason = beam_unsupported_reason(self, config, extra, streamer, names)
+    else:
+        reason = unsupported_reason(config) or (f"model kwargs {extra}" if extra else None)
     if reason is None and streamer is not None and input_ids.shape[0] * copies != 1:
         reason = "a streamer with more than one sequence"
     if reason is not None:
@@ -184,6 +189,14 @@ def patched_generate(
     if reason is not None:  # HF keeps masked positions in place; past a sliding window attention differs
         fall_back(state, reason)
         return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
+    if beams:
+
+        def original(reason: str) -> Any:
+            fall_back(state, reason)
+            return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
+
+        arguments = (has_default_max, has_default_min, tokenizer)
+        return generate_beams(self, state, input_ids, attention_mask, config, stopping, sampling, arguments, original)
     prompts = input_ids.repeat_interleave(copies, dim=0)
     if stopping.max_new_tokens <= 0:
         return _output(config, prompts, [])
