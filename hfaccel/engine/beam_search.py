@@ -204,7 +204,9 @@ class BeamGroup:
         params = handle.sampling
         if params.processors or params.warpers:
             ids = torch.tensor(
-                [handle.processor_prefix + s.all_token_ids for s in slots], dtype=torch.long, device=rows.device
+                [handle.processor_prefix + s.all_token_ids for s in slots],
+                dtype=torch.long,
+                device=rows.device,
             )
             if params.processors:
                 log_probs = params.processors(ids, log_probs)
@@ -322,9 +324,7 @@ def sample_tokens(
     beam_set = set(beam_index)
     others = [i for i in range(len(requests)) if i not in beam_set]
     if others:
-        index = torch.tensor(
-            [offsets[i] + k for i in others for k in range(counts[i])], device=logits.device
-        )
+        index = torch.tensor([offsets[i] + k for i in others for k in range(counts[i])], device=logits.device)
         sub_rows = [counts[i] for i in others]
         tokens = sample_step(
             logits.index_select(0, index),

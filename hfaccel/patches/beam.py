@@ -119,6 +119,8 @@ def beam_output(
     for prompt, hyps in zip(prompts.cpu(), results):
         for tokens, _ in hyps:
             out[row, : prompts.shape[1]] = prompt
-            out[row, prompts.shape[1] : prompts.shape[1] + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            out[row, prompts.shape[1] : prompts.shape[1] + len(tokens)] = torch.tensor(
+                tokens, dtype=torch.long
+            )
             row += 1
     return out.to(prompts.device)
