@@ -805,8 +805,12 @@ class Scheduler:
         `failed` with the failed groups' beams added."""
         groups = {}
         for request in (*failed, *self.live.values(), *self.running, *self.waiting, *self.forming):
-            if request.beam_group is not None:
-                groups.setdefault(id(request.beam_group), request.beam_group)
+            group = request.beam_group
+            if group is None:
+                continue
+            groups.setdefault(id(group), group)
+            if not any(s is request for s in group.slots):  # a beam its group never took in (or let go)
+                self._forget_beam(request)
         failing = {id(r) for r in failed}
         for group in groups.values():
             slots = group.slots
@@ -817,8 +821,11 @@ class Scheduler:
                         failing.add(id(slot))
                 continue
             queued = {id(r) for r in (*self.waiting, *self.forming)}
+            # A copy on write the interrupted step queued but never ran: that beam's block is not filled.
+            copied = {dst for _, dst in self.block_manager.pending_copies}
             whole = all(
-                slot in self.running
+                not copied.intersection(slot.block_ids)
+                and slot in self.running
                 and slot.status is RequestStatus.RUNNING
                 and not slot.is_finished
                 and id(slot) not in queued
@@ -828,19 +835,23 @@ class Scheduler:
             if whole and (not group.forked or len(slots) == group.params.num_beams):
                 continue
             for slot in slots[1:]:
-                if slot in self.running:
-                    self.running.remove(slot)
-                for queue in (self.waiting, self.forming):
-                    if any(r is slot for r in queue):
-                        queue.remove(slot)
-                self.live.pop(id(slot), None)
-                slot.block_ids = []
-                if not slot.is_finished:
-                    slot.finish("preempted")
+                self._forget_beam(slot)
             if group.handle in self.running and group.forked:
                 self.running.remove(group.handle)  # queued again below, like a preempted request
             group.reset()
         return failed
+
+    def _forget_beam(self, beam: Request) -> None:
+        """`repair`: a beam leaves every queue and holds nothing (the block counts are rebuilt after)."""
+        if beam in self.running:
+            self.running.remove(beam)
+        for queue in (self.waiting, self.forming):
+            if any(r is beam for r in queue):
+                queue.remove(beam)
+        self.live.pop(id(beam), None)
+        beam.block_ids = []
+        if not beam.is_finished:
+            beam.finish("preempted")
 
     def _is_whole(self, request: Request) -> bool:
         """A running request's state is consistent: KV blocks for what it computed, something to compute."""
