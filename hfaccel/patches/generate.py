@@ -3,8 +3,8 @@
 Served: greedy and sampling with every logits processor HF builds for them, EOS / length / stop-string
 stopping, `num_return_sequences`, `return_dict_in_generate` with `scores` / `logits`, a streamer
 for one sequence, PEFT's mixed-adapter batches (``adapter_names``: LoRA applied per request, see
-`patches/lora.py`), and beam search (`patches/beam.py`). What the engine does not serve goes to the original `generate`, with one warning
-naming the reason (or an error with ``patch(model, strict=True)``).
+`patches/lora.py`), and beam search (`patches/beam.py`). What the engine does not serve goes to the
+original `generate`, with one warning naming the reason (or an error with ``patch(model, strict=True)``).
 """
 
 from __future__ import annotations

@@ -166,3 +166,15 @@ def test_a_beam_search_past_the_context_falls_back():
     with pytest.warns(UserWarning, match="beam search past the model's context"):
         out = model.generate(ids, num_beams=2, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, reference)
+
+
+def test_hfaccel_generate_hands_beam_search_to_hf():
+    """`hfaccel.generate` plans one request per returned sequence: beam search goes to HF's generate
+    there (one warning), with HF's hypotheses as its completions."""
+    model = tiny_model()
+    kwargs = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 5}
+    with torch.no_grad():
+        reference = type(model).generate(model, torch.tensor([[5, 6, 7]]), do_sample=False, **kwargs)
+    with pytest.warns(UserWarning, match="beam_search"):
+        completions = hfaccel.generate(model, [[5, 6, 7]], progress=False, **kwargs)
+    assert [c.token_ids for c in completions] == [row[3:].tolist() for row in reference]
