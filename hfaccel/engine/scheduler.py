@@ -109,10 +109,12 @@ class Scheduler:
         """Raise ValueError if `request` could never be served on its own by this cache and budget."""
         longest = min(len(request.prompt_token_ids) + request.stopping.max_new_tokens, self.max_model_len)
         needed = self._most_blocks(request)
-        if request.beam_group is not None and request.beam_group.params.num_beams > self.max_num_seqs:
+        beams = request.beam_group.params.num_beams if request.beam_group is not None else 1
+        if beams > min(self.max_num_seqs, self.max_num_batched_tokens):  # a group steps whole
             raise ValueError(
-                f"request {request.request_id!r} searches {request.beam_group.params.num_beams} beams, more "
-                f"than max_num_seqs ({self.max_num_seqs}) sequences a step; raise max_num_seqs"
+                f"request {request.request_id!r} searches {beams} beams, more than max_num_seqs "
+                f"({self.max_num_seqs}) or max_num_batched_tokens ({self.max_num_batched_tokens}) allow in "
+                "one step; raise them"
             )
         if needed > self.block_manager.num_blocks:
             raise ValueError(

@@ -78,8 +78,8 @@ def generate_beams(
     nb = config.num_beams
     if int(attention_mask.sum(dim=1).max()) + stopping.max_new_tokens > loop.engine.max_model_len:
         return fall_back("beam search past the model's context")
-    if nb > loop.engine.config.max_num_seqs:
-        return fall_back("num_beams above the engine's max_num_seqs")
+    if nb > min(loop.engine.config.max_num_seqs, loop.engine.config.max_num_batched_tokens):
+        return fall_back("num_beams above the engine's max_num_seqs (or max_num_batched_tokens)")
     params = BeamParams(
         num_beams=nb,
         length_penalty=config.length_penalty,
