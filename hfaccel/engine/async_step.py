@@ -18,13 +18,15 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
+from hfaccel.engine.beam_search import sample_tokens
 from hfaccel.engine.speculative.verify import sample_step
 
 
 def _forward_and_sample(runner: Any, packed: Any) -> tuple[Any, list, float]:
     logits = runner.run(packed)
     ran_at = time.perf_counter()
-    return logits, sample_step(logits, packed.sampled_requests, packed.rows_per_request), ran_at
+    tokens = sample_tokens(logits, packed.sampled_requests, packed.rows_per_request, sample_step)
+    return logits, tokens, ran_at
 
 
 class AsyncStepper:

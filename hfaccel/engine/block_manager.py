@@ -16,7 +16,7 @@ the same batch never share a block, requests of the same adapter do.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
 
@@ -70,6 +70,8 @@ class BlockManager:
         self._cached: dict[tuple[int, tuple[int, ...]], int] = {}  # (parent hash, tokens) -> block id
         self.epoch = 0  # bumped by reset_prefix_cache; a request admitted in an older one never registers
         self.stats = PrefixCacheStats()
+        # Copy-on-write: (source, destination) block copies the next forward must be preceded by.
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,23 +92,71 @@ class BlockManager:
         return block_id in self._free
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """Extra blocks `request` needs to compute `num_new_tokens` more tokens."""
+        """Extra blocks `request` needs to compute `num_new_tokens` more tokens (copies of shared blocks
+        it would write into included)."""
         total = blocks_for(request.num_computed_tokens + num_new_tokens, self.block_size)
-        return max(0, total - len(request.block_ids))
+        return max(0, total - len(request.block_ids)) + len(self._shared_writes(request, num_new_tokens))
+
+    def _shared_writes(self, request: Request, num_new_tokens: int) -> list[int]:
+        """Indices in `request`'s table of blocks that computing `num_new_tokens` more tokens writes into
+        while another request holds them too (a beam forked from its parent shares its last, partly
+        filled block). Only a fork creates them: prefix-cache hits are full blocks, never written."""
+        if num_new_tokens <= 0:
+            return []
+        start = request.num_computed_tokens
+        first = start // self.block_size
+        last = min((start + num_new_tokens - 1) // self.block_size, len(request.block_ids) - 1)
+        return [i for i in range(first, last + 1) if self._ref_counts[request.block_ids[i]] > 1]
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
         """Grow `request`'s block table to cover `num_new_tokens` more tokens; False (and no change) if
-        there are not enough free blocks."""
-        needed = self.blocks_needed(request, num_new_tokens)
-        if needed > len(self._free):
+        there are not enough free blocks.
+
+        Copy on write: a block the new tokens would be written into that other requests also hold is
+        replaced by a fresh block, and the copy of its contents is queued in `pending_copies` (the engine
+        runs it before the forward), so a shared block is never written."""
+        shared = self._shared_writes(request, num_new_tokens)
+        total = blocks_for(request.num_computed_tokens + num_new_tokens, self.block_size)
+        grow = max(0, total - len(request.block_ids))
+        if grow + len(shared) > len(self._free):
             return False
-        blocks = list(islice(self._free, needed))
+        blocks = list(islice(self._free, grow + len(shared)))
         for block_id in blocks:  # counted before the request lists them: never held uncounted
             self._ref_counts[block_id] = 1
             del self._free[block_id]
             self._forget(block_id)
-        request.block_ids.extend(blocks)
+        for index, block_id in zip(shared, blocks[grow:]):
+            old = request.block_ids[index]
+            self.pending_copies.append((old, block_id))
+            request.block_ids[index] = block_id  # listed, then the shared one loses a holder (still >= 1)
+            self._ref_counts[old] -= 1
+        request.block_ids.extend(blocks[:grow])
         return True
+
+    def fork(self, parents: Sequence[Request], children: Sequence[Request]) -> None:
+        """Make each of `children` a copy-on-write fork of the matching one of `parents`: it shares every
+        block of its parent's table (one reference more each) and lets go of the table it had (one
+        reference less each). Parents may repeat and may be among the children: every parent's table is
+        read before any child's is replaced. The children's tokens are the caller's business.
+
+        Counted before listed, unlisted before uncounted: an interruption leaves blocks counted too high
+        (a leak `repair` reclaims), never a block held but counted free."""
+        tables = [(list(p.block_ids), p.num_hashed_blocks, p.prefix_hash, p.cache_epoch) for p in parents]
+        for blocks, *_ in tables:
+            for block_id in blocks:
+                self._ref_counts[block_id] += 1
+        released = []
+        for child, (blocks, hashed, prefix_hash, epoch) in zip(children, tables):
+            released.append(child.block_ids)
+            child.block_ids = blocks
+            child.num_hashed_blocks, child.prefix_hash, child.cache_epoch = hashed, prefix_hash, epoch
+        for blocks in released:
+            self._release(blocks)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The block copies queued by copy on write since the last call (the engine runs them)."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def match_prefix(self, request: Request) -> int:
         """Share the cached blocks of `request`'s leading full blocks; returns the tokens they cover.
@@ -205,6 +255,10 @@ class BlockManager:
         request.block_ids = []
         request.num_hashed_blocks, request.prefix_hash = 0, 0
         request.draft_computed = 0  # a draft model's KV lives in the same block ids: gone with them
+        self._release(blocks)
+
+    def _release(self, blocks: list[int]) -> None:
+        """One holder fewer for each of `blocks` (already unlisted by their holder)."""
         # Tail blocks first: under LRU eviction they go before the prefix blocks others may share.
         for block_id in reversed(blocks):
             count = self._ref_counts[block_id] - 1
@@ -248,6 +302,7 @@ class BlockManager:
         for key, b in cached.items():
             block_key[b] = key
         self._ref_counts, self._free, self._cached, self._block_key = counts, free, cached, block_key
+        self.pending_copies = []  # the step they were for failed
 
     def check(self, holders: Iterable[Request]) -> None:
         """Raise AssertionError unless the counts, the free queue and the cache index match `holders`."""

@@ -15,6 +15,8 @@ from tqdm.auto import tqdm
 from hfaccel.config import EngineConfig, is_draft_model
 from hfaccel.engine.async_step import AsyncStepper
 from hfaccel.engine.batch import pack_step
+from hfaccel.engine.beam_search import attach as attach_beams
+from hfaccel.engine.beam_search import sample_tokens
 from hfaccel.engine.block_manager import BlockManager, blocks_for
 from hfaccel.engine.cost_model import StepCostModel
 from hfaccel.engine.executor import ModelExecutor, make_executor
@@ -283,8 +285,25 @@ class Engine:
         request.speculate = not (sampling.output_scores or sampling.output_logits or sampling.output_logprobs)
         if sampling.do_sample:
             request.seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, ()).item())
+        if sampling.beam is not None:
+            self._check_beam_request(request)
         self.scheduler.check(request)
         return request
+
+    def _check_beam_request(self, request: Request) -> None:
+        """A beam search request (engine/beam_search.py): greedy, unstreamed, within the context."""
+        if request.sampling.do_sample:
+            raise ValueError("beam search with do_sample=True (beam sampling) is not served by the engine")
+        longest = len(request.prompt_token_ids) + request.stopping.max_new_tokens
+        if longest > self.max_model_len:
+            raise ValueError(
+                f"beam search: the prompt ({len(request.prompt_token_ids)} tokens) plus max_new_tokens "
+                f"({request.stopping.max_new_tokens}) runs past the model's context (max_model_len="
+                f"{self.max_model_len}); lower max_new_tokens"
+            )
+        if request.stopping.stop_check is not None:
+            raise ValueError("beam search with stop strings is not served by the engine")
+        attach_beams(request)
 
     def add(self, request: Request) -> None:
         """Queue a request built by `make_request`."""
@@ -333,6 +352,9 @@ class Engine:
         scheduled = time.perf_counter()
         write_imported_kv(self.runner, step.requests)  # K/V given with a prompt (engine/prompt_inputs.py)
         packed = pack_step(step, self.config.block_size, self.runner.backend.capabilities.decode_query_len)
+        copies = self.block_manager.take_copies()
+        if copies:  # copy on write of blocks that forked beams shared (engine/beam_search.py)
+            self.runner.copy_blocks(copies)
         if self.step_sync is not None:  # tensor parallel: every rank runs this very step
             self.step_sync.check_step(step, packed)
         packed_at = time.perf_counter()
@@ -383,7 +405,8 @@ class Engine:
         if self._async is None:
             logits = self.runner.run(packed)
             ran_at = time.perf_counter()
-            return logits, sample_step(logits, packed.sampled_requests, packed.rows_per_request), ran_at, 0.0
+            tokens = sample_tokens(logits, packed.sampled_requests, packed.rows_per_request, sample_step)
+            return logits, tokens, ran_at, 0.0
         return self._async.run(self, packed)
 
     def _prepare_ahead(self) -> None:
@@ -452,6 +475,8 @@ class Engine:
             raise ValueError(
                 f"request {request.request_id!r} is not queued on this engine: add it first (add_request / add)"
             )
+        if request.sampling.beam is not None:
+            raise ValueError("a beam search request cannot be streamed: its beams change until it finishes")
         return self._stream(request)
 
     def _stream(self, request: Request) -> Iterator[int]:

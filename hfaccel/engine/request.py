@@ -52,6 +52,7 @@ class SamplingParams:
     output_logits: bool = False  # keep each step's raw logits
     output_logprobs: bool = False  # keep the log-probability of each chosen token
     top_logprobs: int | None = None  # also keep the k most likely tokens' log-probabilities per step
+    beam: Any = None  # a `beam_search.BeamParams`: beam search instead of one token per step
 
 
 GREEDY = SamplingParams()
@@ -189,6 +190,9 @@ class Request:
     warnings: list[str] = field(default_factory=list)
     passed_over: int = 0
     arrival_seq: int = -1  # order of arrival at the scheduler
+    # Beam search: the group of sequences this one belongs to (a `beam_search.BeamGroup`; the request a
+    # caller holds is its first slot), None for other requests.
+    beam_group: Any = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:

@@ -264,6 +264,18 @@ class ModelRunner:
             self.run(PackedStep(ids, [0] * len(ids), [], [], warmup_layout()), bucket=bucket)
         return time.perf_counter() - start
 
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, ``(source, destination)`` pairs, in every layer (copy on write of a block
+        beams shared: `BlockManager.allocate`). Runs before the step's forward."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
+        for k, v in self.kv_caches:
+            k.index_copy_(0, dst, k.index_select(0, src))
+            v.index_copy_(0, dst, v.index_select(0, src))
+
     def gather_kv(self, block_ids: list[int], num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the first `num_tokens` tokens' K and V, ``[num_tokens, Hkv, D]`` per layer."""
         positions = torch.arange(num_tokens, device=self.device)

@@ -41,6 +41,7 @@ from typing import Any
 
 from hfaccel.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
 from hfaccel.engine.batch import Batch, ScheduledStep
+from hfaccel.engine.beam_search import attach as attach_beams
 from hfaccel.engine.block_manager import BlockManager, blocks_for
 from hfaccel.engine.request import Request, RequestStatus
 
@@ -88,6 +89,7 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request; raise ValueError (queueing nothing) if it could never be served."""
+        attach_beams(request)
         self.check(request)
         if request.arrival_seq < 0:
             request.arrival_seq = self._next_arrival
@@ -106,7 +108,14 @@ class Scheduler:
     def check(self, request: Request) -> None:
         """Raise ValueError if `request` could never be served on its own by this cache and budget."""
         longest = min(len(request.prompt_token_ids) + request.stopping.max_new_tokens, self.max_model_len)
-        needed = blocks_for(longest, self.block_manager.block_size)
+        needed = self._most_blocks(request)
+        beams = request.beam_group.params.num_beams if request.beam_group is not None else 1
+        if beams > min(self.max_num_seqs, self.max_num_batched_tokens):  # a group steps whole
+            raise ValueError(
+                f"request {request.request_id!r} searches {beams} beams, more than max_num_seqs "
+                f"({self.max_num_seqs}) or max_num_batched_tokens ({self.max_num_batched_tokens}) allow in "
+                "one step; raise them"
+            )
         if needed > self.block_manager.num_blocks:
             raise ValueError(
                 f"the KV cache holds {self.block_manager.num_blocks} blocks of {self.block_manager.block_size} "
@@ -129,6 +138,13 @@ class Scheduler:
         Idempotent, and safe in any state: a finished request is left as it is; one this scheduler never
         queued is only marked finished (or refused with ValueError if it holds another cache's blocks).
         """
+        group = request.beam_group
+        if group is not None and self.live.get(id(group.handle)) is group.handle:
+            for slot in group.slots[1:]:  # a beam group goes as a whole: its other beams first
+                self._drop(slot)
+                if not slot.is_finished:
+                    slot.finish("abort")
+            request = group.handle
         if self.live.get(id(request)) is not request:
             if request.is_finished:
                 return
@@ -212,16 +228,39 @@ class Scheduler:
             self.block_manager.trim(request, request.num_computed_tokens)
             self.block_manager.cache_full_blocks(request)
         now = time.perf_counter()
+        groups = {}
         for request, tokens in zip(sampled, (emitted[id(r)] for r in sampled)):
+            if request.beam_group is not None:  # a beam: its group re-forks below
+                groups[id(request.beam_group)] = request.beam_group
+                continue
             for token_id in tokens:
                 request.append_token(token_id, self.max_model_len, now)
                 if request.is_finished:  # a stop inside the accepted drafts: the rest is dropped
                     break
+        for group in groups.values():
+            created = group.new_slots()
+            for beam in created:  # the first step forks the prompt into num_beams sequences
+                self.live[id(beam)] = beam
+            if created:
+                self.running.merge(created)
+                self.running.requests.sort(key=_priority)  # next to their request (stable)
+            group.advance(self.block_manager, created, now)
         finished = self.running.filter(lambda r: not r.is_finished)
         for request in finished:
             self.block_manager.free(request)
             self.live.pop(id(request), None)
-        return finished
+        # A beam group's other sequences are internal: the caller holds (and hears of) the request.
+        return [r for r in finished if r.beam_group is None or r.beam_group.handle is r]
+
+    def _drop(self, request: Request) -> None:
+        """Take a request out of every queue and free its blocks (a beam leaving its group)."""
+        if request in self.running:
+            self.running.remove(request)
+        for queue in (self.waiting, self.forming):
+            if any(r is request for r in queue):
+                queue.remove(request)
+        self.block_manager.free(request)
+        self.live.pop(id(request), None)
 
     # ----------------------------------------------------------------- internals
 
@@ -261,6 +300,7 @@ class Scheduler:
                 if count:
                     planned.append((request, count))
                     budget -= count
+        planned, budget = _whole_groups(planned, budget)
         preempted = False
         granted: set[int] = set()
         slot = {id(r): i for i, (r, _) in enumerate(planned)}
@@ -275,14 +315,14 @@ class Scheduler:
                     planned[slot[id(request)]] = (request, 1)
                     continue
                 victim = self.running.requests[-1]  # the newest: never older than `request`
-                self.preempt(victim)
+                self.preempt(victim)  # a beam's whole group
                 preempted = True
-                if victim is request:
+                if request.status is not RequestStatus.RUNNING:  # itself (or its beam group)
                     break
             else:
                 granted.add(id(request))
         for request, count in planned:
-            if id(request) in granted:
+            if id(request) in granted and request.status is RequestStatus.RUNNING:
                 chosen.append((request, count))
             else:
                 budget += count
@@ -338,8 +378,12 @@ class Scheduler:
         shared = self._running_prefill_keys() if prefix_aware else []
         admitted: list[Request] = []
         index = 0  # stays 0 unless a request is held back for a prefix being computed (prefix-aware)
-        while index < len(queue) and budget > 0 and len(self.running) < self.max_num_seqs:
+        # A beam request (one sequence until its prompt is computed) holds seats for all its beams.
+        seats = len(self.running) + sum(_seats(r) - 1 for r in self.running if r.beam_group is not None)
+        while index < len(queue) and budget > 0 and seats < self.max_num_seqs:
             request = queue[index]
+            if seats + _seats(request) > self.max_num_seqs:
+                break  # a beam group waits for seats for all its beams
             if prefix_aware and self._hold_for_shared_prefix(request, shared):
                 index += 1
                 continue
@@ -381,6 +425,7 @@ class Scheduler:
             chosen.append((request, count))
             admitted.append(request)
             budget -= count
+            seats += _seats(request)
         if adaptive and admitted:
             self._count_passed_over(admitted, queue)
 
@@ -391,17 +436,41 @@ class Scheduler:
         are preempted first when an older one needs them."""
         if not request.num_preemptions:
             return True
-        need = self._most_blocks(request) - len(request.block_ids)
-        need += sum(self._most_blocks(r) - len(r.block_ids) for r in self.running)
+        need = self._blocks_to_come([request, *self.running])
         return need <= self.block_manager.num_free_blocks
 
     def _most_blocks(self, request: Request) -> int:
+        group = request.beam_group
+        if group is not None:  # all its beams, the prompt's full blocks shared
+            return group.max_blocks(self.max_model_len, self.block_manager.block_size)
         longest = min(len(request.prompt_token_ids) + request.stopping.max_new_tokens, self.max_model_len)
         return blocks_for(longest, self.block_manager.block_size)
 
+    def _blocks_to_come(self, requests: Iterable[Request]) -> int:
+        """The most blocks `requests` may still take: each one's most less what it holds (a beam group
+        counted once, less the distinct blocks its beams hold)."""
+        need, seen = 0, set()
+        for request in requests:
+            group = request.beam_group
+            if group is None:
+                need += self._most_blocks(request) - len(request.block_ids)
+            elif id(group) not in seen:
+                seen.add(id(group))
+                held = {b for slot in group.slots for b in slot.block_ids}
+                need += self._most_blocks(group.handle) - len(held)
+        return need
+
     def preempt(self, request: Request) -> None:
         """Evict a running request: free its blocks and queue it for recomputation, ahead of every request
-        that has not started and behind the preempted ones that arrived before it."""
+        that has not started and behind the preempted ones that arrived before it. A beam preempts its
+        whole group, which restarts from its prompt (`BeamGroup.reset`)."""
+        group = request.beam_group
+        if group is not None:
+            for slot in group.slots[1:]:
+                self._drop(slot)
+                slot.finish("preempted")
+            request = group.handle
+            group.reset()
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
@@ -680,6 +749,7 @@ class Scheduler:
         recomputation like a preempted one. Then every block count is recomputed from the block tables of
         the requests that remain.
         """
+        failed = self._repair_beams(list(failed), error)
         for request in failed:
             request.fail(error if error is not None else RuntimeError("the step failed"))
         held: dict[int, Request] = {}
@@ -731,6 +801,61 @@ class Scheduler:
         self._prefix_keys.clear()
         self.block_manager.repair(self.live.values())
 
+    def _repair_beams(self, failed: list[Request], error: BaseException | None) -> list[Request]:
+        """`repair` for beam groups, which stay whole: a group with a failed beam fails entirely (its
+        request carries the error); a group whose beams are not all running and whole restarts from its
+        prompt (`BeamGroup.reset`: the request is queued again, its other beams forgotten). Returns
+        `failed` with the failed groups' beams added."""
+        groups = {}
+        for request in (*failed, *self.live.values(), *self.running, *self.waiting, *self.forming):
+            group = request.beam_group
+            if group is None:
+                continue
+            groups.setdefault(id(group), group)
+            if not any(s is request for s in group.slots):  # a beam its group never took in (or let go)
+                self._forget_beam(request)
+        failing = {id(r) for r in failed}
+        for group in groups.values():
+            slots = group.slots
+            if any(id(s) in failing for s in slots) or group.handle.is_finished:
+                for slot in slots:
+                    if id(slot) not in failing and not slot.is_finished:
+                        failed.append(slot)
+                        failing.add(id(slot))
+                continue
+            queued = {id(r) for r in (*self.waiting, *self.forming)}
+            # A copy on write the interrupted step queued but never ran: that beam's block is not filled.
+            copied = {dst for _, dst in self.block_manager.pending_copies}
+            whole = all(
+                not copied.intersection(slot.block_ids)
+                and slot in self.running
+                and slot.status is RequestStatus.RUNNING
+                and not slot.is_finished
+                and id(slot) not in queued
+                and self._is_whole(slot)
+                for slot in slots
+            )
+            if whole and (not group.forked or len(slots) == group.params.num_beams):
+                continue
+            for slot in slots[1:]:
+                self._forget_beam(slot)
+            if group.handle in self.running and group.forked:
+                self.running.remove(group.handle)  # queued again below, like a preempted request
+            group.reset()
+        return failed
+
+    def _forget_beam(self, beam: Request) -> None:
+        """`repair`: a beam leaves every queue and holds nothing (the block counts are rebuilt after)."""
+        if beam in self.running:
+            self.running.remove(beam)
+        for queue in (self.waiting, self.forming):
+            if any(r is beam for r in queue):
+                queue.remove(beam)
+        self.live.pop(id(beam), None)
+        beam.block_ids = []
+        if not beam.is_finished:
+            beam.finish("preempted")
+
     def _is_whole(self, request: Request) -> bool:
         """A running request's state is consistent: KV blocks for what it computed, something to compute."""
         computed = request.num_computed_tokens
@@ -751,6 +876,34 @@ class Scheduler:
 
 def _priority(request: Request) -> int:
     return -1 if request.priority is None else request.priority
+
+
+def _seats(request: Request) -> int:
+    """Sequences `request` takes in the batch: a beam group's first slot stands for all its beams (one
+    each, once it forks); any other request takes one."""
+    group = request.beam_group
+    if group is None:
+        return 1
+    return group.params.num_beams if request is group.handle and not group.forked else 1
+
+
+def _whole_groups(planned: list[tuple[Request, int]], budget: int) -> tuple[list[tuple[Request, int]], int]:
+    """Drop the beams of groups not planned whole (the budget ran out among them): a beam group steps
+    together or not at all. Returns the plan and the budget with their tokens given back."""
+    counts: dict[int, int] = {}
+    for request, _ in planned:
+        if request.beam_group is not None:
+            counts[id(request.beam_group)] = counts.get(id(request.beam_group), 0) + 1
+    if not counts:
+        return planned, budget
+    kept = []
+    for request, count in planned:
+        group = request.beam_group
+        if group is not None and counts[id(group)] < len(group.slots):
+            budget += count
+        else:
+            kept.append((request, count))
+    return kept, budget
 
 
 class _TimeBudget:

@@ -9,12 +9,12 @@ numerics (static, offloaded on CUDA, the deprecated static aliases) and ``compil
 paged cache and compile settings serve them); ``position_ids`` equal to HF's own and an int
 ``logits_to_keep`` (`patches/model_kwargs.py`); assisted decoding by prompt lookup
 (``prompt_lookup_num_tokens``) or by the engine's own draft model (``assistant_model``) on the
-speculative path (`patches/assisted.py`); prompts as ``inputs_embeds`` (`patches/embeds.py`); a
-`DynamicCache` to continue from in ``past_key_values`` (`patches/cache_in.py`); and PEFT's
-mixed-adapter batches (``adapter_names``: LoRA applied per request, see `patches/lora.py`). What the
-engine does not serve goes to the original `generate`, with one warning naming the reason (or an error
-with ``patch(model, strict=True)``). The full list, with why each served option gives HF's result:
-docs/generate.md.
+speculative path (`patches/assisted.py`); beam search (`patches/beam.py`); prompts as
+``inputs_embeds`` (`patches/embeds.py`); a `DynamicCache` to continue from in ``past_key_values``
+(`patches/cache_in.py`); and PEFT's mixed-adapter batches (``adapter_names``: LoRA applied per request,
+see `patches/lora.py`). What the engine does not serve goes to the original `generate`, with one warning
+naming the reason (or an error with ``patch(model, strict=True)``). The full list, with why each served
+option gives HF's result: docs/generate.md.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from hfaccel.patches import assisted, cache_in, criteria, lora
 from hfaccel.patches import embeds as embeds_in
 from hfaccel.patches import model_kwargs as extra_inputs
 from hfaccel.patches.arguments import check_generate_kwargs
+from hfaccel.patches.beam import beam_unsupported_reason, generate_beams, is_beam_search
 from hfaccel.patches.models import window_reason
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 
@@ -188,7 +189,16 @@ def patched_generate(
     extra = sorted(k for k, v in model_kwargs.items() if v is not None and v is not False and k not in served)
     copies = config.num_return_sequences or 1
     device = next(self.parameters()).device
-    reason = unsupported_reason(config, True, device) or (f"model kwargs {extra}" if extra else None)
+    beams = is_beam_search(config)  # served by patches/beam.py, with its own refusals
+    if beams:
+        reason = beam_unsupported_reason(self, config, extra, streamer, names, device)
+        custom_given = [name for name, value in custom.items() if given(value)]
+        if reason is None and (embeds is not None or cache is not None):
+            reason = "beam search with inputs_embeds or past_key_values"
+        if reason is None and custom_given:
+            reason = f"beam search with {custom_given[0]}"
+    else:
+        reason = unsupported_reason(config, True, device) or (f"model kwargs {extra}" if extra else None)
     if reason is None and streamer is not None and input_ids.shape[0] * copies != 1:
         reason = "a streamer with more than one sequence"
     if reason is not None:
@@ -228,6 +238,14 @@ def patched_generate(
     if reason is not None:  # HF keeps masked positions in place; past a sliding window attention differs
         fall_back(state, reason)
         return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
+    if beams:
+
+        def original(reason: str) -> Any:
+            fall_back(state, reason)
+            return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
+
+        arguments = (has_default_max, has_default_min, tokenizer)
+        return generate_beams(self, state, input_ids, attention_mask, config, stopping, sampling, arguments, original)
     prompts = visible_ids.repeat_interleave(copies, dim=0)
     if stopping.max_new_tokens <= 0:
         return _output(config, prompts, [])

@@ -152,3 +152,184 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 TestBlockManagerMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+# ----------------------------------------------------------------- forks and copy on write (beam search)
+
+
+def test_fork_shares_the_table_and_a_write_copies_the_shared_block():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    parent = make_request(6)  # 6 tokens: one full block, one holding 2 slots
+    assert manager.allocate(parent, 6)
+    parent.num_computed_tokens = 6
+    children = [make_request(6) for _ in range(2)]
+    manager.fork([parent, parent], children)
+    full, partial = parent.block_ids
+    assert all(c.block_ids == [full, partial] for c in children)
+    assert manager.ref_count(full) == manager.ref_count(partial) == 3 and manager.num_free_blocks == 6
+    for child in children:
+        child.num_computed_tokens = 6
+    assert manager.blocks_needed(children[0], 1) == 1, "a write into the shared partial block needs a copy"
+    assert manager.allocate(children[0], 1)
+    copy = children[0].block_ids[1]
+    assert children[0].block_ids[0] == full and copy != partial
+    assert manager.take_copies() == [(partial, copy)] and manager.take_copies() == []
+    assert manager.ref_count(partial) == 2 and manager.ref_count(copy) == 1
+    assert manager.allocate(children[1], 1) and manager.allocate(parent, 1)
+    assert parent.block_ids[1] == partial, "the last holder writes in place"
+    assert len(manager.take_copies()) == 1
+    assert manager.ref_count(full) == 3, "full blocks are never written: they stay shared"
+    for request in (parent, *children):
+        manager.free(request)
+    assert manager.num_free_blocks == 8 and all(manager.ref_count(b) == 0 for b in range(8))
+
+
+def test_a_fork_at_a_block_boundary_copies_nothing_and_forks_replace_tables():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    a, b = make_request(8), make_request(8)
+    assert manager.allocate(a, 8) and manager.allocate(b, 8)
+    a.num_computed_tokens = b.num_computed_tokens = 8
+    old_b = list(b.block_ids)
+    manager.fork([a, a], [a, b])  # b becomes a fork of a; a forks itself (a no-op)
+    assert b.block_ids == a.block_ids and all(manager.ref_count(x) == 2 for x in a.block_ids)
+    assert all(manager.is_free(x) for x in old_b), "the table b had is released"
+    assert manager.allocate(b, 1) and manager.take_copies() == []
+    assert b.block_ids[:2] == a.block_ids and len(b.block_ids) == 3
+
+
+def test_a_failed_copy_on_write_changes_nothing():
+    manager = BlockManager(num_blocks=2, block_size=4)
+    parent, child = make_request(2), make_request(2)
+    assert manager.allocate(parent, 2)
+    parent.num_computed_tokens = child.num_computed_tokens = 2
+    manager.fork([parent], [child])
+    filler = make_request(1)
+    assert manager.allocate(filler, 1)  # the last free block
+    table = list(child.block_ids)
+    assert not manager.allocate(child, 1)
+    assert child.block_ids == table and manager.ref_count(table[0]) == 2 and manager.take_copies() == []
+
+
+def test_forked_prompt_blocks_stay_in_the_prefix_cache():
+    manager = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(3, 13))  # 2 full blocks and a partial one
+    root = computed(manager, prompt)
+    beams = [Request(i, list(prompt), StoppingParams(max_new_tokens=4)) for i in range(1, 4)]
+    manager.fork([root] * 3, beams)
+    manager.free(root)  # the prompt's own sequence lets go (in the engine it is the first beam)
+    for beam in beams:
+        beam.num_computed_tokens = len(prompt)
+        beam.output_token_ids = [40 + beam.request_id]
+        assert manager.allocate(beam, 1)
+    assert len(manager.take_copies()) == 2, "the last holder of the partial block writes in place"
+    cached = manager.num_cached_blocks
+    assert cached == 2
+    for beam in beams:  # each beam fills its own third block: registered under its own tokens
+        beam.num_computed_tokens += 1
+        beam.output_token_ids.append(50)
+        assert manager.allocate(beam, 1)
+        beam.num_computed_tokens += 1
+        manager.cache_full_blocks(beam)
+    assert manager.num_cached_blocks == cached + 3
+    for beam in beams:
+        manager.free(beam)
+    assert manager.num_free_blocks == 16
+    again = Request(9, prompt + [7], StoppingParams(max_new_tokens=4))
+    assert manager.match_prefix(again) == 8 and again.block_ids == root_blocks(prompt, manager)
+
+
+def root_blocks(prompt, manager):
+    probe = Request(10, list(prompt), StoppingParams(max_new_tokens=4))
+    manager.match_prefix(probe)
+    blocks = list(probe.block_ids)
+    manager.free(probe)
+    return blocks
+
+
+def test_repair_drops_pending_copies():
+    manager = BlockManager(num_blocks=4, block_size=4)
+    parent, child = make_request(2), make_request(2)
+    assert manager.allocate(parent, 2)
+    parent.num_computed_tokens = child.num_computed_tokens = 2
+    manager.fork([parent], [child])
+    assert manager.allocate(child, 1)
+    manager.repair([parent, child])
+    assert manager.pending_copies == []
+    manager.check([parent, child])
+
+
+class ForkMachine(RuleBasedStateMachine):
+    """Random allocate / write / fork / free with a model of the KV contents: every request always reads
+    back its own tokens (a shared block is never written), counts are exact, nothing leaks."""
+
+    def __init__(self):
+        super().__init__()
+        self.manager = BlockManager(num_blocks=24, block_size=4)
+        self.store: dict[int, list] = {b: [None] * 4 for b in range(24)}
+        self.requests: list[Request] = []
+        self.tokens: dict[int, list[int]] = {}
+        self.next_token = 0
+
+    def _write(self, request, count):
+        if not self.manager.allocate(request, count):
+            assert self.manager.take_copies() == []
+            return
+        for src, dst in self.manager.take_copies():
+            self.store[dst] = list(self.store[src])
+        for position in range(request.num_computed_tokens, request.num_computed_tokens + count):
+            block = request.block_ids[position // 4]
+            assert self.manager.ref_count(block) == 1, "a write into a shared block"
+            self.store[block][position % 4] = self.next_token
+            self.tokens[id(request)].append(self.next_token)
+            self.next_token += 1
+        request.num_computed_tokens += count
+
+    @rule(tokens=st.integers(1, 10))
+    def add(self, tokens):
+        request = make_request()
+        self.requests.append(request)
+        self.tokens[id(request)] = []
+        self._write(request, tokens)
+
+    @precondition(lambda self: self.requests)
+    @rule(index=st.integers(0, 100), tokens=st.integers(1, 6))
+    def write(self, index, tokens):
+        self._write(self.requests[index % len(self.requests)], tokens)
+
+    @precondition(lambda self: self.requests)
+    @rule(parents=st.lists(st.integers(0, 100), min_size=1, max_size=4), fresh=st.integers(0, 2))
+    def fork(self, parents, fresh):
+        """Some existing requests (and `fresh` new ones) become forks of chosen parents, as a beam step."""
+        sources = [self.requests[i % len(self.requests)] for i in parents]
+        targets = list(dict.fromkeys(self.requests[(i * 7 + 1) % len(self.requests)] for i in parents))
+        new = [make_request() for _ in range(fresh)]
+        targets = (targets + new)[: len(sources)]
+        sources = sources[: len(targets)]
+        snapshot = [(list(self.tokens[id(s)]), s.num_computed_tokens) for s in sources]
+        self.manager.fork(sources, targets)
+        for target, (tokens, computed) in zip(targets, snapshot):
+            self.tokens[id(target)] = tokens
+            target.num_computed_tokens = computed
+        self.requests.extend(r for r in new if r in targets)
+
+    @precondition(lambda self: self.requests)
+    @rule(index=st.integers(0, 100))
+    def free(self, index):
+        request = self.requests.pop(index % len(self.requests))
+        self.manager.free(request)
+
+    @invariant()
+    def contents_and_counts(self):
+        for request in self.requests:
+            read = [self.store[request.block_ids[p // 4]][p % 4] for p in range(request.num_computed_tokens)]
+            assert read == self.tokens[id(request)], "a request's KV was overwritten"
+        self.manager.check(self.requests)
+
+    def teardown(self):
+        for request in self.requests:
+            self.manager.free(request)
+        assert self.manager.num_free_blocks == 24
+
+
+TestForkMachine = ForkMachine.TestCase
+TestForkMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

@@ -181,3 +181,43 @@ class DraftModelEngineMachine(EngineMachine):
 
 TestDraftModelEngineMachine = DraftModelEngineMachine.TestCase
 TestDraftModelEngineMachine.settings = settings(max_examples=20, stateful_step_count=40, deadline=None)
+
+
+class BeamEngineMachine(EngineMachine):
+    """The same machine with beam search requests among the others: groups forked, re-forked, copied on
+    write, preempted (restarted), cancelled and interrupted by faults keep every invariant, and no forward
+    ever writes into a block that more than one sequence holds."""
+
+    def __init__(self):
+        super().__init__()
+        runner, manager, size = self.engine.runner, self.engine.block_manager, self.engine.config.block_size
+        run = runner.run
+
+        def checked_run(packed, *args, **kwargs):
+            for slot in packed.layout.slot_mapping:
+                if slot >= 0:
+                    assert manager.ref_count(slot // size) == 1, f"a write into shared block {slot // size}"
+            return run(packed, *args, **kwargs)
+
+        runner.run = checked_run
+
+    @rule(
+        prompt_len=st.integers(1, 12),
+        max_new=st.integers(1, 8),
+        num_beams=st.integers(2, 3),
+        early_stopping=st.sampled_from([True, False, "never"]),
+        seed=st.integers(0, 10**6),
+    )
+    def add_beams(self, prompt_len, max_new, num_beams, early_stopping, seed):
+        from hfaccel.engine.beam_search import BeamParams
+        from hfaccel.engine.request import SamplingParams
+
+        g = torch.Generator().manual_seed(seed)
+        prompt = (SHARED + torch.randint(3, 256, (prompt_len,), generator=g).tolist())[: prompt_len + 4]
+        params = SamplingParams(beam=BeamParams(num_beams, early_stopping=early_stopping))
+        stopping = StoppingParams(max_new_tokens=max_new, eos_token_ids=frozenset({int(seed % 256)}))
+        self.requests.append(self.engine.add_request(prompt, stopping, params))
+
+
+TestBeamEngineMachine = BeamEngineMachine.TestCase
+TestBeamEngineMachine.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)

@@ -1,0 +1,132 @@
+"""`model.generate(..., num_beams=n)` on the engine: HF's beam search, each prompt a group of beams in the
+continuous batch (engine/beam_search.py).
+
+Served: ``num_beams``, ``length_penalty``, ``early_stopping`` (True, False, "never"),
+``num_return_sequences <= num_beams``, ``max_new_tokens`` / ``max_length`` / ``min_new_tokens`` /
+``min_length``, EOS, and every logits processor HF builds for beam search (they run on each beam's
+padded row, after the log-softmax, as in HF). The output is HF's: for each prompt its
+``num_return_sequences`` best hypotheses, best first, each the prompt as given followed by its tokens,
+right-padded with HF's fill value. What falls back to the original `generate` (one warning naming the
+reason): beam sampling (``do_sample=True``), diverse/group and constrained beam search (other generation
+modes), ``return_dict_in_generate`` (HF's per-step ``scores`` and the reordered cache describe beams
+the engine drops once a prompt is done), stop strings, streamers, ``adapter_names``, a prompt plus
+``max_new_tokens`` past the model's context, and parallel (TP/PP/EP/DP) patches.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import GenerationMode
+
+from hfaccel.engine.beam_search import BeamParams
+from hfaccel.engine.request import SamplingParams, StoppingParams
+from hfaccel.patches.params import request_params, unsupported_reason
+
+_PARALLEL = ("_hfaccel_tp", "_hfaccel_pp", "_hfaccel_ep", "_hfaccel_dp")
+
+
+def is_beam_search(config: GenerationConfig) -> bool:
+    """Whether a prepared generation config asks for (plain, greedy) beam search."""
+    return config.get_generation_mode() is GenerationMode.BEAM_SEARCH
+
+
+def beam_unsupported_reason(
+    model: torch.nn.Module,
+    config: GenerationConfig,
+    extra: list[str],
+    streamer: Any,
+    names: Any,
+    device: torch.device | None = None,
+) -> str | None:
+    """Why the engine cannot serve this beam search call, or None. `device` is the model's (see
+    `unsupported_reason`)."""
+    if any(model.__dict__.get(name) is not None for name in _PARALLEL):
+        return "beam search with tensor/pipeline/expert/data parallelism"
+    if config.return_dict_in_generate:
+        return "return_dict_in_generate with beam search"
+    if streamer is not None:
+        return "a streamer with beam search"
+    if names is not None:
+        return "adapter_names with beam search"
+    if config.stop_strings:
+        return "stop_strings with beam search"
+    if getattr(config, "low_memory", None):
+        return "low_memory beam search"
+    if extra:
+        return f"model kwargs {extra}"
+    greedy = copy.copy(config)  # every other option, as the engine's other modes judge it
+    greedy.num_beams, greedy.num_return_sequences = 1, 1
+    return unsupported_reason(greedy, device=device)
+
+
+def generate_beams(
+    model: torch.nn.Module,
+    state: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    config: GenerationConfig,
+    stopping: StoppingParams,
+    sampling: SamplingParams,
+    arguments: tuple[bool, bool, Any],
+    fall_back: Callable[[str], Any],
+) -> torch.Tensor:
+    """Run a prepared beam-search call (special tokens set, left-padded mask given, `stopping` and
+    `sampling` from `request_params`) on the engine and return HF's output. `arguments` are
+    `request_params`' (has_default_max, has_default_min, tokenizer); `fall_back(reason)` runs the original
+    `generate` instead (with its warning)."""
+    loop = state.get_loop(model)
+    nb = config.num_beams
+    if int(attention_mask.sum(dim=1).max()) + stopping.max_new_tokens > loop.engine.max_model_len:
+        return fall_back("beam search past the model's context")
+    if nb > min(loop.engine.config.max_num_seqs, loop.engine.config.max_num_batched_tokens):
+        return fall_back("num_beams above the engine's max_num_seqs (or max_num_batched_tokens)")
+    params = BeamParams(
+        num_beams=nb,
+        length_penalty=config.length_penalty,
+        early_stopping=config.early_stopping,
+        num_return_sequences=config.num_return_sequences or 1,
+    )
+    keep = attention_mask.bool().cpu()
+    rows = input_ids.cpu()
+    by_padding: dict[int, SamplingParams] = {0: dataclasses.replace(sampling, beam=params)}
+    requests = []
+    for i in range(len(rows)):
+        padding = int((~keep[i]).sum())
+        if padding not in by_padding:  # HF hands its processors the row's mask (one per beam)
+            mask = attention_mask[i : i + 1].expand(nb, -1)
+            padded = request_params(model, config, input_ids, *arguments, attention_mask=mask)[1]
+            by_padding[padding] = dataclasses.replace(padded, beam=params)
+        request = loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, by_padding[padding])
+        request.processor_prefix = rows[i][~keep[i]].tolist()  # processors see the padded row
+        requests.append(request)
+    loop.run(requests, progress=state.progress)
+    return beam_output(config, input_ids, [r.beam_group.results for r in requests])
+
+
+def beam_output(
+    config: GenerationConfig, prompts: torch.Tensor, results: list[list[tuple[list[int], float]]]
+) -> torch.Tensor:
+    """HF's `sequences` for beam search: per prompt its hypotheses (best first), each the prompt row as
+    given then its tokens, cut to the longest returned one and filled past each one's end with HF's
+    fill value (the pad id if it is non-zero, else the first EOS id; -1 without EOS)."""
+    pad, eos = config._pad_token_tensor, config._eos_token_tensor
+    fill = pad or eos[0] if eos is not None else -1  # HF's own expression, zero pad id included
+    fill = int(fill)
+    width = max((len(tokens) for hyps in results for tokens, _ in hyps), default=0)
+    count = sum(len(hyps) for hyps in results)
+    out = torch.full((count, prompts.shape[1] + width), fill, dtype=torch.long)
+    row = 0
+    for prompt, hyps in zip(prompts.cpu(), results):
+        for tokens, _ in hyps:
+            out[row, : prompts.shape[1]] = prompt
+            out[row, prompts.shape[1] : prompts.shape[1] + len(tokens)] = torch.tensor(
+                tokens, dtype=torch.long
+            )
+            row += 1
+    return out.to(prompts.device)

@@ -1,0 +1,180 @@
+"""`model.generate(num_beams=n)` on the engine equals unpatched HF beam search (float32 tiny models, left
+padded batches of different lengths, EOS hit early, length penalties, early stopping variants,
+num_return_sequences, processors); what the engine does not serve falls back with one warning."""
+
+import warnings
+
+import pytest
+import torch
+
+import hfaccel
+from tests.helpers import PAD, tiny_model
+
+PROMPTS = [[5, 6, 7], [9] * 12, [11, 12, 13, 14, 15, 16, 17], [20], list(range(30, 67))]
+
+
+def left_padded(prompts):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def likely_tokens(model, ids, mask):
+    """The first greedy tokens of the batch: EOS ids that end searches early."""
+    with torch.no_grad():
+        out = type(model).generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+    return sorted(set(out[:, -1].tolist()))
+
+
+CASES = {
+    "plain": lambda t: {"num_beams": 4, "max_new_tokens": 10},
+    "eos_three_returned": lambda t: {
+        "num_beams": 3,
+        "max_new_tokens": 12,
+        "eos_token_id": t[0],
+        "num_return_sequences": 3,
+    },
+    "early_true_penalty_2": lambda t: {
+        "num_beams": 4,
+        "max_new_tokens": 12,
+        "eos_token_id": t[-1],
+        "length_penalty": 2.0,
+        "early_stopping": True,
+        "num_return_sequences": 2,
+    },
+    "never_negative_penalty": lambda t: {
+        "num_beams": 2,
+        "max_new_tokens": 9,
+        "eos_token_id": t[0],
+        "early_stopping": "never",
+        "length_penalty": -0.5,
+    },
+    "never_zero_penalty": lambda t: {
+        "num_beams": 3,
+        "max_new_tokens": 8,
+        "eos_token_id": t[1],
+        "early_stopping": "never",
+        "length_penalty": 0.0,
+        "num_return_sequences": 3,
+    },
+    "processors_min_new_tokens": lambda t: {
+        "num_beams": 3,
+        "max_new_tokens": 8,
+        "repetition_penalty": 3.0,
+        "no_repeat_ngram_size": 2,
+        "min_new_tokens": 3,
+        "eos_token_id": t[0],
+    },
+    "two_eos_ids": lambda t: {"num_beams": 2, "max_new_tokens": 10, "eos_token_id": [t[0], t[1]]},
+}
+
+
+HITS_EOS = {"eos_three_returned", "never_zero_penalty", "two_eos_ids"}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("case", CASES)
+def test_beam_search_equals_hf(family, case):
+    model = tiny_model(family)
+    ids, mask = left_padded(PROMPTS)
+    kwargs = {"do_sample": False, **CASES[case](likely_tokens(model, ids, mask))}
+    with torch.no_grad():
+        reference = type(model).generate(model, input_ids=ids, attention_mask=mask, **kwargs)
+    hfaccel.patch(model, kv_cache_memory=2_000_000, block_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # served: no fallback warning
+        out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert out.shape == reference.shape and torch.equal(out, reference)
+    eos = kwargs.get("eos_token_id")
+    if case in HITS_EOS:  # hypotheses that end in EOS, shorter than max_new_tokens: early stops served
+        eos_ids = eos if isinstance(eos, list) else [eos]
+        assert bool(torch.isin(out[:, ids.shape[1] : -1], torch.tensor(eos_ids)).any())
+    engine = model._hfaccel.engine
+    assert engine.block_manager.num_used_blocks == 0 and engine.scheduler.live == {}
+
+
+def test_beams_run_beside_other_calls_and_share_the_cache():
+    """Beam calls in threads beside greedy ones: every result is its own call's HF result."""
+    import threading
+
+    model = tiny_model()
+    ids, mask = left_padded(PROMPTS[:3])
+    beam_kwargs = {"num_beams": 3, "max_new_tokens": 8, "num_return_sequences": 2, "do_sample": False}
+    with torch.no_grad():
+        ref_beams = type(model).generate(model, input_ids=ids, attention_mask=mask, **beam_kwargs)
+        ref_greedy = type(model).generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=8)
+    hfaccel.patch(model, kv_cache_memory=2_000_000, block_size=4)
+    results = {}
+
+    def call(name, kwargs):
+        results[name] = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+
+    threads = [
+        threading.Thread(target=call, args=("beams", beam_kwargs)),
+        threading.Thread(target=call, args=("greedy", {"max_new_tokens": 8})),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert torch.equal(results["beams"], ref_beams) and torch.equal(results["greedy"], ref_greedy)
+
+
+@pytest.mark.parametrize(
+    "kwargs, reason",
+    [
+        ({"do_sample": True}, "beam_sample"),
+        ({"num_beam_groups": 2, "diversity_penalty": 1.0}, "group_beam_search"),
+        ({"force_words_ids": [[7]]}, "constrained_beam_search"),
+        ({"return_dict_in_generate": True, "output_scores": True}, "return_dict_in_generate with beam search"),
+    ],
+)
+def test_what_the_engine_does_not_serve_falls_back_with_a_warning(kwargs, reason):
+    model = tiny_model()
+    ids = torch.tensor([[5, 6, 7]])
+    hfaccel.patch(model, kv_cache_memory=2_000_000, strict=True)
+    with pytest.raises(ValueError, match=reason):
+        model.generate(ids, num_beams=2, max_new_tokens=3, **kwargs)
+    hfaccel.patch(model, strict=False)
+    calls = []
+    model._hfaccel.original_generate = lambda *a, **k: calls.append(k) or "HF's result"
+    with pytest.warns(UserWarning, match=reason):
+        assert model.generate(ids, num_beams=2, max_new_tokens=3, **kwargs) == "HF's result"
+    assert calls and calls[0]["num_beams"] == 2
+
+
+def test_beam_sampling_falls_back_to_hf():
+    model = tiny_model()
+    ids = torch.tensor([[5, 6, 7]])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        reference = type(model).generate(model, ids, num_beams=2, do_sample=True, max_new_tokens=4)
+    hfaccel.patch(model, kv_cache_memory=2_000_000)
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="beam_sample"):
+        out = model.generate(ids, num_beams=2, do_sample=True, max_new_tokens=4)
+    assert torch.equal(out, reference)
+
+
+def test_a_beam_search_past_the_context_falls_back():
+    model = tiny_model(max_positions=64)
+    ids = torch.tensor([list(range(3, 60))])
+    with torch.no_grad():
+        reference = type(model).generate(model, ids, num_beams=2, max_new_tokens=10, do_sample=False)
+    hfaccel.patch(model, kv_cache_memory=2_000_000)
+    with pytest.warns(UserWarning, match="beam search past the model's context"):
+        out = model.generate(ids, num_beams=2, max_new_tokens=10, do_sample=False)
+    assert torch.equal(out, reference)
+
+
+def test_hfaccel_generate_hands_beam_search_to_hf():
+    """`hfaccel.generate` plans one request per returned sequence: beam search goes to HF's generate
+    there (one warning), with HF's hypotheses as its completions."""
+    model = tiny_model()
+    kwargs = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 5}
+    with torch.no_grad():
+        reference = type(model).generate(model, torch.tensor([[5, 6, 7]]), do_sample=False, **kwargs)
+    with pytest.warns(UserWarning, match="beam_search"):
+        completions = hfaccel.generate(model, [[5, 6, 7]], progress=False, **kwargs)
+    assert [c.token_ids for c in completions] == [row[3:].tolist() for row in reference]
