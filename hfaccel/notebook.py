@@ -1,4 +1,4 @@
-"""Notebook helpers: a picture of a run (batch occupancy over time, latency distribution)."""
+"""Notebook helpers: a picture of a run (batch occupancy over time, latency distribution, speculation)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ def plot_run(engine: Any, completions: Sequence[Any] | None = None, path: str | 
     """Draw an engine's recent steps and, if given, the latency of `completions`.
 
     Left: sequences per step and prefill/decode tokens per step over time (how full the continuous batch
-    was). Right: histograms of time to first token and end-to-end latency. `engine` is an `Engine` or a
-    patched model. Needs matplotlib (``pip install hfaccel[plot]``). Returns the figure; saves it to
-    `path` when given.
+    was). Middle: histograms of time to first token and end-to-end latency. Right, when the engine
+    speculates: each request's draft acceptance rate, with the engine's acceptance rate and mean accepted
+    length in the title. `engine` is an `Engine` or a patched model. Needs matplotlib (``pip install
+    hfaccel[plot]``). Returns the figure; saves it to `path` when given.
     """
     try:
         import matplotlib
@@ -28,7 +29,10 @@ def plot_run(engine: Any, completions: Sequence[Any] | None = None, path: str | 
         raise ValueError("the engine has run no step yet: generate something first")
     start = steps[0].start_s
     times = [s.start_s - start for s in steps]
-    figure, (occupancy, latency) = plt.subplots(1, 2, figsize=(12, 4))
+    totals = engine.stats()
+    speculated = totals.get("spec_drafted", 0) > 0
+    figure, axes = plt.subplots(1, 3 if speculated else 2, figsize=(18 if speculated else 12, 4))
+    occupancy, latency = axes[0], axes[1]
     occupancy.step(times, [s.num_seqs for s in steps], where="post", label="sequences in the step")
     occupancy.fill_between(
         times, [s.num_prefill_tokens for s in steps], step="post", alpha=0.3, label="prefill tokens"
@@ -49,10 +53,29 @@ def plot_run(engine: Any, completions: Sequence[Any] | None = None, path: str | 
     else:
         latency.set_axis_off()
         latency.text(0.5, 0.5, "pass completions= to see latencies", ha="center")
+    if speculated:
+        _plot_speculation(axes[2], metrics, totals)
     figure.tight_layout()
     if path is not None:
         figure.savefig(path)
     return figure
+
+
+def _plot_speculation(axis: Any, metrics: list[dict[str, Any]], totals: dict[str, Any]) -> None:
+    """Per-request acceptance rates (of the given completions that drafted), run-level figures on top."""
+    rates = [m["spec_acceptance_rate"] for m in metrics if m.get("spec_drafted")]
+    title = (
+        f"speculation: {totals['spec_accepted']}/{totals['spec_drafted']} drafts accepted "
+        f"({totals['spec_acceptance_rate']:.0%}), {totals['spec_mean_accepted_length']:.2f} kept per step"
+    )
+    axis.set_title(title, fontsize=9)
+    if rates:
+        axis.hist(rates, bins=20, range=(0, 1))
+        axis.set_xlabel(f"acceptance rate of each request ({len(rates)} that drafted)")
+        axis.set_ylabel("requests")
+    else:
+        axis.set_axis_off()
+        axis.text(0.5, 0.5, "pass completions= to see each request's acceptance", ha="center")
 
 
 def plot_cost_model(engine: Any, path: str | None = None) -> Any:

@@ -21,6 +21,7 @@ def test_plot_run_and_engine_state(tmp_path):
     completions = hfaccel.generate(model, varied_prompts(6), max_new_tokens=5, progress=False)
     assert "steps=" in repr(state) and "backend='torch'" in repr(state)
     figure = hfaccel.plot_run(model, completions, path=str(tmp_path / "run.png"))
+    assert len(figure.axes) == 2  # no speculation, no third panel
     occupancy, latency = figure.axes[:2]
     assert (
         occupancy.get_title().startswith("batch occupancy") and latency.get_title() == "latency of 6 requests"
@@ -28,6 +29,21 @@ def test_plot_run_and_engine_state(tmp_path):
     assert (tmp_path / "run.png").stat().st_size > 1000
     with pytest.raises(ValueError, match="not patched"):
         hfaccel.engine_state(tiny_model())
+
+
+def test_plot_run_shows_speculation(tmp_path):
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=1_000_000, speculative="ngram", num_speculative_tokens=3)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10, 11, 9, 10]]
+    completions = hfaccel.generate(model, prompts, max_new_tokens=12, progress=False)
+    totals = model._hfaccel.engine.stats()
+    assert totals["spec_drafted"] > 0
+    figure = hfaccel.plot_run(model, completions)
+    assert len(figure.axes) == 3
+    title = figure.axes[2].get_title()
+    assert title.startswith(f"speculation: {totals['spec_accepted']}/{totals['spec_drafted']} drafts accepted")
+    drafted = [c for c in completions if c.metrics.get("spec_drafted")]
+    counts = [patch.get_height() for patch in figure.axes[2].patches]
+    assert sum(counts) == len(drafted) > 0
 
 
 @pytest.mark.slow
