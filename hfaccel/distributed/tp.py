@@ -256,6 +256,33 @@ def matching_modules(model: nn.Module, pattern: str) -> list[nn.Module]:
     return found
 
 
+def forget_dtensor_shardings() -> None:
+    """Empty the DTensor caches that `parallelize_module` filled: sharding propagation (this thread's, in
+    Python and in C++, and the tensor-meta one), redistribution plans and mesh topology.
+
+    Their entries hold DTensorSpecs or the DeviceMesh itself, and a DeviceMesh holds its process groups:
+    cached, they outlive ``destroy_process_group``, and gloo then tears them down with their threads at
+    interpreter exit, which could abort the process (docs/parallelism.md). Once `run_locally` has switched
+    the shards to local tensors no DTensor op needs them.
+    """
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    topology = getattr(_collective_utils, "MeshTopoInfo", None)
+    for cache in (
+        getattr(propagator, "propagate_op_sharding", None),
+        getattr(type(propagator), "_propagate_tensor_meta_cached", None),
+        getattr(_redistribute, "_gen_transform_infos", None),
+        getattr(topology, "build_from_mesh", None),
+    ):
+        clear = getattr(cache, "cache_clear", None)
+        if clear is not None:  # private torch internals: where one is absent, it pins nothing
+            clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if native is not None:
+        native()
+
+
 def run_locally(model: nn.Module, styles: dict[str, Any], tp: TPState) -> int:
     """After `parallelize_module`: run each sharded Linear and Embedding on its local shard with one
     explicit collective, instead of DTensor dispatch; returns how many modules were switched.

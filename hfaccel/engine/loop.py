@@ -427,8 +427,19 @@ class EngineLoop:
             self._abort(submission, error=None)
 
 
+def close_all_loops(reason: str = "every engine loop was closed", timeout: float | None = 10.0) -> None:
+    """Stop every engine loop of this process and join its thread (see `EngineLoop.close`).
+
+    A loop thread keeps its engine alive, and with it whatever process groups the engine's executor holds
+    (tensor, pipeline, expert parallel). Call this before ``torch.distributed.destroy_process_group()``:
+    a gloo group that outlives it is torn down with its threads at interpreter exit, which can abort the
+    process (docs/parallelism.md).
+    """
+    for loop in list(_loops):
+        loop.close(LoopClosed(reason), timeout=timeout)
+
+
 @atexit.register
 def _close_all_loops() -> None:
     """At interpreter exit, stop every loop thread before its engine is torn down."""
-    for loop in list(_loops):
-        loop.close(LoopClosed("the interpreter is exiting"), timeout=2.0)
+    close_all_loops("the interpreter is exiting", timeout=2.0)

@@ -32,6 +32,7 @@ from hfaccel.distributed.tp import (
     ReplicatedKVHead,
     TPState,
     check_world_size,
+    forget_dtensor_shardings,
     group_src,
     run_locally,
     tp_mesh,
@@ -198,6 +199,7 @@ def shard_model(
         parallelize_module(model, mesh, styles)
         if runtime == "local":
             run_locally(model, styles, tp)
+            forget_dtensor_shardings()  # they would pin the mesh's groups past destroy_process_group
     if tied:  # both sides hold the same vocabulary rows (Shard(0)): keep one copy, tied again
         head = model.get_output_embeddings()
         embed = model.get_input_embeddings().weight

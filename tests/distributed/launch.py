@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import datetime
+import gc
+import glob
 import importlib
 import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 
 import torch
@@ -18,6 +21,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def gloo_threads() -> list[str]:
+    """Names of this process's threads that belong to a gloo process group or its TCP store."""
+    names = []
+    for path in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(path) as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name.startswith(("pt_gloo", "gloo_", "pt_tcpstore")):
+            names.append(name)
+    return names
 
 
 def _entry(rank: int, world: int, port: int, target: str, kwargs: dict, out_dir: str) -> None:
@@ -32,15 +49,36 @@ def _entry(rank: int, world: int, port: int, target: str, kwargs: dict, out_dir:
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    # Import the worker (hfaccel, transformers and, through torch._dynamo, torch.distributed.nn.functional)
+    # before the group exists: that torch module's `group=group.WORLD` defaults are evaluated at import and
+    # would hold the live default group, so destroy_process_group could not free it.
     module_name, fn_name = target.rsplit(":", 1)
+    fn = getattr(importlib.import_module(module_name), fn_name)
+    from hfaccel.engine.loop import close_all_loops
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        result = getattr(importlib.import_module(module_name), fn_name)(rank, **kwargs)
+        result = fn(rank, **kwargs)
     except BaseException:
         result = {"error": traceback.format_exc()}
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    del result
+    # Shutdown order: the engine loops (whose threads keep the engines and the groups their executors
+    # hold alive) are joined and the models freed on this thread, then the groups are destroyed. A gloo
+    # group left alive past this point is torn down with its threads at interpreter exit, which aborted a
+    # rank now and then ("terminate called without an active exception").
+    close_all_loops("the rank is done")
+    gc.collect()
     dist.destroy_process_group()
+    deadline = time.monotonic() + 5.0  # joined threads may take a moment to leave /proc
+    while gloo_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    left = gloo_threads()
+    if left:
+        raise RuntimeError(
+            f"rank {rank}: gloo threads {left} outlived destroy_process_group (a group is still referenced)"
+        )
 
 
 def run_ranks(target: str, world: int = 2, **kwargs) -> list:
