@@ -23,6 +23,7 @@ SUITES = (
     "speculative",
     "rollouts",
     "step",
+    "start",
     "kernels",
     "tp",
     "goodput",
@@ -136,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated: offline (vs HF), prefix (caching on/off), chunked (prefill chunking on/off), "
         "batching (static/dynamic/continuous), concurrency (many callers: HF vs hfaccel generate per thread), "
         "speculative (drafts on/off: prompt lookup, draft models), rollouts (GRPO-style sampling vs HF, 4 LoRA "
-        "adapters mixed vs one by one, release/rebuild), step (decode step vs HF and the matmul floor), kernels "
+        "adapters mixed vs one by one, release/rebuild), step (decode step vs HF and the matmul floor, "
+        "interleaved; then 8 requests end to end, compiled vs eager), start (cold vs warm start of the compiled "
+        "decode step: two fresh processes sharing a new inductor cache), kernels "
         "(attention backends that run natively here), tp (TP=1 with 2 threads vs TP=2 with 1 thread each, 2 "
         "gloo processes), goodput (requests/s meeting TPOT and TTFT targets under Poisson arrivals: fixed "
         "settings vs adaptive scheduling vs HF generate_batch)",
@@ -168,6 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
         "the draft machinery's overhead), early-exit:N (SmolLM2's first N layers as the draft model)",
     )
     bench.add_argument("--spec-batches", default="1,16", help="speculative: batch sizes")
+    bench.add_argument("--step-batches", default="1,8,32", help="step: batch sizes")
+    bench.add_argument("--step-rounds", type=_positive_int, default=15, help="step: interleaved rounds")
+    bench.add_argument(
+        "--step-per-bucket",
+        action="store_true",
+        help="step: also time per-bucket static graphs (one compile per bucket) beside the dynamic graph",
+    )
+    bench.add_argument(
+        "--step-e2e-repeats",
+        type=int,
+        default=3,
+        help="step: alternated end-to-end runs of each mode (0: none)",
+    )
     bench.add_argument("--spec-new-tokens", type=int, default=96, help="speculative: new tokens per request")
     bench.add_argument("--rates", default="1,2,4,8", help="goodput: arrival rates (requests/s)")
     bench.add_argument("--goodput-requests", type=int, default=20, help="goodput: requests per rate")
@@ -320,11 +336,25 @@ def run_bench(args: argparse.Namespace) -> None:
         suites = [s for s in suites if s != "kernels"]
         if not suites:
             return
+    if "start" in suites:
+        from hfaccel.bench.step import run_start_benchmark
+
+        run_start_benchmark()
+        suites = [s for s in suites if s != "start"]
+        if not suites:
+            return
     if "step" in suites:
-        from hfaccel.bench.step import run_step_benchmark
+        from hfaccel.bench.step import run_end_to_end, run_step_benchmark
 
         fp32_model, _ = load_default_model(torch.float32)  # the matmul floor is stated in float32
-        run_step_benchmark(fp32_model)
+        run_step_benchmark(
+            fp32_model,
+            batch_sizes=tuple(int(b) for b in args.step_batches.split(",") if b.strip()),
+            steps=args.step_rounds,
+            per_bucket=args.step_per_bucket,
+        )
+        if args.step_e2e_repeats > 0:
+            run_end_to_end(fp32_model, repeats=args.step_e2e_repeats)
         del fp32_model
         suites = [s for s in suites if s != "step"]
         if not suites:
