@@ -38,11 +38,14 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
+#define MAX_ACC 4096 /* rep * D floats of output accumulators per task, on the stack */
+
 /* 16 independent lanes: vectorised without letting the compiler reassociate a float sum. */
 static inline float dot(const float *a, const float *b, int64_t n) {
     float acc[16] = {0};
+    const int64_t full = n - n % 16;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
+    for (; i < full; i += 16)
         for (int l = 0; l < 16; l++) acc[l] += a[i + l] * b[i + l];
     /* A fixed pairwise tree over the lanes: a few vector adds instead of 16 dependent scalar ones. */
     for (int l = 0; l < 8; l++) acc[l] += acc[l + 8];
@@ -78,14 +81,60 @@ __attribute__((noinline)) static void exp_shifted(float *restrict row, int32_t *
     }
 }
 
-/* q, out: [B, Hq, D]; k_cache, v_cache: [blocks, block_size, Hkv, D]; tables: int32 [B, *], rows `width` apart;
-   lens: int32 [B], the context length of each sequence with this step's token (0: padding). */
-void hfaccel_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
-                              const int32_t *tables, int64_t width, const int32_t *lens, float *out,
-                              int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size,
-                              float scale, int64_t max_len, int num_threads) {
+/* One (sequence, KV head): the rep query heads sharing the KV head attend to the sequence's first len
+   tokens. Inlined with constant D and rep for the common shapes, so the loops unroll and the output
+   accumulators stay in registers. */
+static inline __attribute__((always_inline)) void decode_task(
+    const float *restrict qb, const float *restrict k_cache, const float *restrict v_cache,
+    const int32_t *restrict table, int64_t len, float *restrict ob, float *restrict scores,
+    int32_t *restrict work, const int64_t D, const int64_t rep, int64_t row, int64_t h, int64_t block_size,
+    float scale, int64_t max_len) {
+    /* Scores: each K row is read once for the rep query heads sharing it; blocks are walked in order. */
+    for (int64_t start = 0, n = 0; start < len; start += block_size, n++) {
+        const int64_t count = len - start < block_size ? len - start : block_size;
+        const float *k = k_cache + (int64_t)table[n] * block_size * row + h * D;
+        for (int64_t t = 0; t < count; t++, k += row)
+            for (int64_t r = 0; r < rep; r++) scores[r * max_len + start + t] = dot(qb + r * D, k, D) * scale;
+    }
+    for (int64_t r = 0; r < rep; r++) {
+        float *sr = scores + r * max_len;
+        float m = sr[0];
+        for (int64_t s = 1; s < len; s++) m = sr[s] > m ? sr[s] : m;
+        exp_shifted(sr, work, len, m);
+        float lanes[16] = {0};
+        int64_t s = 0;
+        for (; s + 16 <= len; s += 16)
+            for (int l = 0; l < 16; l++) lanes[l] += sr[s + l];
+        float total = 0.0f;
+        for (int l = 0; l < 16; l++) total += lanes[l];
+        for (; s < len; s++) total += sr[s];
+        const float inv = 1.0f / total;
+        for (s = 0; s < len; s++) sr[s] *= inv;
+    }
+    float acc[MAX_ACC];
+    for (int64_t i = 0; i < rep * D; i++) acc[i] = 0.0f;
+    for (int64_t start = 0, n = 0; start < len; start += block_size, n++) {
+        const int64_t count = len - start < block_size ? len - start : block_size;
+        const float *v = v_cache + (int64_t)table[n] * block_size * row + h * D;
+        for (int64_t t = 0; t < count; t++, v += row)
+            for (int64_t r = 0; r < rep; r++) {
+                const float p = scores[r * max_len + start + t];
+                for (int64_t d = 0; d < D; d++) acc[r * D + d] += p * v[d];
+            }
+    }
+    for (int64_t i = 0; i < rep * D; i++) ob[i] = acc[i];
+}
+
+/* q, out: [B, Hq, D]; k_cache, v_cache: [blocks, block_size, Hkv, D]; tables: int32 [B, *], rows `width`
+   apart; lens: int32 [B], the context length of each sequence with this step's token (0: padding).
+   Returns 0, or -1 (nothing done) when rep * D exceeds MAX_ACC. */
+int hfaccel_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+                             const int32_t *tables, int64_t width, const int32_t *lens, float *out, int64_t B,
+                             int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale,
+                             int64_t max_len, int num_threads) {
     const int64_t rep = Hq / Hkv;
     const int64_t row = Hkv * D;
+    if (rep * D > MAX_ACC) return -1;
 #pragma omp parallel num_threads(num_threads)
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)(rep * max_len));
@@ -96,47 +145,25 @@ void hfaccel_paged_decode_f32(const float *q, const float *k_cache, const float 
             const int64_t len = lens[b];
             const float *qb = q + (b * Hq + h * rep) * D;
             float *ob = out + (b * Hq + h * rep) * D;
-            memset(ob, 0, sizeof(float) * (size_t)(rep * D));
-            if (len <= 0) continue;
+            if (len <= 0) {
+                memset(ob, 0, sizeof(float) * (size_t)(rep * D));
+                continue;
+            }
             const int32_t *table = tables + b * width;
-            /* Scores: each K row is read once for the rep query heads sharing it; blocks are walked
-               in order, so no division per token. */
-            for (int64_t start = 0, n = 0; start < len; start += block_size, n++) {
-                const int64_t count = len - start < block_size ? len - start : block_size;
-                const float *k = k_cache + (int64_t)table[n] * block_size * row + h * D;
-                for (int64_t t = 0; t < count; t++, k += row)
-                    for (int64_t r = 0; r < rep; r++)
-                        scores[r * max_len + start + t] = dot(qb + r * D, k, D) * scale;
-            }
-            for (int64_t r = 0; r < rep; r++) {
-                float *sr = scores + r * max_len;
-                float m = sr[0];
-                for (int64_t s = 1; s < len; s++) m = sr[s] > m ? sr[s] : m;
-                exp_shifted(sr, work, len, m);
-                float lanes[16] = {0};
-                int64_t s = 0;
-                for (; s + 16 <= len; s += 16)
-                    for (int l = 0; l < 16; l++) lanes[l] += sr[s + l];
-                float total = 0.0f;
-                for (int l = 0; l < 16; l++) total += lanes[l];
-                for (; s < len; s++) total += sr[s];
-                const float inv = 1.0f / total;
-                for (s = 0; s < len; s++) sr[s] *= inv;
-            }
-            for (int64_t start = 0, n = 0; start < len; start += block_size, n++) {
-                const int64_t count = len - start < block_size ? len - start : block_size;
-                const float *v = v_cache + (int64_t)table[n] * block_size * row + h * D;
-                for (int64_t t = 0; t < count; t++, v += row)
-                    for (int64_t r = 0; r < rep; r++) {
-                        const float p = scores[r * max_len + start + t];
-                        float *o = ob + r * D;
-                        for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
-                    }
-            }
+#define TASK(DD, RR) decode_task(qb, k_cache, v_cache, table, len, ob, scores, work, DD, RR, row, h, \
+                                 block_size, scale, max_len)
+            if (D == 64 && rep == 3) TASK(64, 3);
+            else if (D == 64 && rep == 4) TASK(64, 4);
+            else if (D == 128 && rep == 4) TASK(128, 4);
+            else if (D == 64) TASK(64, rep);
+            else if (D == 128) TASK(128, rep);
+            else TASK(D, rep);
+#undef TASK
         }
         free(scores);
         free(work);
     }
+    return 0;
 }
 """
 
@@ -211,7 +238,7 @@ def load() -> ctypes.CDLL | None:
         library = ctypes.CDLL(path)
         function = library.hfaccel_paged_decode_f32
         function.argtypes = _ARGTYPES
-        function.restype = None
+        function.restype = ctypes.c_int
         return library
     except (OSError, subprocess.SubprocessError) as error:
         logger.debug("the CPU decode kernel could not be built (%s): the decode path stays on SDPA", error)
@@ -225,6 +252,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         query.device.type == "cpu"
         and query.dtype == torch.float32
         and query.is_contiguous()
+        and query.shape[1] // k_cache.shape[2] * query.shape[2] <= 4096  # the kernel's MAX_ACC
         and k_cache.dtype == torch.float32
         and k_cache.is_contiguous()
         and load() is not None
@@ -251,7 +279,7 @@ def paged_decode(
     seq_lens = seq_lens.contiguous()
     if not (out.is_contiguous() and out.shape == query.shape):
         raise ValueError(f"out must be a contiguous {tuple(query.shape)} tensor")
-    load().hfaccel_paged_decode_f32(
+    status = load().hfaccel_paged_decode_f32(
         query.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
@@ -268,4 +296,8 @@ def paged_decode(
         max(max_seq_len, 1),
         torch.get_num_threads(),
     )
+    if status != 0:
+        raise ValueError(
+            f"{num_heads // k_cache.shape[2]} query heads per KV head of dim {head_dim} is too large"
+        )
     return out
