@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="offline: comma-separated systems to compare (hf_static, hf_generate_batch, hfaccel)",
     )
     bench.add_argument("--json", default=None, help="also write the results to this file")
+    bench.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch CPU threads for the run (default: torch's own choice); 1 is steadier on a shared machine",
+    )
     bench.add_argument("--callers", default="1,4,16", help="concurrency: numbers of concurrent callers")
     bench.add_argument(
         "--requests-per-caller", type=_positive_int, default=4, help="concurrency: requests each caller sends"
@@ -317,6 +323,8 @@ def run_bench(args: argparse.Namespace) -> None:
     from hfaccel.bench.serving import run_serving_benchmarks
     from hfaccel.default_model import load_default_model
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     suites = args.suite or [s.strip() for s in args.suites.split(",") if s.strip()]
     unknown = sorted(set(suites) - set(SUITES))
     if unknown:
