@@ -218,7 +218,8 @@ def load() -> ctypes.CDLL | None:
         logger.debug("no C compiler found: the torch backend's decode path stays on SDPA")
         return None
     key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
-    folder = os.path.join(tempfile.gettempdir(), f"hfaccel-kernels-{os.getuid()}")
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    folder = os.path.join(tempfile.gettempdir(), f"hfaccel-kernels-{user}")
     path = os.path.join(folder, f"paged_decode_{key}.so")
     try:
         if not os.path.exists(path):

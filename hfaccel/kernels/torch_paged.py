@@ -1,7 +1,9 @@
 """Pure-PyTorch paged attention: the reference backend and the CPU fast path.
 
-Decodes (one query token per sequence) run as one batched SDPA call over K/V gathered from the cache by
-whole blocks and padded to the longest context. Multi-token sequences (prefill chunks) run one SDPA
+Decodes (one query token per sequence) in float32 on a CPU run a small C kernel (`cpu_decode`) that reads
+each sequence's K/V rows in place through its block table; otherwise (other dtypes or devices, no C
+compiler, or verification rows of several queries) they run as one batched SDPA call over K/V gathered
+from the cache by whole blocks and padded to the longest context. Multi-token sequences (prefill chunks) run one SDPA
 call each: a fresh prompt attends to its own K/V with ``is_causal``; a chunk that continues a cached
 context gathers that context and uses an offset causal mask. Everything a layer needs is derived once
 per step by the builder, from host-side ints (no device sync), and shared by all layers.
@@ -199,7 +201,12 @@ def attend(
         return cpu_decode.paged_decode(
             query, k_cache, v_cache, common.block_tables, common.seq_lens, common.max_seq_len, scale, out
         )
-    if not kernel and meta.decode_queries == 1 and 0 < common.num_decodes == common.num_padded_tokens:
+    if (
+        not kernel
+        and meta.decode_queries == 1
+        and 0 < common.num_decodes == common.num_padded_tokens
+        and query.is_contiguous()
+    ):
         # Every row is a one-token decode (no padding, no prefill): SDPA's output, viewed as [T, Hq, D], is
         # the result (contiguous, as the op's fake implementation promises a compiled graph).
         return _decode(query, k_cache, v_cache, meta, scale)
