@@ -23,6 +23,7 @@ SUITES = (
     "speculative",
     "rollouts",
     "step",
+    "start",
     "kernels",
     "tp",
     "goodput",
@@ -137,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated: offline (vs HF), prefix (caching on/off), chunked (prefill chunking on/off), "
         "batching (static/dynamic/continuous), concurrency (many callers: HF vs hfaccel generate per thread), "
         "speculative (drafts on/off: prompt lookup, draft models), rollouts (GRPO-style sampling vs HF, 4 LoRA "
-        "adapters mixed vs one by one, release/rebuild), step (decode step vs HF and the matmul floor), kernels "
+        "adapters mixed vs one by one, release/rebuild), step (decode step vs HF and the matmul floor, "
+        "interleaved; then 8 requests end to end, compiled vs eager), start (cold vs warm start of the compiled "
+        "decode step: two fresh processes sharing a new inductor cache), kernels "
         "(attention backends that run natively here), tp (TP=1 with 2 threads vs TP=2 with 1 thread each, 2 "
         "gloo processes), goodput (requests/s meeting TPOT and TTFT targets under Poisson arrivals: fixed "
         "settings vs adaptive scheduling vs HF generate_batch), coverage (which HF generate options run on the engine "
@@ -159,6 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--coverage-out", default="bench-results", help="coverage: folder for coverage.md and coverage.png"
     )
+    bench.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch CPU threads for the run (default: torch's own choice); 1 is steadier on a shared machine",
+    )
     bench.add_argument("--callers", default="1,4,16", help="concurrency: numbers of concurrent callers")
     bench.add_argument(
         "--requests-per-caller", type=_positive_int, default=4, help="concurrency: requests each caller sends"
@@ -173,6 +182,19 @@ def build_parser() -> argparse.ArgumentParser:
         "the draft machinery's overhead), early-exit:N (SmolLM2's first N layers as the draft model)",
     )
     bench.add_argument("--spec-batches", default="1,16", help="speculative: batch sizes")
+    bench.add_argument("--step-batches", default="1,8,32", help="step: batch sizes")
+    bench.add_argument("--step-rounds", type=_positive_int, default=15, help="step: interleaved rounds")
+    bench.add_argument(
+        "--step-per-bucket",
+        action="store_true",
+        help="step: also time per-bucket static graphs (one compile per bucket) beside the dynamic graph",
+    )
+    bench.add_argument(
+        "--step-e2e-repeats",
+        type=int,
+        default=3,
+        help="step: alternated end-to-end runs of each mode (0: none)",
+    )
     bench.add_argument("--spec-new-tokens", type=int, default=96, help="speculative: new tokens per request")
     bench.add_argument("--rates", default="1,2,4,8", help="goodput: arrival rates (requests/s)")
     bench.add_argument("--goodput-requests", type=int, default=20, help="goodput: requests per rate")
@@ -306,6 +328,8 @@ def run_bench(args: argparse.Namespace) -> None:
     from hfaccel.bench.serving import run_serving_benchmarks
     from hfaccel.default_model import load_default_model
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     suites = args.suite or [s.strip() for s in args.suites.split(",") if s.strip()]
     unknown = sorted(set(suites) - set(SUITES))
     if unknown:
@@ -332,11 +356,25 @@ def run_bench(args: argparse.Namespace) -> None:
         suites = [s for s in suites if s != "kernels"]
         if not suites:
             return
+    if "start" in suites:
+        from hfaccel.bench.step import run_start_benchmark
+
+        run_start_benchmark()
+        suites = [s for s in suites if s != "start"]
+        if not suites:
+            return
     if "step" in suites:
-        from hfaccel.bench.step import run_step_benchmark
+        from hfaccel.bench.step import run_end_to_end, run_step_benchmark
 
         fp32_model, _ = load_default_model(torch.float32)  # the matmul floor is stated in float32
-        run_step_benchmark(fp32_model)
+        run_step_benchmark(
+            fp32_model,
+            batch_sizes=tuple(int(b) for b in args.step_batches.split(",") if b.strip()),
+            steps=args.step_rounds,
+            per_bucket=args.step_per_bucket,
+        )
+        if args.step_e2e_repeats > 0:
+            run_end_to_end(fp32_model, repeats=args.step_e2e_repeats)
         del fp32_model
         suites = [s for s in suites if s != "step"]
         if not suites:

@@ -20,6 +20,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     (an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)``: exactly a categorical draw), one copy of
     the chosen tokens to the host per step.
     """
+    if all(_plain_greedy(r) for r in requests):
+        return _greedy(logits, requests)
     scores = logits.to(dtype=torch.float32, copy=True)
     _mask_eos_below_min_tokens(scores, requests)
     groups: dict[int, list[int]] = defaultdict(list)
@@ -49,6 +51,35 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         tokens[index] = (probs / noise).argmax(dim=-1)
     chosen = tokens.tolist()
     _record_outputs(logits, scores, chosen, requests)
+    return chosen
+
+
+def _plain_greedy(request: Request) -> bool:
+    params = request.sampling
+    return not (
+        params.do_sample
+        or params.processors
+        or params.warpers
+        or params.output_scores
+        or params.output_logits
+        or params.output_logprobs
+    )
+
+
+def _greedy(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """The fast path of a step whose requests all decode greedily with no processors and record nothing:
+    one argmax over the logits as they are (no float32 copy: widening is exact, so the argmax is the
+    same) and one copy of the tokens to the host. A request still below ``min_new_tokens`` must not
+    emit EOS; its masked argmax differs from the plain one only when the plain one is an EOS token, so
+    only such a row (rare) is redone with its EOS ids masked."""
+    chosen = logits.argmax(dim=-1).tolist()
+    vocab = logits.shape[-1]
+    for i, request in enumerate(requests):
+        stopping = request.stopping
+        if chosen[i] in stopping.eos_token_ids and len(request.output_token_ids) < stopping.min_new_tokens:
+            row = logits[i].to(dtype=torch.float32, copy=True)
+            row[[eos for eos in stopping.eos_token_ids if 0 <= eos < vocab]] = -float("inf")
+            chosen[i] = int(row.argmax())
     return chosen
 
 

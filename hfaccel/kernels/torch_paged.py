@@ -1,7 +1,9 @@
 """Pure-PyTorch paged attention: the reference backend and the CPU fast path.
 
-Decodes (one query token per sequence) run as one batched SDPA call over K/V gathered from the cache by
-whole blocks and padded to the longest context. Multi-token sequences (prefill chunks) run one SDPA
+Decodes (one query token per sequence) in float32 on a CPU run a small C kernel (`cpu_decode`) that reads
+each sequence's K/V rows in place through its block table; otherwise (other dtypes or devices, no C
+compiler, or verification rows of several queries) they run as one batched SDPA call over K/V gathered
+from the cache by whole blocks and padded to the longest context. Multi-token sequences (prefill chunks) run one SDPA
 call each: a fresh prompt attends to its own K/V with ``is_causal``; a chunk that continues a cached
 context gathers that context and uses an offset causal mask. Everything a layer needs is derived once
 per step by the builder, from host-side ints (no device sync), and shared by all layers.
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from hfaccel.kernels import cpu_decode
 from hfaccel.kernels.metadata import (
     AttentionBackend,
     AttentionMetadata,
@@ -51,6 +54,21 @@ class TorchMetadata:
     decode_out_dst: torch.Tensor | None = None  # their packed token index
     prefills: list[PrefillSpan] = field(default_factory=list)
     write_slots: torch.Tensor | None = None  # slot_mapping with padding sent to the scratch block
+    # The additive form of `decode_mask` (0 where visible, -inf elsewhere), rows repeated for the query
+    # heads sharing a KV head: made by the first layer that asks (`decode_bias`) and shared by every
+    # other layer of the step, so SDPA converts no boolean mask per layer.
+    _decode_bias: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def decode_bias(self, dtype: torch.dtype, rep: int) -> torch.Tensor:
+        """``[num_decodes, 1, rep * Q, nb * block_size]`` additive mask in `dtype` (built once per step);
+        rows are ordered ``(head in group, query)`` as `_decode` lays out its queries."""
+        key = (dtype, rep)
+        bias = self._decode_bias.get(key)
+        if bias is None:
+            mask = self.decode_mask if self.decode_queries == 1 else self.decode_mask.repeat(1, 1, rep, 1)
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            self._decode_bias[key] = bias
+        return bias
 
 
 def context_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -170,12 +188,39 @@ def attend(
     """Causal paged attention; ``query`` ``[T, Hq, D]`` -> a new ``[T, Hq, D]``."""
     common = meta.common
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    # One-token decodes in float32 on a CPU go to the C kernel, which reads the blocks in place (no
+    # gathered copy, no mask); elsewhere, batched SDPA over the gathered blocks.
+    kernel = meta.decode_queries == 1 and common.num_decodes > 0 and cpu_decode.supports(query, k_cache)
+    if (
+        kernel
+        and common.num_seqs == common.num_decodes
+        and common.num_padded_seqs == common.num_padded_tokens
+    ):
+        # A pure decode step, bucket padding included (a padded sequence has length 0: a zero row).
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        return cpu_decode.paged_decode(
+            query, k_cache, v_cache, common.block_tables, common.seq_lens, common.max_seq_len, scale, out
+        )
+    if (
+        not kernel
+        and meta.decode_queries == 1
+        and 0 < common.num_decodes == common.num_padded_tokens
+        and query.is_contiguous()
+    ):
+        # Every row is a one-token decode (no padding, no prefill): SDPA's output, viewed as [T, Hq, D], is
+        # the result (contiguous, as the op's fake implementation promises a compiled graph).
+        return _decode(query, k_cache, v_cache, meta, scale)
     out = (
         torch.empty_like(query) if common.num_padded_tokens == common.num_tokens else torch.zeros_like(query)
     )
     if meta.decode_blocks is not None:  # padded sequences are skipped: their rows stay zero
         d = common.num_decodes
-        if meta.decode_queries == 1:
+        if kernel:
+            tables, lens = common.block_tables[:d], common.seq_lens[:d]
+            cpu_decode.paged_decode(
+                query[:d], k_cache, v_cache, tables, lens, common.max_seq_len, scale, out[:d]
+            )
+        elif meta.decode_queries == 1:
             out[:d] = _decode(query[:d], k_cache, v_cache, meta, scale)
         else:
             rows = _decode(query.index_select(0, meta.decode_query_index), k_cache, v_cache, meta, scale)
@@ -214,7 +259,7 @@ def _decode(
         k_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
     )  # [B, Hkv, S, D]
     v = v_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
-    mask = meta.decode_mask if q_len == 1 else meta.decode_mask.repeat(1, 1, rep, 1)  # rows: (rep, Q)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hkv, rep * Q, D]
+    bias = meta.decode_bias(q.dtype, rep)  # rows: (rep, Q); built by the step's first layer
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)  # [B, Hkv, rep * Q, D]
     o = o.view(num_seqs, num_kv_heads, rep, q_len, head_dim).permute(0, 3, 1, 2, 4)
     return o.reshape(rows, num_heads, head_dim)

@@ -228,3 +228,21 @@ def test_interrupted_abort_leaves_the_engine_consistent(model):
         if not fault.fired:
             break
     assert not fault.fired, "abort has more line events than the sweep covers"
+
+
+def test_greedy_fast_path_masks_eos_only_below_min_new_tokens():
+    """The greedy fast path takes one argmax over the logits as they are; a row whose argmax is an EOS
+    id while its request is below min_new_tokens is redone with the EOS ids masked."""
+    from hfaccel.engine.request import Request, SamplingParams
+    from hfaccel.engine.sampler import sample
+
+    logits = torch.tensor(
+        [[0.0, 5.0, 4.0, 1.0], [0.0, 5.0, 4.0, 1.0], [0.0, 1.0, 4.0, 5.0]], dtype=torch.bfloat16
+    )
+    young = StoppingParams(max_new_tokens=8, min_new_tokens=4, eos_token_ids=frozenset({1, 9}))
+    grown = StoppingParams(max_new_tokens=8, min_new_tokens=0, eos_token_ids=frozenset({1}))
+    requests = [Request(0, [1, 2], young), Request(1, [1, 2], grown), Request(2, [1, 2], young)]
+    assert sample(logits, requests) == [2, 1, 3]
+    # The general path (a request that records its scores) gives the same tokens.
+    recorded = Request(3, [1, 2], grown, SamplingParams(output_scores=True))
+    assert sample(torch.cat([logits, logits[:1]]), requests + [recorded]) == [2, 1, 3, 1]

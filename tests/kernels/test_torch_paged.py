@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfaccel.kernels import StepLayout, TorchPagedAttention
+from hfaccel.kernels import StepLayout, TorchPagedAttention, cpu_decode
 
 BLOCK = 4
 HQ, HKV, D = 4, 2, 8
@@ -70,6 +70,17 @@ def run_step(seqs, dtype, seed=0, decode_query_len=1):
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
 
 
+@pytest.fixture(params=["kernel", "sdpa"])
+def decode_path(request, monkeypatch):
+    """float32 decodes on a CPU run the C kernel where a compiler builds it; "sdpa" forces the gathered
+    batched-SDPA path (what other dtypes and devices take)."""
+    if request.param == "kernel" and cpu_decode.load() is None:
+        pytest.skip("no C compiler: the CPU decode kernel is not built here")
+    if request.param == "sdpa":
+        monkeypatch.setattr(cpu_decode, "supports", lambda *args: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "seqs",
@@ -81,7 +92,7 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
         [(3, 1), (0, 9), (10, 1), (4, 5), (0, 2)],  # everything mixed in one step
     ],
 )
-def test_matches_dense_causal_attention(seqs, dtype):
+def test_matches_dense_causal_attention(seqs, dtype, decode_path):
     out, ref = run_step(seqs, dtype)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -121,7 +132,7 @@ def test_forward_stores_kv_at_slots_only():
     assert int((k_cache != 0).any(dim=(2, 3)).sum()) == 2
 
 
-def test_padded_slots_write_no_usable_block_and_padded_rows_are_zero():
+def test_padded_slots_write_no_usable_block_and_padded_rows_are_zero(decode_path):
     k_cache, _, key, out, meta = _one_step([6, 13], padded_seqs=4, padded_tokens=4)
     common = meta.common
     assert common.slot_mapping.tolist() == [6, 13, -1, -1]
@@ -166,3 +177,81 @@ def test_custom_op_outside_an_engine_step_raises():
         torch.ops.hfaccel.paged_attention(
             torch.randn(1, HQ, D), torch.randn(1, HKV, D), torch.randn(1, HKV, D), 0, 0.1
         )
+
+
+def test_decode_bias_is_built_once_per_step_and_is_the_additive_mask():
+    """Every layer of a step shares one additive bias (no boolean mask converted per layer)."""
+    backend = TorchPagedAttention()
+    builder = backend.make_builder(4, 8, 4, BLOCK, torch.device("cpu"), num_blocks=8)
+    meta = builder.build(StepLayout([1, 1], [3, 9], [[1], [2, 3, 4]], [6, 16], 2))
+    bias = meta.decode_bias(torch.float32, 2)
+    assert meta.decode_bias(torch.float32, 2) is bias  # the second layer reuses it
+    assert bias.shape == (2, 1, 1, 3 * BLOCK)
+    assert torch.equal(bias == 0, meta.decode_mask) and torch.isneginf(bias[~meta.decode_mask]).all()
+    assert meta.decode_bias(torch.bfloat16, 2).dtype == torch.bfloat16
+    again = builder.build(StepLayout([1], [2], [[1]], [5], 1))  # the next step builds its own
+    assert again.decode_bias(torch.float32, 2).shape == (1, 1, 1, BLOCK)
+
+
+def test_decode_bias_rows_follow_the_query_heads_of_multi_query_rows():
+    backend = TorchPagedAttention()
+    builder = backend.make_builder(4, 16, 4, BLOCK, torch.device("cpu"), num_blocks=8)
+    meta = builder.build(StepLayout([3, 1], [7, 5], [[1, 2], [3, 4]], [8, 9, 10, 12], 2))
+    bias = meta.decode_bias(torch.float32, 2)  # 2 query heads per KV head, 3 queries per sequence
+    assert bias.shape == (2, 1, 2 * 3, 2 * BLOCK)
+    visible = (bias == 0).sum(-1)[:, 0]  # rows ordered (head in group, query)
+    assert visible[0].tolist() == [5, 6, 7, 5, 6, 7]
+
+
+def test_all_decode_step_returns_a_contiguous_result_matching_the_reference(decode_path):
+    """A step of one-token decodes only, unpadded, returns SDPA's output itself (the op's fake
+    implementation promises a contiguous [T, Hq, D] to a compiled graph)."""
+    out, ref = run_step([(5, 1), (12, 1), (7, 1)], torch.float32)
+    assert out.is_contiguous() and out.shape == (3, HQ, D)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(
+    cpu_decode.load() is None, reason="no C compiler: the CPU decode kernel is not built here"
+)
+@pytest.mark.parametrize("heads", [(4, 2, 8), (6, 3, 64), (8, 8, 80), (9, 3, 64)])
+def test_cpu_decode_kernel_matches_sdpa(heads):
+    """The kernel against SDPA over each sequence's own context: GQA ratios, a head dim that is not a
+    multiple of 16, lengths across and inside blocks, a strided block table and a padded sequence."""
+    hq, hkv, d = heads
+    g = torch.Generator().manual_seed(1)
+    block, blocks = 16, 40
+    k_cache = torch.randn(blocks, block, hkv, d, generator=g)
+    v_cache = torch.randn(blocks, block, hkv, d, generator=g)
+    lens = [1, 16, 17, 100, 0, 33]
+    table = torch.zeros(len(lens), 12, dtype=torch.int32)  # 12 columns, 7 used: rows are strided
+    order = torch.randperm(blocks, generator=g).tolist()
+    for i, n in enumerate(lens):
+        for j in range(-(-n // block)):
+            table[i, j] = order.pop()
+    query = torch.randn(len(lens), hq, d, generator=g)
+    out = torch.full_like(query, float("nan"))
+    cpu_decode.paged_decode(
+        query, k_cache, v_cache, table[:, :7], torch.tensor(lens, dtype=torch.int32), max(lens), d**-0.5, out
+    )
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i]))
+            continue
+        slots = [int(table[i, p // block]) * block + p % block for p in range(n)]
+        k = k_cache.view(-1, hkv, d)[slots].transpose(0, 1)[None]
+        v = v_cache.view(-1, hkv, d)[slots].transpose(0, 1)[None]
+        ref = F.scaled_dot_product_attention(query[i][None, :, None], k, v, scale=d**-0.5, enable_gqa=True)
+        torch.testing.assert_close(out[i], ref[0, :, 0], atol=2e-6, rtol=2e-6)
+
+
+def test_cpu_decode_kernel_is_off_for_other_dtypes_and_by_switch(monkeypatch):
+    assert not cpu_decode.supports(torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 4, 1, 8))
+    assert not cpu_decode.supports(torch.zeros(3, 2, 8).transpose(0, 1), torch.zeros(1, 4, 1, 8))
+    monkeypatch.setenv("HFACCEL_CPU_DECODE_KERNEL", "0")
+    cpu_decode.load.cache_clear()
+    try:
+        assert cpu_decode.load() is None
+    finally:
+        monkeypatch.delenv("HFACCEL_CPU_DECODE_KERNEL")
+        cpu_decode.load.cache_clear()
