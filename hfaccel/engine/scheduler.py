@@ -42,11 +42,17 @@ from typing import Any
 from hfaccel.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
 from hfaccel.engine.batch import Batch, ScheduledStep
 from hfaccel.engine.block_manager import BlockManager, blocks_for
+from hfaccel.engine.cost_model import RatioCalibration
 from hfaccel.engine.request import Request, RequestStatus
 
 logger = logging.getLogger("hfaccel")
 # Aim below the target: the step-time model is a fit, and a shared machine is noisy.
 HEADROOM = 0.85
+# The mean time per output token is kept within this share of the TPOT target (steps are measured as
+# they happen, so only the last steps' noise is left uncorrected), and one step lasts at most this many
+# targets.
+MEAN_HEADROOM = 0.95
+MAX_STEP_TARGETS = 2.0
 
 
 class Scheduler:
@@ -83,6 +89,11 @@ class Scheduler:
         self._time: _TimeBudget | None = None  # this step's time budget, when a TPOT target applies
         self._targets_used = config.has_latency_targets  # some request may carry a latency target
         self._priorities_used = False  # some request has a non-zero user priority
+        # TTFT estimates at arrival, corrected online by what the requests then took: id(request) ->
+        # (request, when it was estimated, the raw seconds estimated from then to its first token).
+        self.ttft_calibration = RatioCalibration()
+        self._ttft_predicted: dict[int, tuple[Request, float, float]] = {}
+        self.clock = time.perf_counter  # the time source (a test may put a fake clock here)
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -146,6 +157,7 @@ class Scheduler:
             request.finish("abort")
         self.live.pop(id(request), None)
         self._prefix_keys.pop(id(request), None)
+        self._ttft_predicted.pop(id(request), None)
 
     # ----------------------------------------------------------------- one step
 
@@ -211,16 +223,19 @@ class Scheduler:
             request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
             self.block_manager.trim(request, request.num_computed_tokens)
             self.block_manager.cache_full_blocks(request)
-        now = time.perf_counter()
+        now = self.clock()
         for request, tokens in zip(sampled, (emitted[id(r)] for r in sampled)):
             for token_id in tokens:
                 request.append_token(token_id, self.max_model_len, now)
                 if request.is_finished:  # a stop inside the accepted drafts: the rest is dropped
                     break
+        if self._ttft_predicted:
+            self._observe_first_tokens(sampled)
         finished = self.running.filter(lambda r: not r.is_finished)
         for request in finished:
             self.block_manager.free(request)
             self.live.pop(id(request), None)
+            self._ttft_predicted.pop(id(request), None)
         return finished
 
     # ----------------------------------------------------------------- internals
@@ -299,7 +314,7 @@ class Scheduler:
         if len(self.waiting) >= self.config.batch_size or draining:
             return True
         if self.config.batching == "dynamic":
-            waited = time.perf_counter() - self.waiting[0].metrics.arrival_time
+            waited = self.clock() - self.waiting[0].metrics.arrival_time
             return waited * 1000.0 >= self.config.max_delay_ms
         return False
 
@@ -447,15 +462,38 @@ class Scheduler:
         return self._targets_used or self._priorities_used or self.config.prefix_aware_admission
 
     def _time_budget(self) -> _TimeBudget | None:
-        """This step's time budget: the tightest TPOT target among the requests already producing tokens
-        (their clocks are running), when the step-time model is ready."""
+        """This step's time budget, when a request already producing tokens has a TPOT target and the
+        step-time model is ready: the least that any such request allows (`_step_allowance`)."""
         if not self._targets_used:
             return None
-        limit = self._tpot_limit(r for r in self.running if r.output_token_ids)
+        now = self.clock()
+        limit = None
+        for request in self.running:
+            if not request.output_token_ids:
+                continue
+            target = self._tpot_target(request)
+            if target is not None:
+                allowance = self._step_allowance(request, target, now)
+                limit = allowance if limit is None else min(limit, allowance)
         if limit is None:
             return None
         fit = self._fit()
         return None if fit is None else _TimeBudget(fit, limit)
+
+    @staticmethod
+    def _step_allowance(request: Request, target_s: float, now: float) -> float:
+        """How long the next step may take for `request` to keep its mean time per output token within
+        `MEAN_HEADROOM` x its target: a TPOT is a mean over the request's life, so a step may spend the
+        time the earlier steps saved (a pure-decode step that took 100 ms of a 150 ms target leaves 50 ms
+        for a longer step with prompt chunks later), but never time that later steps would have to save
+        (the request may stop at any token). At most `MAX_STEP_TARGETS` targets, so one stall stays
+        bounded."""
+        times = request.metrics.token_times
+        intervals = len(request.output_token_ids)  # after this step's token
+        if not times or intervals < 1:
+            return HEADROOM * target_s
+        allowance = MEAN_HEADROOM * target_s * intervals - (now - times[0])
+        return min(allowance, MAX_STEP_TARGETS * target_s)
 
     def _batch_check(self) -> _BatchCheck | None:
         if not self._targets_used:
@@ -467,9 +505,21 @@ class Scheduler:
 
     def estimate_ttft(self, request: Request) -> float | None:
         """Seconds from `request`'s arrival to its first token if it joined the queue now (behind the
-        requests that go first: resuming ones and those of its priority level or better), by the
-        step-time model; None before the model is ready. An estimate: output lengths are taken at their
-        maximum, the batch as it is now."""
+        requests that go first: resuming ones and those of its priority level or better): the time it
+        has waited plus the time still ahead (`_ttft_ahead`, by the step-time model) corrected by what
+        such estimates turned out to be (`ttft_calibration`, learnt online). None before the model is
+        ready."""
+        ahead = self._ttft_ahead(request)
+        if ahead is None:
+            return None
+        return self.clock() - request.metrics.arrival_time + ahead * self.ttft_calibration.factor
+
+    def _ttft_ahead(self, request: Request) -> float | None:
+        """The raw estimate of the seconds until `request`'s first token if it joined the queue now: the
+        prompt tokens ahead of it (running prompts, the waiting requests that go first, its own) at the
+        chunk size the TPOT target allows per step, and, when the batch is full (by `max_num_seqs` or by
+        what the target allows), the decode steps until enough running requests end (output lengths at
+        their maximum). A picture of the queue as it is now, corrected online by `estimate_ttft`."""
         fit = self._fit()
         if fit is None:
             return None
@@ -509,23 +559,44 @@ class Scheduler:
             rounds, rest = divmod(position - max(seats, 0) - 1, len(left))
             wait_steps = left[rest] + rounds * left[-1]
         steps = max(wait_steps + math.ceil(own / per_step), math.ceil((prompts_ahead + own) / per_step))
-        waited = time.perf_counter() - request.metrics.arrival_time
-        return waited + steps * step_s
+        return steps * step_s
 
     def _admission_check(self, request: Request) -> bool:
         """Admission control at arrival: False if `request` was rejected (its TTFT target cannot be met
-        given the queue), True if it may queue (possibly with a warning)."""
+        given the queue), True if it may queue (possibly with a warning). A request that would be first
+        in line is never rejected here (it waits, and is rejected if its deadline passes before it
+        starts): so requests keep being served and measured even when the calibrated estimate runs high,
+        and the estimate comes back down."""
         if request.num_preemptions or request.output_token_ids:
             return True
         target = self._ttft_target(request)
-        estimate = self.estimate_ttft(request)
-        if target is None or estimate is None or estimate <= target:
+        ahead = self._ttft_ahead(request)
+        if target is None or ahead is None:
+            return True
+        now = self.clock()
+        estimate = now - request.metrics.arrival_time + ahead * self.ttft_calibration.factor
+        first_in_line = not any(w.num_preemptions or w.user_priority <= request.user_priority for w in self.waiting)
+        if estimate <= target or first_in_line:
+            self._ttft_predicted[id(request)] = (request, now, ahead)
             return True
         reason = (
             f"TTFT target {target * 1000:.0f} ms cannot be met: about {estimate * 1000:.0f} ms expected "
             f"with {len(self.waiting)} requests waiting and {len(self.running)} running"
         )
-        return self._refuse(request, reason)
+        if self._refuse(request, reason):  # warned and queued: it still teaches the estimate
+            self._ttft_predicted[id(request)] = (request, now, ahead)
+            return True
+        return False
+
+    def _observe_first_tokens(self, sampled: list[Request]) -> None:
+        """Teach the TTFT calibration from the requests that produced their first token in this step."""
+        for request in sampled:
+            entry = self._ttft_predicted.get(id(request))
+            if entry is None or entry[0] is not request or request.metrics.first_token_time is None:
+                continue
+            del self._ttft_predicted[id(request)]
+            _, at, ahead = entry
+            self.ttft_calibration.observe(ahead, request.metrics.first_token_time - at)
 
     def _refuse(self, request: Request, reason: str) -> bool:
         """Reject (returns False) or warn (returns True) per `admission`."""
@@ -544,10 +615,11 @@ class Scheduler:
 
     def _reject_late(self) -> None:
         """A request that has not started and whose TTFT deadline has passed while it waited is told so:
-        rejected (returned by the next step among the finished) or warned, once."""
+        rejected (returned by the next step among the finished) or warned, once. What it waited is a
+        lower bound of its TTFT, and teaches the calibration as such."""
         if not self._targets_used or not self.waiting:
             return
-        now = time.perf_counter()
+        now = self.clock()
         late = []
         for request in self.waiting:
             target = self._ttft_target(request)
@@ -561,6 +633,10 @@ class Scheduler:
         for request in late:
             waited = now - request.metrics.arrival_time
             target_ms = self._ttft_target(request) * 1000
+            entry = self._ttft_predicted.get(id(request))
+            if entry is not None and entry[0] is request:
+                del self._ttft_predicted[id(request)]
+                self.ttft_calibration.observe(entry[2], now - entry[1])
             reason = (
                 f"TTFT deadline passed: waited {waited * 1000:.0f} ms in the queue, target {target_ms:.0f} ms"
             )
@@ -728,6 +804,7 @@ class Scheduler:
             self._requeue(request)
         self.scheduled = []
         self._prefix_keys.clear()
+        self._ttft_predicted.clear()
         self.block_manager.repair(self.live.values())
 
     def _is_whole(self, request: Request) -> bool:
