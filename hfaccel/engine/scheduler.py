@@ -358,6 +358,9 @@ class Scheduler:
             if prefix_aware and self._hold_for_shared_prefix(request, shared):
                 index += 1
                 continue
+            if adaptive and self._too_late_to_start(request):
+                del queue[index]  # its first token cannot come in time: rejected before any work
+                continue
             if batch is not None and not batch.admits(request, len(self.running)):
                 break  # the decode batch it would join is predicted to miss a TPOT target
             cached = self.block_manager.match_prefix(request)
@@ -523,8 +526,7 @@ class Scheduler:
         fit = self._fit()
         if fit is None:
             return None
-        c0, c1, c2, c3 = fit.coefficients
-        per_token = c2 + c3
+        c0, c1, _, c3 = fit.coefficients
         block = self.block_manager.block_size
         running = list(self.running)
         ahead = [
@@ -533,18 +535,11 @@ class Scheduler:
             if w is not request and (w.num_preemptions or w.user_priority <= request.user_priority)
         ]
         kv = sum(r.num_tokens for r in running)
-        decodes = sum(1 for r in running if r.num_uncomputed_tokens == 1)
         prompts_ahead = sum(r.num_uncomputed_tokens for r in running if r.num_uncomputed_tokens > 1)
         prompts_ahead += sum(w.num_tokens for w in ahead)
         own = max(1, request.num_tokens - block * self._cached_blocks(request))
-        decode_s = fit.predict(decodes, 0, kv)
+        per_step, step_s = self._prefill_pace(fit, request, prompts_ahead + own)
         limit = self._tpot_limit([*running, request])
-        if limit is not None and per_token > 0:
-            per_step = max(block, int((limit - decode_s) / per_token))
-        else:
-            per_step = self.max_num_batched_tokens - decodes
-        per_step = max(1, min(per_step, self.max_num_batched_tokens))
-        step_s = fit.predict(decodes, per_step, kv + per_step)
         seats = self.max_num_seqs
         if limit is not None:
             per_seq = c1 + c3 * (kv + request.num_tokens) / (len(running) + 1)
@@ -575,7 +570,9 @@ class Scheduler:
             return True
         now = self.clock()
         estimate = now - request.metrics.arrival_time + ahead * self.ttft_calibration.factor
-        first_in_line = not any(w.num_preemptions or w.user_priority <= request.user_priority for w in self.waiting)
+        first_in_line = not any(
+            w.num_preemptions or w.user_priority <= request.user_priority for w in self.waiting
+        )
         if estimate <= target or first_in_line:
             self._ttft_predicted[id(request)] = (request, now, ahead)
             return True
@@ -587,6 +584,53 @@ class Scheduler:
             self._ttft_predicted[id(request)] = (request, now, ahead)
             return True
         return False
+
+    def _too_late_to_start(self, request: Request) -> bool:
+        """With `admission="reject"`: whether a request that has not started would miss its TTFT target
+        even if it started now (the time it waited plus its own prompt at the chunk size the TPOT target
+        allows); if so it is rejected here, before any work is spent on it, and its place goes to the
+        requests behind it."""
+        if self.config.admission != "reject" or request.num_preemptions or request.output_token_ids:
+            return False
+        target = self._ttft_target(request)
+        fit = self._fit() if target is not None else None
+        if fit is None:
+            return False
+        own = max(1, request.num_tokens - self.block_manager.block_size * self._cached_blocks(request))
+        per_step, step_s = self._prefill_pace(fit, request, own)
+        now = self.clock()
+        if now - request.metrics.arrival_time + math.ceil(own / per_step) * step_s <= target:
+            return False
+        entry = self._ttft_predicted.pop(id(request), None)
+        if entry is not None and entry[0] is request:
+            self.ttft_calibration.observe(entry[2], now - entry[1])  # a lower bound, as for a late one
+        self._refuse(
+            request,
+            f"TTFT target {target * 1000:.0f} ms cannot be met: the prompt would start after "
+            f"{(now - request.metrics.arrival_time) * 1000:.0f} ms in the queue",
+        )
+        self._prefix_keys.pop(id(request), None)
+        self.live.pop(id(request), None)
+        self.rejected.append(request)
+        return True
+
+    def _prefill_pace(self, fit: Any, request: Request, tokens: int) -> tuple[int, float]:
+        """(prompt tokens a step computes, seconds a step takes) while the running batch decodes and
+        `tokens` prompt tokens wait: chunks of what the tightest TPOT target among the batch and `request`
+        leaves after the decodes (at least a block), else the step's token budget."""
+        _, _, c2, c3 = fit.coefficients
+        per_token = c2 + c3
+        kv = sum(r.num_tokens for r in self.running)
+        decodes = sum(1 for r in self.running if r.num_uncomputed_tokens == 1)
+        decode_s = fit.predict(decodes, 0, kv)
+        limit = self._tpot_limit([*self.running, request])
+        if limit is not None and per_token > 0:
+            per_step = max(self.block_manager.block_size, int((limit - decode_s) / per_token))
+        else:
+            per_step = self.max_num_batched_tokens - decodes
+        per_step = max(1, min(per_step, self.max_num_batched_tokens))
+        filled = min(per_step, tokens)  # a step with less prompt work costs less
+        return per_step, fit.predict(decodes, filled, kv + filled)
 
     def _observe_first_tokens(self, sampled: list[Request]) -> None:
         """Teach the TTFT calibration from the requests that produced their first token in this step."""
