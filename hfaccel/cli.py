@@ -176,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--goodput-systems", default="defaults,best fixed,adaptive,hf", help="goodput: systems to compare"
     )
+    bench.add_argument(
+        "--goodput-repeats", type=int, default=1, help="goodput: sweeps, the systems' order reversed each time"
+    )
+    bench.add_argument(
+        "--host-share", action="store_true", help="goodput: also the host's share of a step, async scheduling off/on"
+    )
     return parser
 
 
@@ -375,7 +381,12 @@ def run_bench(args: argparse.Namespace) -> None:
             tpot_target_ms=args.tpot_target_ms,
             ttft_target_ms=args.ttft_target_ms,
             systems=tuple(s.strip() for s in args.goodput_systems.split(",") if s.strip()),
+            repeats=args.goodput_repeats,
         )
+        if args.host_share:
+            from hfaccel.bench.goodput import run_host_share
+
+            run_host_share(model)
     if "rollouts" in suites:
         from hfaccel.bench.rollouts import run_rollout_benchmarks
 
