@@ -18,13 +18,16 @@ once.
 
 Adaptive scheduling (all of it off unless asked for, so the schedule is exactly the one above): with a
 TPOT target and a learnt step-time model (`engine/cost_model.py`), each step takes every running decode,
-then prompt chunks sized by the time the target leaves (at least one chunk of `block_size` tokens, so
+then prompt chunks sized by the time the running requests' mean time per output token still allows (a
+TPOT is a mean: a step may spend what earlier steps saved; at least one chunk of `block_size` tokens, so
 running prompts always progress), and a waiting request is admitted only while the decode batch it would
 join is predicted to meet the tightest target (the batch grows while the queue is deep and shrinks, by
 admitting less, when targets tighten; nothing is preempted for time). A request whose TTFT target cannot
-be met given the queue is rejected or warned at once (`admission`), and a never-started request whose
-TTFT deadline passes while it waits is too. `user_priority` orders admission (lower first, FCFS within a
-level); `prefix_aware_admission` prefers requests whose prefix is cached, within `max_passed_over`.
+be met given the queue (an estimate calibrated online against observed TTFTs) is rejected or warned at
+once (`admission`), a never-started request whose TTFT deadline passes while it waits is too, and one
+that could no longer start in time is rejected when its turn comes, before any work is spent on it.
+`user_priority` orders admission (lower first, FCFS within a level); `prefix_aware_admission` prefers
+requests whose prefix is cached, within `max_passed_over`.
 
 Fault safety: every request the scheduler holds is also in `live`, and the block manager never counts a
 block below its holders, so after an exception at any point `repair` rebuilds a consistent state.
