@@ -179,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--goodput-repeats", type=int, default=1, help="goodput: sweeps, the systems' order reversed each time"
     )
+    bench.add_argument("--goodput-plot", default=None, help="goodput: save goodput vs rate to this PNG")
     bench.add_argument(
         "--host-share", action="store_true", help="goodput: also the host's share of a step, async scheduling off/on"
     )
@@ -382,6 +383,7 @@ def run_bench(args: argparse.Namespace) -> None:
             ttft_target_ms=args.ttft_target_ms,
             systems=tuple(s.strip() for s in args.goodput_systems.split(",") if s.strip()),
             repeats=args.goodput_repeats,
+            plot_path=args.goodput_plot,
         )
         if args.host_share:
             from hfaccel.bench.goodput import run_host_share

@@ -209,6 +209,7 @@ def run_goodput_benchmark(
     best_fixed: dict[str, Any] | None = None,
     systems: tuple[str, ...] = ("defaults", "best fixed", "adaptive", "hf"),
     repeats: int = 1,
+    plot_path: str | None = None,
 ) -> list[GoodputResult]:
     """Run every system at every rate (`repeats` times, alternating the order of the systems); print a
     row per run and a summary (median goodput and range per cell, adaptive against the fixed settings)."""
@@ -227,6 +228,9 @@ def run_goodput_benchmark(
     finally:
         torch.set_num_threads(before)
     print(summarize(results, num_requests, ttft_target_ms / 1000, tpot_target_ms / 1000))
+    if plot_path:
+        plot_goodput(results, num_requests, ttft_target_ms / 1000, tpot_target_ms / 1000, plot_path)
+        print(f"plot: {plot_path}")
     return results
 
 
@@ -370,3 +374,35 @@ def run_host_share(model: Any, repeats: int = 2, threads: int | None = 1) -> lis
     finally:
         torch.set_num_threads(before)
     return rows
+
+
+def plot_goodput(
+    results: list[GoodputResult], n: int, ttft_s: float, tpot_s: float, path: str, title: str = ""
+) -> None:
+    """Goodput against arrival rate per system (median over repeats, the range as error bars), saved to
+    `path` (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells: dict[str, dict[float, list[float]]] = {}
+    for r in results:
+        cells.setdefault(r.system, {}).setdefault(r.rate, []).append(r.rate * r.met(ttft_s, tpot_s) / n)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    top = max(r.rate for r in results)
+    ax.plot([0, top], [0, top], color="0.8", linestyle=":", label="every request meets both")
+    for system, by_rate in cells.items():
+        rates = sorted(by_rate)
+        medians = [statistics.median(by_rate[rate]) for rate in rates]
+        low = [m - min(by_rate[rate]) for m, rate in zip(medians, rates)]
+        high = [max(by_rate[rate]) - m for m, rate in zip(medians, rates)]
+        ax.errorbar(rates, medians, yerr=[low, high], marker="o", capsize=3, label=system)
+    ax.set_xlabel("arrival rate (requests/s, Poisson)")
+    ax.set_ylabel("goodput (requests/s meeting both targets)")
+    ax.set_title(title or f"TTFT <= {ttft_s:g} s, TPOT <= {tpot_s * 1000:g} ms")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -12,7 +12,7 @@ def test_the_same_arrivals_for_every_system_and_rate_and_seed():
     assert workload(1000, 4.0, 10)[3].prompt == workload(1000, 4.0, 10)[3].prompt
 
 
-def test_the_benchmark_runs_and_repeats_in_alternating_order(capsys):
+def test_the_benchmark_runs_and_repeats_in_alternating_order(capsys, tmp_path):
     results = run_goodput_benchmark(
         tiny_model(),
         torch.float32,
@@ -22,7 +22,9 @@ def test_the_benchmark_runs_and_repeats_in_alternating_order(capsys):
         ttft_target_ms=5000,
         systems=("defaults", "adaptive"),
         repeats=2,
+        plot_path=str(tmp_path / "goodput.png"),
     )
+    assert (tmp_path / "goodput.png").stat().st_size > 0
     assert [(r.system, r.repeat) for r in results] == [
         ("defaults", 0),
         ("adaptive", 0),
