@@ -203,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--goodput-systems", default="defaults,best fixed,adaptive,hf", help="goodput: systems to compare"
     )
+    bench.add_argument(
+        "--goodput-repeats", type=int, default=1, help="goodput: sweeps, the systems' order reversed each time"
+    )
+    bench.add_argument("--goodput-plot", default=None, help="goodput: save goodput vs rate to this PNG")
+    bench.add_argument(
+        "--host-share", action="store_true", help="goodput: also the host's share of a step, async scheduling off/on"
+    )
     return parser
 
 
@@ -425,7 +432,13 @@ def run_bench(args: argparse.Namespace) -> None:
             tpot_target_ms=args.tpot_target_ms,
             ttft_target_ms=args.ttft_target_ms,
             systems=tuple(s.strip() for s in args.goodput_systems.split(",") if s.strip()),
+            repeats=args.goodput_repeats,
+            plot_path=args.goodput_plot,
         )
+        if args.host_share:
+            from hfaccel.bench.goodput import run_host_share
+
+            run_host_share(model)
     if "rollouts" in suites:
         from hfaccel.bench.rollouts import run_rollout_benchmarks
 

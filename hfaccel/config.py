@@ -75,13 +75,15 @@ class EngineConfig:
             process they run in turn).
         group_by_length: admit waiting prompts of similar length together (shortest first within a
             window of ``max_num_seqs`` waiting requests).
-        tpot_target_ms: time-per-output-token target. When set, each step takes the decodes and as many
-            prefill tokens as keep the step time that the engine's learnt step-time model predicts under
-            the target (SplitFuse: the chunk size follows the budget the target leaves), and a request is
-            admitted only while the decode batch it joins still meets it. A request may carry its own.
-            ``None``: no time-based limit (the schedule is exactly the token/sequence-budget one).
+        tpot_target_ms: time-per-output-token target, kept as a mean over each request's tokens. When
+            set, each step takes the decodes and as many prefill tokens as the engine's learnt step-time
+            model says fit in the time the running requests' means still allow (SplitFuse: the chunk size
+            follows the budget the target leaves), and a request is admitted only while the decode batch
+            it joins still meets it. A request may carry its own. ``None``: no time-based limit (the
+            schedule is exactly the token/sequence-budget one).
         ttft_target_ms: time-to-first-token target: a request whose target cannot be met given the queue
-            is told so at once (see `admission`). A request may carry its own.
+            (an estimate calibrated online against the TTFTs observed) is told so at once (see
+            `admission`). A request may carry its own.
         admission: what happens to a request whose TTFT target cannot be met: ``"warn"`` (it is queued,
             with the reason in ``Request.warnings`` and one log line) or ``"reject"`` (it finishes at once
             with ``finish_reason="rejected"`` and the reason in ``Request.rejected_reason``).

@@ -172,3 +172,51 @@ class StepCostModel:
             f"StepCostModel({(c0 + fit.bias_s) * 1e3:.2f} ms + {c1 * 1e3:.3f} ms/decode "
             f"+ {c2 * 1e3:.4f} ms/prefill token + {c3 * 1e6:.3f} us/KV token; R2={fit.r2:.3f}, {fit.num_samples} steps)"
         )
+
+
+class RatioCalibration:
+    """Online correction of an estimate by the ratio observed / predicted of its recent outcomes.
+
+    The scheduler's TTFT estimate (`Scheduler.estimate_ttft`) is built from the step-time model and a
+    picture of the queue (how many steps until a seat is free, how many prompt tokens each step takes);
+    that picture is an approximation, and on a shared machine it can be off by a factor. Each request
+    that was estimated at arrival and later produced its first token adds its ratio; a request that
+    waited past its deadline without starting adds the lower bound it proved (it would have taken at
+    least that long). `factor` is the `quantile` of the last `window` ratios (1.0 until `min_samples`
+    have been seen), kept within `bounds`; the scheduler multiplies the time still ahead by it.
+    """
+
+    def __init__(
+        self,
+        window: int = 32,
+        min_samples: int = 4,
+        quantile: float = 0.5,
+        bounds: tuple[float, float] = (0.05, 20.0),
+    ) -> None:
+        self.window = window
+        self.min_samples = min_samples
+        self.quantile = quantile
+        self.bounds = bounds
+        self._ratios: deque[float] = deque(maxlen=window)
+        self.num_observed = 0
+
+    def observe(self, predicted_s: float, observed_s: float) -> None:
+        if predicted_s <= 0 or observed_s < 0:
+            return
+        self._ratios.append(observed_s / predicted_s)
+        self.num_observed += 1
+
+    @property
+    def factor(self) -> float:
+        if len(self._ratios) < self.min_samples:
+            return 1.0
+        ordered = sorted(self._ratios)
+        value = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+        low, high = self.bounds
+        return min(high, max(low, value))
+
+    def ratios(self) -> list[float]:
+        return list(self._ratios)
+
+    def __repr__(self) -> str:
+        return f"RatioCalibration(factor={self.factor:.3f}, {len(self._ratios)} of the last {self.window})"

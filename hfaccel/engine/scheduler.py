@@ -18,13 +18,16 @@ once.
 
 Adaptive scheduling (all of it off unless asked for, so the schedule is exactly the one above): with a
 TPOT target and a learnt step-time model (`engine/cost_model.py`), each step takes every running decode,
-then prompt chunks sized by the time the target leaves (at least one chunk of `block_size` tokens, so
+then prompt chunks sized by the time the running requests' mean time per output token still allows (a
+TPOT is a mean: a step may spend what earlier steps saved; at least one chunk of `block_size` tokens, so
 running prompts always progress), and a waiting request is admitted only while the decode batch it would
 join is predicted to meet the tightest target (the batch grows while the queue is deep and shrinks, by
 admitting less, when targets tighten; nothing is preempted for time). A request whose TTFT target cannot
-be met given the queue is rejected or warned at once (`admission`), and a never-started request whose
-TTFT deadline passes while it waits is too. `user_priority` orders admission (lower first, FCFS within a
-level); `prefix_aware_admission` prefers requests whose prefix is cached, within `max_passed_over`.
+be met given the queue (an estimate calibrated online against observed TTFTs) is rejected or warned at
+once (`admission`), a never-started request whose TTFT deadline passes while it waits is too, and one
+that could no longer start in time is rejected when its turn comes, before any work is spent on it.
+`user_priority` orders admission (lower first, FCFS within a level); `prefix_aware_admission` prefers
+requests whose prefix is cached, within `max_passed_over`.
 
 Fault safety: every request the scheduler holds is also in `live`, and the block manager never counts a
 block below its holders, so after an exception at any point `repair` rebuilds a consistent state.
@@ -43,11 +46,17 @@ from hfaccel.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
 from hfaccel.engine.batch import Batch, ScheduledStep
 from hfaccel.engine.beam_search import attach as attach_beams
 from hfaccel.engine.block_manager import BlockManager, blocks_for
+from hfaccel.engine.cost_model import RatioCalibration
 from hfaccel.engine.request import Request, RequestStatus
 
 logger = logging.getLogger("hfaccel")
 # Aim below the target: the step-time model is a fit, and a shared machine is noisy.
 HEADROOM = 0.85
+# The mean time per output token is kept within this share of the TPOT target (steps are measured as
+# they happen, so only the last steps' noise is left uncorrected), and one step lasts at most this many
+# targets.
+MEAN_HEADROOM = 0.95
+MAX_STEP_TARGETS = 2.0
 
 
 class Scheduler:
@@ -84,6 +93,11 @@ class Scheduler:
         self._time: _TimeBudget | None = None  # this step's time budget, when a TPOT target applies
         self._targets_used = config.has_latency_targets  # some request may carry a latency target
         self._priorities_used = False  # some request has a non-zero user priority
+        # TTFT estimates at arrival, corrected online by what the requests then took: id(request) ->
+        # (request, when it was estimated, the raw seconds estimated from then to its first token).
+        self.ttft_calibration = RatioCalibration()
+        self._ttft_predicted: dict[int, tuple[Request, float, float]] = {}
+        self.clock = time.perf_counter  # the time source (a test may put a fake clock here)
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -162,6 +176,7 @@ class Scheduler:
             request.finish("abort")
         self.live.pop(id(request), None)
         self._prefix_keys.pop(id(request), None)
+        self._ttft_predicted.pop(id(request), None)
 
     # ----------------------------------------------------------------- one step
 
@@ -227,7 +242,7 @@ class Scheduler:
             request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
             self.block_manager.trim(request, request.num_computed_tokens)
             self.block_manager.cache_full_blocks(request)
-        now = time.perf_counter()
+        now = self.clock()
         groups = {}
         for request, tokens in zip(sampled, (emitted[id(r)] for r in sampled)):
             if request.beam_group is not None:  # a beam: its group re-forks below
@@ -245,10 +260,13 @@ class Scheduler:
                 self.running.merge(created)
                 self.running.requests.sort(key=_priority)  # next to their request (stable)
             group.advance(self.block_manager, created, now)
+        if self._ttft_predicted:
+            self._observe_first_tokens(sampled)
         finished = self.running.filter(lambda r: not r.is_finished)
         for request in finished:
             self.block_manager.free(request)
             self.live.pop(id(request), None)
+            self._ttft_predicted.pop(id(request), None)
         # A beam group's other sequences are internal: the caller holds (and hears of) the request.
         return [r for r in finished if r.beam_group is None or r.beam_group.handle is r]
 
@@ -339,7 +357,7 @@ class Scheduler:
         if len(self.waiting) >= self.config.batch_size or draining:
             return True
         if self.config.batching == "dynamic":
-            waited = time.perf_counter() - self.waiting[0].metrics.arrival_time
+            waited = self.clock() - self.waiting[0].metrics.arrival_time
             return waited * 1000.0 >= self.config.max_delay_ms
         return False
 
@@ -386,6 +404,9 @@ class Scheduler:
                 break  # a beam group waits for seats for all its beams
             if prefix_aware and self._hold_for_shared_prefix(request, shared):
                 index += 1
+                continue
+            if adaptive and self._too_late_to_start(request):
+                del queue[index]  # its first token cannot come in time: rejected before any work
                 continue
             if batch is not None and not batch.admits(request, len(self.running)):
                 break  # the decode batch it would join is predicted to miss a TPOT target
@@ -517,15 +538,38 @@ class Scheduler:
         return self._targets_used or self._priorities_used or self.config.prefix_aware_admission
 
     def _time_budget(self) -> _TimeBudget | None:
-        """This step's time budget: the tightest TPOT target among the requests already producing tokens
-        (their clocks are running), when the step-time model is ready."""
+        """This step's time budget, when a request already producing tokens has a TPOT target and the
+        step-time model is ready: the least that any such request allows (`_step_allowance`)."""
         if not self._targets_used:
             return None
-        limit = self._tpot_limit(r for r in self.running if r.output_token_ids)
+        now = self.clock()
+        limit = None
+        for request in self.running:
+            if not request.output_token_ids:
+                continue
+            target = self._tpot_target(request)
+            if target is not None:
+                allowance = self._step_allowance(request, target, now)
+                limit = allowance if limit is None else min(limit, allowance)
         if limit is None:
             return None
         fit = self._fit()
         return None if fit is None else _TimeBudget(fit, limit)
+
+    @staticmethod
+    def _step_allowance(request: Request, target_s: float, now: float) -> float:
+        """How long the next step may take for `request` to keep its mean time per output token within
+        `MEAN_HEADROOM` x its target: a TPOT is a mean over the request's life, so a step may spend the
+        time the earlier steps saved (a pure-decode step that took 100 ms of a 150 ms target leaves 50 ms
+        for a longer step with prompt chunks later), but never time that later steps would have to save
+        (the request may stop at any token). At most `MAX_STEP_TARGETS` targets, so one stall stays
+        bounded."""
+        times = request.metrics.token_times
+        intervals = len(request.output_token_ids)  # after this step's token
+        if not times or intervals < 1:
+            return HEADROOM * target_s
+        allowance = MEAN_HEADROOM * target_s * intervals - (now - times[0])
+        return min(allowance, MAX_STEP_TARGETS * target_s)
 
     def _batch_check(self) -> _BatchCheck | None:
         if not self._targets_used:
@@ -537,14 +581,25 @@ class Scheduler:
 
     def estimate_ttft(self, request: Request) -> float | None:
         """Seconds from `request`'s arrival to its first token if it joined the queue now (behind the
-        requests that go first: resuming ones and those of its priority level or better), by the
-        step-time model; None before the model is ready. An estimate: output lengths are taken at their
-        maximum, the batch as it is now."""
+        requests that go first: resuming ones and those of its priority level or better): the time it
+        has waited plus the time still ahead (`_ttft_ahead`, by the step-time model) corrected by what
+        such estimates turned out to be (`ttft_calibration`, learnt online). None before the model is
+        ready."""
+        ahead = self._ttft_ahead(request)
+        if ahead is None:
+            return None
+        return self.clock() - request.metrics.arrival_time + ahead * self.ttft_calibration.factor
+
+    def _ttft_ahead(self, request: Request) -> float | None:
+        """The raw estimate of the seconds until `request`'s first token if it joined the queue now: the
+        prompt tokens ahead of it (running prompts, the waiting requests that go first, its own) at the
+        chunk size the TPOT target allows per step, and, when the batch is full (by `max_num_seqs` or by
+        what the target allows), the decode steps until enough running requests end (output lengths at
+        their maximum). A picture of the queue as it is now, corrected online by `estimate_ttft`."""
         fit = self._fit()
         if fit is None:
             return None
-        c0, c1, c2, c3 = fit.coefficients
-        per_token = c2 + c3
+        c0, c1, _, c3 = fit.coefficients
         block = self.block_manager.block_size
         running = list(self.running)
         ahead = [
@@ -553,18 +608,11 @@ class Scheduler:
             if w is not request and (w.num_preemptions or w.user_priority <= request.user_priority)
         ]
         kv = sum(r.num_tokens for r in running)
-        decodes = sum(1 for r in running if r.num_uncomputed_tokens == 1)
         prompts_ahead = sum(r.num_uncomputed_tokens for r in running if r.num_uncomputed_tokens > 1)
         prompts_ahead += sum(w.num_tokens for w in ahead)
         own = max(1, request.num_tokens - block * self._cached_blocks(request))
-        decode_s = fit.predict(decodes, 0, kv)
+        per_step, step_s = self._prefill_pace(fit, request, prompts_ahead + own)
         limit = self._tpot_limit([*running, request])
-        if limit is not None and per_token > 0:
-            per_step = max(block, int((limit - decode_s) / per_token))
-        else:
-            per_step = self.max_num_batched_tokens - decodes
-        per_step = max(1, min(per_step, self.max_num_batched_tokens))
-        step_s = fit.predict(decodes, per_step, kv + per_step)
         seats = self.max_num_seqs
         if limit is not None:
             per_seq = c1 + c3 * (kv + request.num_tokens) / (len(running) + 1)
@@ -579,23 +627,93 @@ class Scheduler:
             rounds, rest = divmod(position - max(seats, 0) - 1, len(left))
             wait_steps = left[rest] + rounds * left[-1]
         steps = max(wait_steps + math.ceil(own / per_step), math.ceil((prompts_ahead + own) / per_step))
-        waited = time.perf_counter() - request.metrics.arrival_time
-        return waited + steps * step_s
+        return steps * step_s
 
     def _admission_check(self, request: Request) -> bool:
         """Admission control at arrival: False if `request` was rejected (its TTFT target cannot be met
-        given the queue), True if it may queue (possibly with a warning)."""
+        given the queue), True if it may queue (possibly with a warning). A request that would be first
+        in line is never rejected here (it waits, and is rejected if its deadline passes before it
+        starts): so requests keep being served and measured even when the calibrated estimate runs high,
+        and the estimate comes back down."""
         if request.num_preemptions or request.output_token_ids:
             return True
         target = self._ttft_target(request)
-        estimate = self.estimate_ttft(request)
-        if target is None or estimate is None or estimate <= target:
+        ahead = self._ttft_ahead(request)
+        if target is None or ahead is None:
+            return True
+        now = self.clock()
+        estimate = now - request.metrics.arrival_time + ahead * self.ttft_calibration.factor
+        first_in_line = not any(
+            w.num_preemptions or w.user_priority <= request.user_priority for w in self.waiting
+        )
+        if estimate <= target or first_in_line:
+            self._ttft_predicted[id(request)] = (request, now, ahead)
             return True
         reason = (
             f"TTFT target {target * 1000:.0f} ms cannot be met: about {estimate * 1000:.0f} ms expected "
             f"with {len(self.waiting)} requests waiting and {len(self.running)} running"
         )
-        return self._refuse(request, reason)
+        if self._refuse(request, reason):  # warned and queued: it still teaches the estimate
+            self._ttft_predicted[id(request)] = (request, now, ahead)
+            return True
+        return False
+
+    def _too_late_to_start(self, request: Request) -> bool:
+        """With `admission="reject"`: whether a request that has not started would miss its TTFT target
+        even if it started now (the time it waited plus its own prompt at the chunk size the TPOT target
+        allows); if so it is rejected here, before any work is spent on it, and its place goes to the
+        requests behind it."""
+        if self.config.admission != "reject" or request.num_preemptions or request.output_token_ids:
+            return False
+        target = self._ttft_target(request)
+        fit = self._fit() if target is not None else None
+        if fit is None:
+            return False
+        own = max(1, request.num_tokens - self.block_manager.block_size * self._cached_blocks(request))
+        per_step, step_s = self._prefill_pace(fit, request, own)
+        now = self.clock()
+        if now - request.metrics.arrival_time + math.ceil(own / per_step) * step_s <= target:
+            return False
+        entry = self._ttft_predicted.pop(id(request), None)
+        if entry is not None and entry[0] is request:
+            self.ttft_calibration.observe(entry[2], now - entry[1])  # a lower bound, as for a late one
+        self._refuse(
+            request,
+            f"TTFT target {target * 1000:.0f} ms cannot be met: the prompt would start after "
+            f"{(now - request.metrics.arrival_time) * 1000:.0f} ms in the queue",
+        )
+        self._prefix_keys.pop(id(request), None)
+        self.live.pop(id(request), None)
+        self.rejected.append(request)
+        return True
+
+    def _prefill_pace(self, fit: Any, request: Request, tokens: int) -> tuple[int, float]:
+        """(prompt tokens a step computes, seconds a step takes) while the running batch decodes and
+        `tokens` prompt tokens wait: chunks of what the tightest TPOT target among the batch and `request`
+        leaves after the decodes (at least a block), else the step's token budget."""
+        _, _, c2, c3 = fit.coefficients
+        per_token = c2 + c3
+        kv = sum(r.num_tokens for r in self.running)
+        decodes = sum(1 for r in self.running if r.num_uncomputed_tokens == 1)
+        decode_s = fit.predict(decodes, 0, kv)
+        limit = self._tpot_limit([*self.running, request])
+        if limit is not None and per_token > 0:
+            per_step = max(self.block_manager.block_size, int((limit - decode_s) / per_token))
+        else:
+            per_step = self.max_num_batched_tokens - decodes
+        per_step = max(1, min(per_step, self.max_num_batched_tokens))
+        filled = min(per_step, tokens)  # a step with less prompt work costs less
+        return per_step, fit.predict(decodes, filled, kv + filled)
+
+    def _observe_first_tokens(self, sampled: list[Request]) -> None:
+        """Teach the TTFT calibration from the requests that produced their first token in this step."""
+        for request in sampled:
+            entry = self._ttft_predicted.get(id(request))
+            if entry is None or entry[0] is not request or request.metrics.first_token_time is None:
+                continue
+            del self._ttft_predicted[id(request)]
+            _, at, ahead = entry
+            self.ttft_calibration.observe(ahead, request.metrics.first_token_time - at)
 
     def _refuse(self, request: Request, reason: str) -> bool:
         """Reject (returns False) or warn (returns True) per `admission`."""
@@ -614,10 +732,11 @@ class Scheduler:
 
     def _reject_late(self) -> None:
         """A request that has not started and whose TTFT deadline has passed while it waited is told so:
-        rejected (returned by the next step among the finished) or warned, once."""
+        rejected (returned by the next step among the finished) or warned, once. What it waited is a
+        lower bound of its TTFT, and teaches the calibration as such."""
         if not self._targets_used or not self.waiting:
             return
-        now = time.perf_counter()
+        now = self.clock()
         late = []
         for request in self.waiting:
             target = self._ttft_target(request)
@@ -631,6 +750,10 @@ class Scheduler:
         for request in late:
             waited = now - request.metrics.arrival_time
             target_ms = self._ttft_target(request) * 1000
+            entry = self._ttft_predicted.get(id(request))
+            if entry is not None and entry[0] is request:
+                del self._ttft_predicted[id(request)]
+                self.ttft_calibration.observe(entry[2], now - entry[1])
             reason = (
                 f"TTFT deadline passed: waited {waited * 1000:.0f} ms in the queue, target {target_ms:.0f} ms"
             )
@@ -799,6 +922,7 @@ class Scheduler:
             self._requeue(request)
         self.scheduled = []
         self._prefix_keys.clear()
+        self._ttft_predicted.clear()
         self.block_manager.repair(self.live.values())
 
     def _repair_beams(self, failed: list[Request], error: BaseException | None) -> list[Request]:

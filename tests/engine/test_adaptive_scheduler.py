@@ -1,5 +1,6 @@
-"""Adaptive scheduling on the scheduler alone, with a fake step-time model: TPOT-bounded steps, the batch
-growing and shrinking, TTFT admission control, user priorities, prefix-aware admission with bounded
+"""Adaptive scheduling on the scheduler alone, with a fake step-time model (and, where time matters, a fake
+clock that each step advances by its cost): TPOT-bounded steps, the batch growing and shrinking, TTFT
+admission control and its online calibration, user priorities, prefix-aware admission with bounded
 waiting, and exactly today's schedules when none of it is asked for."""
 
 import json
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from hfaccel import EngineConfig
 from hfaccel.engine.block_manager import BlockManager
 from hfaccel.engine.request import Request, StoppingParams
-from hfaccel.engine.scheduler import HEADROOM, Scheduler
+from hfaccel.engine.scheduler import MAX_STEP_TARGETS, MEAN_HEADROOM, Scheduler
 from tests.engine.schedule_workloads import CONFIGS, record
 
 RECORDED = json.loads((pathlib.Path(__file__).parent / "data" / "schedules_before_adaptive.json").read_text())
@@ -64,6 +65,41 @@ def predicted(step, fit):
     return fit.predict(decodes, step.total_tokens - decodes, kv)
 
 
+class FakeClock:
+    def __init__(self, start=100.0):
+        self.now = start
+
+    def __call__(self):
+        return self.now
+
+
+def timed(sched, start=100.0):
+    """Give `sched` a fake clock (returned) that `run_timed_step` advances."""
+    sched.clock = FakeClock(start)
+    return sched.clock
+
+
+def add_at(sched, request):
+    """Queue `request` as arriving now (by the scheduler's clock)."""
+    request.metrics.arrival_time = sched.clock()
+    sched.add(request)
+    return request
+
+
+def run_timed_step(sched, fit, speed=1.0):
+    """One step that takes `speed` x what `fit` predicts for it (the world may be faster or slower than
+    the model), on the scheduler's fake clock; returns (step, seconds)."""
+    step = sched.schedule(False)
+    sched.take_rejected()
+    decodes = sum(1 for n in step.num_tokens if n == 1)
+    kv = sum(r.num_computed_tokens + n for r, n in zip(step.requests, step.num_tokens))
+    seconds = speed * fit.predict(decodes, step.total_tokens - decodes, kv) if step.requests else 0.0
+    sched.clock.now += seconds
+    sampled = [r for r, n in zip(step.requests, step.num_tokens) if r.num_computed_tokens + n == r.num_tokens]
+    sched.update(step, sampled, [7] * len(sampled))
+    return step, seconds
+
+
 # ----------------------------------------------------------------- no target: exactly today's schedules
 
 
@@ -85,28 +121,57 @@ def test_a_target_without_a_ready_model_changes_nothing(name):
 # ----------------------------------------------------------------- TPOT target
 
 
-def test_every_step_stays_within_the_tpot_target_and_chunks_follow_the_budget():
+def test_the_mean_time_per_output_token_stays_within_the_target_and_chunks_follow_the_budget():
     model = FakeCostModel()
     sched = scheduler(cost_model=model, tpot_target_ms=50)
-    requests = [make(i, 300 if i % 3 == 0 else 40, max_new=30) for i in range(60)]
-    for r in requests:
-        sched.add(r)
+    clock = timed(sched)
+    requests = [add_at(sched, make(i, 300 if i % 3 == 0 else 40, max_new=30)) for i in range(60)]
     steps = []
+    block_cost = 4 * 0.0001  # the first chunk of a step may take one block whatever the time left
     while sched.has_unfinished():
-        step = run_step(sched)
-        steps.append(step)
-        decoding = [r for r, n in zip(step.requests, step.num_tokens) if n == 1 and r.output_token_ids]
-        if decoding:  # a TPOT clock is running: the step must meet the target
-            assert predicted(step, model.current) <= 0.050 + 1e-9
+        step, seconds = run_timed_step(sched, model.current)
+        steps.append((step, seconds, sched._time))
+        if sched._time is not None:  # a TPOT clock is running: the step keeps within what it allows
+            assert seconds <= max(sched._time.limit, 0.010 + 0.001 * len(step)) + block_cost + 1e-9
+            assert seconds <= MAX_STEP_TARGETS * 0.050 + block_cost + 1e-9
         assert len(steps) < 5000
     assert all(r.finish_reason == "length" for r in requests)
-    # SplitFuse: with D decodes running, the prompt tokens of a step fill what the target leaves.
-    full = [s for s in steps if any(n > 1 for n in s.num_tokens) and any(n == 1 for n in s.num_tokens)]
-    assert full
-    for step in full[:20]:
-        decodes = sum(1 for n in step.num_tokens if n == 1)
-        room = (HEADROOM * 0.050 - 0.010 - 0.001 * decodes) / 0.0001
-        assert step.total_tokens - decodes <= max(room, 4) + 1
+    # A TPOT is a mean: every request keeps it within the target, with the headroom.
+    assert max(r.metrics.tpot_s for r in requests) <= MEAN_HEADROOM * 0.050 + 1e-9
+    assert clock.now > 100.0
+    # SplitFuse: the prompt chunks of a step fill the time its running requests allow, which is more
+    # than a single step's share of the target once pure-decode steps have saved time (a mean, not a
+    # cap per step).
+    mixed = [(st, sec, b) for st, sec, b in steps if b is not None and any(n > 1 for n in st.num_tokens)]
+    assert mixed
+    for step, seconds, budget in mixed:
+        assert seconds <= budget.limit + block_cost + 1e-9 or seconds <= 0.010 + 0.001 * len(step) + block_cost
+    assert max(seconds for _, seconds, _ in mixed) > 0.050, "no step spent the time earlier steps saved"
+
+
+def test_a_step_spends_only_the_time_earlier_steps_saved():
+    """A request decoding alone in 11 ms steps (target 50 ms) saves about 36 ms a step; a prompt arriving
+    then gets a chunk as long as that saving allows (at most `MAX_STEP_TARGETS` targets), and the
+    request's mean stays within the target."""
+    model = FakeCostModel()
+    sched = scheduler(cost_model=model, tpot_target_ms=50, max_num_batched_tokens=4096)
+    timed(sched)
+    alone = add_at(sched, make("alone", 8, max_new=40))
+    for _ in range(2):
+        run_timed_step(sched, model.current)
+    assert len(alone.output_token_ids) == 2
+    allowance = MEAN_HEADROOM * 0.050 * 2 - (sched.clock() - alone.metrics.token_times[0])
+    assert 0.050 < allowance < MAX_STEP_TARGETS * 0.050
+    add_at(sched, make("long", 2000, max_new=2))
+    step, seconds = run_timed_step(sched, model.current)
+    chunk = dict(zip((r.request_id for r in step.requests), step.num_tokens))["long"]
+    # The saving went to the chunk (in whole blocks): far more than a 50 ms step would hold.
+    assert seconds <= allowance + 1e-9
+    assert chunk >= (allowance - 0.011) / 0.0001 - 4
+    assert chunk > (0.050 - 0.011) / 0.0001
+    while sched.has_unfinished():
+        run_timed_step(sched, model.current)
+    assert alone.metrics.tpot_s <= MEAN_HEADROOM * 0.050 + 1e-9
 
 
 def test_the_batch_grows_under_a_deep_queue_and_shrinks_when_the_target_tightens():
@@ -184,6 +249,118 @@ def test_a_request_whose_deadline_passes_in_the_queue_is_rejected_by_the_next_st
     assert waiting.finish_reason == "rejected" and "deadline passed" in waiting.rejected_reason
     assert sched.take_rejected() == [waiting] and sched.take_rejected() == []
     assert id(waiting) not in sched.live
+
+
+# ----------------------------------------------------------------- TTFT estimate calibrated online
+
+
+def bursts(speed, ttft_target_ms, calibrate=True, count=12, size=4, prompt_len=100):
+    """`count` bursts of `size` requests arriving together, 1 s apart (each burst done before the next),
+    in a world whose steps take `speed` x what the step-time model predicts. Returns per burst the
+    requests and, for each, the TTFT estimated at arrival (None: no estimate)."""
+    model = FakeCostModel()
+    sched = scheduler(cost_model=model, ttft_target_ms=ttft_target_ms, admission="reject")
+    if not calibrate:
+        sched.ttft_calibration.min_samples = 10**9
+    timed(sched)
+    out = []
+    for b in range(count):
+        sched.clock.now = 100.0 + b
+        burst, estimates = [], []
+        for i in range(size):
+            request = make(f"{b}.{i}", prompt_len, max_new=4, token=10 + b * size + i)
+            request.metrics.arrival_time = sched.clock()
+            estimates.append(sched.estimate_ttft(request))
+            sched.add(request)
+            burst.append(request)
+        while sched.has_unfinished():
+            run_timed_step(sched, model.current, speed)
+        out.append((burst, estimates))
+    return out, sched
+
+
+def met(request, target_s):
+    return request.finish_reason == "length" and request.metrics.ttft_s <= target_s + 1e-12
+
+
+@pytest.mark.parametrize("speed", [0.5, 2.0])
+def test_ttft_estimates_converge_to_the_observed_ttfts(speed):
+    # One request at a time: the model's TTFT picture is exact up to the world's speed, which the
+    # calibration learns (the ratio observed / estimated) from the requests that started.
+    out, sched = bursts(speed, ttft_target_ms=1e6, size=1, count=8)
+    observed = [burst[0].metrics.ttft_s for burst, _ in out]
+    estimated = [estimates[0] for _, estimates in out]
+    assert estimated[0] == pytest.approx(observed[0] / speed)  # uncalibrated: off by the speed
+    assert sched.ttft_calibration.factor == pytest.approx(speed)
+    for est, obs in list(zip(estimated, observed))[sched.ttft_calibration.min_samples :]:
+        assert est == pytest.approx(obs, rel=1e-6)
+
+
+def test_no_over_rejection_once_calibrated():
+    # The world runs at 0.4x the model's step times: the raw estimate (20, 30, 40, 50 ms for the four
+    # requests of a burst) rejects the last two against a 36 ms target, although all four would start
+    # within 20 ms (one step of 400 prompt tokens).
+    target = 0.036
+    raw, _ = bursts(0.4, ttft_target_ms=36, calibrate=False)
+    assert all(sum(r.finish_reason == "rejected" for r in burst) == 2 for burst, _ in raw)
+    assert all(met(r, target) for burst, _ in raw for r in burst if r.finish_reason != "rejected")
+    calibrated, sched = bursts(0.4, ttft_target_ms=36)
+    assert sched.ttft_calibration.factor < 0.8
+    for burst, _ in calibrated[2:]:  # once the calibration has its samples: every request served in time
+        assert all(met(r, target) for r in burst)
+    assert sum(met(r, target) for burst, _ in calibrated for r in burst) >= 44
+
+
+def test_calibration_rejects_what_would_miss_when_the_world_is_slower():
+    # At 2.5x the model's step times the raw estimate admits all four requests of a burst and every one
+    # misses an 80 ms target (one step of 400 tokens takes 125 ms). Calibrated, the scheduler admits what
+    # can start in time (one or two requests: 50 or 75 ms) and rejects the rest at once.
+    target = 0.080
+    raw, _ = bursts(2.5, ttft_target_ms=80, calibrate=False)
+    assert all(r.finish_reason == "length" and not met(r, target) for burst, _ in raw for r in burst)
+    calibrated, sched = bursts(2.5, ttft_target_ms=80)
+    assert sched.ttft_calibration.factor > 2.0
+    for burst, _ in calibrated[2:]:
+        served = [r for r in burst if r.finish_reason != "rejected"]
+        assert served and all(met(r, target) for r in served)
+    assert sum(met(r, target) for burst, _ in calibrated for r in burst) >= 10
+
+
+def test_a_deadline_passed_in_the_queue_teaches_the_calibration_a_lower_bound():
+    sched = scheduler(cost_model=FakeCostModel(), admission="reject", max_num_seqs=1, ttft_target_ms=500)
+    timed(sched)
+    add_at(sched, make("running", 4, max_new=50))
+    run_timed_step(sched, sched.cost_model.current)
+    waiting = add_at(sched, make("waiting", 4, max_new=2))
+    assert id(waiting) in sched._ttft_predicted
+    sched.clock.now += 0.6  # waited past its deadline without a seat
+    run_timed_step(sched, sched.cost_model.current)
+    assert waiting.finish_reason == "rejected"
+    started, late = sched.ttft_calibration.ratios()  # the running request's, then the late one's bound
+    assert started == pytest.approx(1.0)
+    assert late > 1.0 and id(waiting) not in sched._ttft_predicted
+
+
+@pytest.mark.parametrize("waited, served", [(0.440, True), (0.480, False)])
+def test_a_request_that_can_no_longer_start_in_time_is_rejected_before_any_work(waited, served):
+    # Its own 300-token prompt takes one 40 ms step (10 ms + 0.1 ms a token): after 440 ms in the queue it
+    # still makes a 500 ms target; after 480 ms it cannot, and is rejected instead of computed.
+    sched = scheduler(cost_model=FakeCostModel(), admission="reject", max_num_seqs=1, ttft_target_ms=500)
+    timed(sched)
+    first = add_at(sched, make("first", 4, max_new=2))
+    late = add_at(sched, make("late", 300, max_new=2, token=9))
+    run_timed_step(sched, sched.cost_model.current)
+    late.metrics.arrival_time = sched.clock() - waited
+    while not first.is_finished:
+        run_timed_step(sched, sched.cost_model.current)
+    late.metrics.arrival_time = sched.clock() - waited
+    step, _ = run_timed_step(sched, sched.cost_model.current)
+    if served:
+        assert step.requests == [late] and late.metrics.ttft_s <= 0.500
+    else:
+        assert not step.requests and late.finish_reason == "rejected"
+        assert "prompt would start after" in late.rejected_reason and id(late) not in sched.live
+        assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
 
 # ----------------------------------------------------------------- user priority
