@@ -199,7 +199,8 @@ def check_against_hf(requests, prompts, max_new, eos, nb, nrs=2, **kwargs):
         width = max(len(t) for t, _ in ours)
         fill = PAD or eos  # HF fills with the first EOS id when the pad id is 0
         assert [t + [fill] * (width - len(t)) for t, _ in ours] == ref
-        assert [s for _, s in ours] == pytest.approx(ref_scores, abs=1e-5)
+        # Scores are sums of ~100 log-probabilities: the attention kernel's summation order moves them by ulps.
+        assert [s for _, s in ours] == pytest.approx(ref_scores, rel=1e-6, abs=1e-5)
         assert request.output_token_ids == ours[0][0]
 
 
