@@ -37,7 +37,7 @@ def gloo_threads() -> list[str]:
     return names
 
 
-def _entry(rank: int, world: int, port: int, target: str, kwargs: dict, out_dir: str, check_shutdown: bool) -> None:
+def _entry(rank: int, world: int, port: int, target: str, kwargs: dict, out_dir: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -70,26 +70,25 @@ def _entry(rank: int, world: int, port: int, target: str, kwargs: dict, out_dir:
     # group left alive past this point is torn down with its threads at interpreter exit, which aborted a
     # rank now and then ("terminate called without an active exception").
     close_all_loops("the rank is done")
-    gc.collect()
     forget_dtensor_shardings()  # what a DTensor runtime or a transformers-sharded model cached
+    gc.collect()  # after the caches let go: meshes (and models) are freed in reference cycles
     dist.destroy_process_group()
     deadline = time.monotonic() + 5.0  # joined threads may take a moment to leave /proc
     while gloo_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
     left = gloo_threads()
-    if left and check_shutdown:
+    if left:
         raise RuntimeError(
             f"rank {rank}: gloo threads {left} outlived destroy_process_group (a group is still referenced)"
         )
 
 
-def run_ranks(target: str, world: int = 2, check_shutdown: bool = True, **kwargs) -> list:
+def run_ranks(target: str, world: int = 2, **kwargs) -> list:
     """`target` (``"module:function"``, called as ``function(rank, **kwargs)``) on `world` ranks; the
     list of their results. A rank that raised fails the caller with its traceback, and so does one whose
-    gloo threads outlive ``destroy_process_group`` (unless `check_shutdown` is False)."""
+    gloo threads outlive ``destroy_process_group``."""
     with tempfile.TemporaryDirectory() as out_dir:
-        args = (world, free_port(), target, kwargs, out_dir, check_shutdown)
-        mp.spawn(_entry, args=args, nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, free_port(), target, kwargs, out_dir), nprocs=world, join=True)
         results = []
         for rank in range(world):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:

@@ -79,15 +79,10 @@ def test_kv_heads_fewer_than_ranks_are_replicated():
 @full_only
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 def test_dtensor_runtime_parity(sequence_parallel):
-    # Not checked: with DTensor running the steps, something inside torch still holds the group after
-    # destroy_process_group (not DTensor's caches, which forget_dtensor_shardings empties; not found yet).
-    results = run_ranks(
-        "tests.distributed.workers:parity",
-        check_shutdown=False,
-        runtime="dtensor",
-        sequence_parallel=sequence_parallel,
+    check_parity_results(
+        run_ranks("tests.distributed.workers:parity", runtime="dtensor", sequence_parallel=sequence_parallel),
+        sequence_parallel,
     )
-    check_parity_results(results, sequence_parallel)
 
 
 @full_only
