@@ -13,6 +13,7 @@ figure into these numbers.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import socket
@@ -66,6 +67,7 @@ def _run_system(rank: int, world: int, port: int, threads: int, sp: bool, work: 
 
     import hfaccel
     from hfaccel.distributed import tp as tp_module
+    from hfaccel.engine.loop import close_all_loops
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(smollm2_sized_config(work["layers"])).eval()
@@ -99,6 +101,11 @@ def _run_system(rank: int, world: int, port: int, threads: int, sp: bool, work: 
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
     if world > 1:
+        # The loop thread and the model hold the TP group: free them first, or the group outlives
+        # destroy_process_group and gloo tears it down at exit (docs/parallelism.md).
+        close_all_loops("the benchmark is done")
+        del model, engine, out
+        gc.collect()
         torch.distributed.destroy_process_group()
 
 

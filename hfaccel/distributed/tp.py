@@ -258,7 +258,7 @@ def matching_modules(model: nn.Module, pattern: str) -> list[nn.Module]:
 
 def forget_dtensor_shardings() -> None:
     """Empty the DTensor caches that `parallelize_module` filled: sharding propagation (this thread's, in
-    Python and in C++, and the tensor-meta one), redistribution plans and mesh topology.
+    Python and in C++, and the tensor-meta one), redistribution plans and planners, and mesh topology.
 
     Their entries hold DTensorSpecs or the DeviceMesh itself, and a DeviceMesh holds its process groups:
     cached, they outlive ``destroy_process_group``, and gloo then tears them down with their threads at
@@ -278,9 +278,12 @@ def forget_dtensor_shardings() -> None:
         clear = getattr(cache, "cache_clear", None)
         if clear is not None:  # private torch internals: where one is absent, it pins nothing
             clear()
-    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
-    if native is not None:
-        native()
+    for clear in (
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),  # the C++ fast path's
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),  # planners hold the mesh
+    ):
+        if clear is not None:
+            clear()
 
 
 def run_locally(model: nn.Module, styles: dict[str, Any], tp: TPState) -> int:

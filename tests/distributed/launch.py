@@ -54,6 +54,7 @@ def _entry(rank: int, world: int, port: int, target: str, kwargs: dict, out_dir:
     # would hold the live default group, so destroy_process_group could not free it.
     module_name, fn_name = target.rsplit(":", 1)
     fn = getattr(importlib.import_module(module_name), fn_name)
+    from hfaccel.distributed.tp import forget_dtensor_shardings
     from hfaccel.engine.loop import close_all_loops
 
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -69,7 +70,8 @@ def _entry(rank: int, world: int, port: int, target: str, kwargs: dict, out_dir:
     # group left alive past this point is torn down with its threads at interpreter exit, which aborted a
     # rank now and then ("terminate called without an active exception").
     close_all_loops("the rank is done")
-    gc.collect()
+    forget_dtensor_shardings()  # what a DTensor runtime or a transformers-sharded model cached
+    gc.collect()  # after the caches let go: meshes (and models) are freed in reference cycles
     dist.destroy_process_group()
     deadline = time.monotonic() + 5.0  # joined threads may take a moment to leave /proc
     while gloo_threads() and time.monotonic() < deadline:
@@ -83,7 +85,8 @@ def _entry(rank: int, world: int, port: int, target: str, kwargs: dict, out_dir:
 
 def run_ranks(target: str, world: int = 2, **kwargs) -> list:
     """`target` (``"module:function"``, called as ``function(rank, **kwargs)``) on `world` ranks; the
-    list of their results. A rank that raised fails the caller with its traceback."""
+    list of their results. A rank that raised fails the caller with its traceback, and so does one whose
+    gloo threads outlive ``destroy_process_group``."""
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(_entry, args=(world, free_port(), target, kwargs, out_dir), nprocs=world, join=True)
         results = []
