@@ -125,13 +125,15 @@ class PPExecutor(HFExecutor):
                 if self.softcap:  # as the families with final_logit_softcapping do after the head
                     logits = torch.tanh(logits / self.softcap) * self.softcap
                 outputs.append(logits[0])
-            else:
+            # The stage's work ends before its send: a blocking send returns only once the next stage
+            # took the data, so a timestamp after it could fall after that stage started.
+            self.trace.append((step, pp.stage, m, phase, start, time.perf_counter()))
+            if not pp.last:
                 hidden = hidden.contiguous()
                 if prefill:
                     send_works.append(dist.isend(hidden, dst=pp.next_rank, group=pp.group, tag=m))
                 else:
                     dist.send(hidden, dst=pp.next_rank, group=pp.group, tag=m)
-            self.trace.append((step, pp.stage, m, phase, start, time.perf_counter()))
         for work in send_works:
             work.wait()
         if pp.last:
