@@ -272,12 +272,16 @@ class Scheduler:
 
     def _drop(self, request: Request) -> None:
         """Take a request out of every queue and free its blocks (a beam leaving its group)."""
+        self._unqueue(request)
+        self.block_manager.free(request)
+
+    def _unqueue(self, request: Request) -> None:
+        """Take a request out of the running batch, the queues and the live set."""
         if request in self.running:
             self.running.remove(request)
         for queue in (self.waiting, self.forming):
             if any(r is request for r in queue):
                 queue.remove(request)
-        self.block_manager.free(request)
         self.live.pop(id(request), None)
 
     # ----------------------------------------------------------------- internals
@@ -970,12 +974,7 @@ class Scheduler:
 
     def _forget_beam(self, beam: Request) -> None:
         """`repair`: a beam leaves every queue and holds nothing (the block counts are rebuilt after)."""
-        if beam in self.running:
-            self.running.remove(beam)
-        for queue in (self.waiting, self.forming):
-            if any(r is beam for r in queue):
-                queue.remove(beam)
-        self.live.pop(id(beam), None)
+        self._unqueue(beam)
         beam.block_ids = []
         if not beam.is_finished:
             beam.finish("preempted")
