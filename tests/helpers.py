@@ -107,6 +107,20 @@ def varied_prompts(count: int = 16, seed: int = 0) -> list[list[int]]:
     return prompts[:count]
 
 
+def left_padded(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one left-padded batch (pad id PAD) and its attention mask, as a tokenizer pads them."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def hf(model, **kwargs):
+    """Unpatched transformers generate on a (possibly patched) model."""
+    with torch.no_grad():
+        return type(model).generate(model, **kwargs)
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
     """Unpatched HF greedy generate on one unpadded prompt; returns the new tokens."""
     generate = type(model).generate

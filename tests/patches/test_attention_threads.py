@@ -8,14 +8,7 @@ import torch
 
 import hfaccel
 from hfaccel.patches.attention import engine_attention, restore_attention
-from tests.helpers import PAD, hf_greedy, tiny_model, varied_prompts
-
-
-def left_padded(prompts):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
+from tests.helpers import hf_greedy, left_padded, tiny_model, varied_prompts
 
 
 def test_plain_forward_in_another_thread_while_the_engine_steps():

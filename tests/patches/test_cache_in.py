@@ -13,19 +13,7 @@ from hfaccel.config import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.prompt_inputs import attach_kv
 from hfaccel.engine.request import StoppingParams
-from tests.helpers import EOS, PAD, tiny_model, varied_prompts
-
-
-def left_padded(prompts):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
-def hf(model, **kwargs):
-    with torch.no_grad():
-        return type(model).generate(model, **kwargs)
+from tests.helpers import EOS, hf, left_padded, tiny_model, varied_prompts
 
 
 def served(model, **kwargs):

@@ -7,14 +7,15 @@ import torch
 from transformers import GenerationConfig
 
 import hfaccel
-from tests.helpers import FAMILIES, PAD, assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
-
-
-def left_padded(prompts):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
+from tests.helpers import (
+    FAMILIES,
+    PAD,
+    assert_same_or_near_tie,
+    hf_greedy,
+    left_padded,
+    tiny_model,
+    varied_prompts,
+)
 
 
 @pytest.fixture

@@ -24,22 +24,10 @@ from transformers import (
 import hfaccel
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.request import SamplingParams, StoppingParams
-from tests.helpers import EOS, PAD, tiny_model, tiny_tokenizer, varied_prompts
+from tests.helpers import EOS, hf, left_padded, tiny_model, tiny_tokenizer, varied_prompts
 
 FAMILIES = ("llama", "qwen2", "mistral")
 PROMPTS = [[5, 6, 7], [9] * 12, [11, 12, 13, 14, 15, 16, 17], [20], [30, 31, 30, 31, 30]]
-
-
-def left_padded(prompts):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
-def hf(model, **kwargs):
-    with torch.no_grad():
-        return type(model).generate(model, **kwargs)
 
 
 def patch(model, **config):

@@ -7,15 +7,7 @@ import pytest
 import torch
 
 import hfaccel
-from tests.helpers import PAD, tiny_model, varied_prompts
-
-
-def left_padded(prompts):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
+from tests.helpers import left_padded, tiny_model, varied_prompts
 
 PROMPTS = [[5, 6, 7], [9] * 12, [11, 12, 13, 14, 15, 16, 17], [20]]
 
