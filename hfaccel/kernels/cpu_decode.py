@@ -125,10 +125,15 @@ static inline __attribute__((always_inline)) void decode_task(
     for (int64_t i = 0; i < rep * D; i++) ob[i] = acc[i];
 }
 
-/* q, out: [B, Hq, D]; k_cache, v_cache: [blocks, block_size, Hkv, D]; tables: int32 [B, *], rows `width`
-   apart; lens: int32 [B], the context length of each sequence with this step's token (0: padding).
-   Returns 0, or -1 (nothing done) when rep * D exceeds MAX_ACC. */
-int hfaccel_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache,
+/* q: [B, Hq, D] with row stride q_st and head stride q_sh (D contiguous); key, value: this step's
+   [B, Hkv, D] rows the same way (kv_st, kv_sh), stored at slots[b] first (a negative slot: padding, not
+   stored); out: a contiguous [B, Hq, D]; k_cache, v_cache: [blocks, block_size, Hkv, D]; tables: int32
+   [B, *], rows `width` apart; lens: int32 [B], the context length of each sequence with this step's
+   token (0: padding). A task is one (sequence, KV head): it stores that head's new K/V row and then
+   reads the head's rows, so no task reads what another writes. Returns 0, or -1 (nothing done) when
+   rep * D exceeds MAX_ACC. */
+int hfaccel_paged_decode_f32(const float *q, int64_t q_st, int64_t q_sh, const float *key, const float *value,
+                             int64_t kv_st, int64_t kv_sh, const int64_t *slots, float *k_cache, float *v_cache,
                              const int32_t *tables, int64_t width, const int32_t *lens, float *out, int64_t B,
                              int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale,
                              int64_t max_len, int num_threads) {
@@ -139,17 +144,25 @@ int hfaccel_paged_decode_f32(const float *q, const float *k_cache, const float *
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)(rep * max_len));
         int32_t *work = (int32_t *)malloc(sizeof(int32_t) * (size_t)max_len);
+        float *qbuf = (float *)malloc(sizeof(float) * (size_t)(rep * D));
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < B * Hkv; task++) {
             const int64_t b = task / Hkv, h = task % Hkv;
             const int64_t len = lens[b];
-            const float *qb = q + (b * Hq + h * rep) * D;
             float *ob = out + (b * Hq + h * rep) * D;
             if (len <= 0) {
                 memset(ob, 0, sizeof(float) * (size_t)(rep * D));
                 continue;
             }
-            const int32_t *table = tables + b * width;
+            if (slots != NULL && slots[b] >= 0) {
+                const int64_t at = slots[b] * row + h * D;
+                memcpy(k_cache + at, key + b * kv_st + h * kv_sh, sizeof(float) * (size_t)D);
+                memcpy(v_cache + at, value + b * kv_st + h * kv_sh, sizeof(float) * (size_t)D);
+            }
+            for (int64_t r = 0; r < rep; r++)  /* the rep query rows of this KV head, contiguous */
+                memcpy(qbuf + r * D, q + b * q_st + (h * rep + r) * q_sh, sizeof(float) * (size_t)D);
+            const float *qb = qbuf;
+        const int32_t *table = tables + b * width;
 #define TASK(DD, RR) decode_task(qb, k_cache, v_cache, table, len, ob, scores, work, DD, RR, row, h, \
                                  block_size, scale, max_len)
             if (D == 64 && rep == 3) TASK(64, 3);
@@ -162,6 +175,7 @@ int hfaccel_paged_decode_f32(const float *q, const float *k_cache, const float *
         }
         free(scores);
         free(work);
+        free(qbuf);
     }
     return 0;
 }
@@ -182,6 +196,13 @@ _FLAGS = [
 ]
 _ARGTYPES = [
     ctypes.c_void_p,  # q
+    ctypes.c_int64,  # q row stride
+    ctypes.c_int64,  # q head stride
+    ctypes.c_void_p,  # key (this step's rows; NULL: nothing to store)
+    ctypes.c_void_p,  # value
+    ctypes.c_int64,  # key/value row stride
+    ctypes.c_int64,  # key/value head stride
+    ctypes.c_void_p,  # slots (int64; NULL: nothing to store)
     ctypes.c_void_p,  # k_cache
     ctypes.c_void_p,  # v_cache
     ctypes.c_void_p,  # tables
@@ -247,17 +268,87 @@ def load() -> ctypes.CDLL | None:
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel serves this layer's decode rows (float32 on a CPU, contiguous query and cache:
-    the output is contiguous, as the attention op's fake implementation promises for such a query)."""
+    """Whether the kernel serves this layer's decode rows (float32 on a CPU, a query whose head rows are
+    contiguous, a contiguous cache)."""
     return (
         query.device.type == "cpu"
         and query.dtype == torch.float32
-        and query.is_contiguous()
+        and query.stride(-1) == 1
         and query.shape[1] // k_cache.shape[2] * query.shape[2] <= 4096  # the kernel's MAX_ACC
         and k_cache.dtype == torch.float32
         and k_cache.is_contiguous()
         and load() is not None
     )
+
+
+class DecodeCall:
+    """One step's decode rows, bound once: the block tables, lengths and slots are the same for every
+    layer, so a layer's call only adds its query, new K/V, caches and output (each layer's Python work is
+    a few pointer reads; 30 layers a step)."""
+
+    def __init__(
+        self,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        slots: torch.Tensor | None = None,
+    ) -> None:
+        self._tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+        self._lens = seq_lens.contiguous()
+        self._slots = None if slots is None else slots.contiguous()
+        self._max_len = max(max_seq_len, 1)
+        self._function = load().hfaccel_paged_decode_f32
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        out: torch.Tensor,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend ``query`` ``[B, Hq, D]`` (head rows contiguous) into ``out`` (a contiguous
+        ``[B, Hq, D]``), first storing ``key``/``value`` ``[B, Hkv, D]`` at the bound slots when given."""
+        batch, num_heads, head_dim = query.shape
+        if not (out.is_contiguous() and out.shape == query.shape):
+            raise ValueError(f"out must be a contiguous {tuple(query.shape)} tensor")
+        store = key is not None and self._slots is not None
+        if store:
+            if key.stride(-1) != 1 or key.stride() != value.stride():
+                key, value = key.contiguous(), value.contiguous()
+            if key.dtype != k_cache.dtype:
+                key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
+        status = self._function(
+            query.data_ptr(),
+            query.stride(0),
+            query.stride(1),
+            key.data_ptr() if store else None,
+            value.data_ptr() if store else None,
+            key.stride(0) if store else 0,
+            key.stride(1) if store else 0,
+            self._slots.data_ptr() if store else None,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            self._tables.data_ptr(),
+            self._tables.stride(0),
+            self._lens.data_ptr(),
+            out.data_ptr(),
+            batch,
+            num_heads,
+            k_cache.shape[2],
+            head_dim,
+            k_cache.shape[1],
+            scale,
+            self._max_len,
+            torch.get_num_threads(),
+        )
+        if status != 0:
+            raise ValueError(
+                f"{num_heads // k_cache.shape[2]} query heads per KV head of dim {head_dim} is too large"
+            )
+        return out
 
 
 def paged_decode(
@@ -273,32 +364,4 @@ def paged_decode(
     """One query token per sequence: ``query`` ``[B, Hq, D]`` attends to the first ``seq_lens[b]``
     tokens of sequence ``b``'s blocks (``block_tables`` int32 ``[B, width]``, rows may be strided);
     writes ``out`` (a contiguous ``[B, Hq, D]``; zero rows where ``seq_lens`` is 0) and returns it."""
-    batch, num_heads, head_dim = query.shape
-    query = query.contiguous()
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
-    seq_lens = seq_lens.contiguous()
-    if not (out.is_contiguous() and out.shape == query.shape):
-        raise ValueError(f"out must be a contiguous {tuple(query.shape)} tensor")
-    status = load().hfaccel_paged_decode_f32(
-        query.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        block_tables.stride(0),
-        seq_lens.data_ptr(),
-        out.data_ptr(),
-        batch,
-        num_heads,
-        k_cache.shape[2],
-        head_dim,
-        k_cache.shape[1],
-        scale,
-        max(max_seq_len, 1),
-        torch.get_num_threads(),
-    )
-    if status != 0:
-        raise ValueError(
-            f"{num_heads // k_cache.shape[2]} query heads per KV head of dim {head_dim} is too large"
-        )
-    return out
+    return DecodeCall(block_tables, seq_lens, max_seq_len)(query, k_cache, v_cache, scale, out)

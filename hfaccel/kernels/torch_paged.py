@@ -58,6 +58,28 @@ class TorchMetadata:
     # heads sharing a KV head: made by the first layer that asks (`decode_bias`) and shared by every
     # other layer of the step, so SDPA converts no boolean mask per layer.
     _decode_bias: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    # The C kernel's call for a pure decode step, bound by the first layer (False: the kernel does not
+    # serve this step).
+    _cpu_decode: cpu_decode.DecodeCall | bool | None = field(default=None, repr=False)
+
+    def cpu_decode_call(self, query: torch.Tensor, k_cache: torch.Tensor) -> cpu_decode.DecodeCall | None:
+        """The C kernel's bound call when this is a pure decode step it serves (one token per sequence,
+        bucket padding included: a padded sequence has length 0 and slot -1), else None."""
+        if self._cpu_decode is None:
+            common = self.common
+            pure = (
+                self.decode_queries == 1
+                and 0 < common.num_decodes == common.num_seqs
+                and common.num_padded_seqs == common.num_padded_tokens
+            )
+            self._cpu_decode = (
+                cpu_decode.DecodeCall(
+                    common.block_tables, common.seq_lens, common.max_seq_len, common.slot_mapping
+                )
+                if pure and cpu_decode.supports(query, k_cache)
+                else False
+            )
+        return self._cpu_decode or None
 
     def decode_bias(self, dtype: torch.dtype, rep: int) -> torch.Tensor:
         """``[num_decodes, 1, rep * Q, nb * block_size]`` additive mask in `dtype` (built once per step);
@@ -162,6 +184,10 @@ class TorchPagedAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
+        call = meta.cpu_decode_call(query, k_cache)
+        if call is not None:  # the kernel stores this step's K/V and attends in one call
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            return call(query, k_cache, v_cache, scale, out, key, value)
         write_kv(k_cache, v_cache, key, value, meta.write_slots)
         return attend(query, key, value, k_cache, v_cache, meta, scale)
 

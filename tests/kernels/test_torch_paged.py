@@ -245,9 +245,46 @@ def test_cpu_decode_kernel_matches_sdpa(heads):
         torch.testing.assert_close(out[i], ref[0, :, 0], atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.skipif(
+    cpu_decode.load() is None, reason="no C compiler: the CPU decode kernel is not built here"
+)
+def test_cpu_decode_kernel_stores_the_new_rows_from_strided_views():
+    """As the attention op gets them from HF (``[1, H, T, D]`` transposed to ``[T, H, D]``): the kernel
+    stores each sequence's new K/V row at its slot before attending (the new token sees itself), skips
+    a padded sequence (slot -1, length 0), and leaves every other cache row as it was."""
+    g = torch.Generator().manual_seed(2)
+    hq, hkv, d, block = 6, 2, 16, 4
+    k_cache = torch.randn(10, block, hkv, d, generator=g)
+    v_cache = torch.randn(10, block, hkv, d, generator=g)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    table = torch.tensor([[3, 7, 0], [5, 0, 0], [0, 0, 0]], dtype=torch.int32)
+    lens = [6, 3, 0]  # the new token of sequence 0 at position 5 (block 7, offset 1); of 1 at 2
+    slots = torch.tensor([7 * block + 1, 5 * block + 2, -1])
+    query = torch.randn(hq, 3, d, generator=g).transpose(0, 1)  # [3, hq, d], strided rows
+    key = torch.randn(1, hkv, 3, d, generator=g)[0].transpose(0, 1)
+    value = torch.randn(1, hkv, 3, d, generator=g)[0].transpose(0, 1)
+    out = torch.full((3, hq, d), float("nan"))
+    call = cpu_decode.DecodeCall(table, torch.tensor(lens, dtype=torch.int32), max(lens), slots)
+    call(query, k_cache, v_cache, d**-0.5, out, key, value)
+    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    for i in range(2):
+        assert torch.equal(flat_k[slots[i]], key[i]) and torch.equal(flat_v[slots[i]], value[i])
+    written = torch.zeros(flat_k.shape[0], dtype=torch.bool)
+    written[slots[:2]] = True
+    assert torch.equal(flat_k[~written], before_k.view(-1, hkv, d)[~written])
+    assert torch.equal(flat_v[~written], before_v.view(-1, hkv, d)[~written])
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    for i, n in enumerate(lens[:2]):
+        positions = [int(table[i, p // block]) * block + p % block for p in range(n)]
+        k = flat_k[positions].transpose(0, 1)[None]
+        v = flat_v[positions].transpose(0, 1)[None]
+        ref = F.scaled_dot_product_attention(query[i][None, :, None], k, v, scale=d**-0.5, enable_gqa=True)
+        torch.testing.assert_close(out[i], ref[0, :, 0], atol=2e-6, rtol=2e-6)
+
+
 def test_cpu_decode_kernel_is_off_for_other_dtypes_and_by_switch(monkeypatch):
     assert not cpu_decode.supports(torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 4, 1, 8))
-    assert not cpu_decode.supports(torch.zeros(3, 2, 8).transpose(0, 1), torch.zeros(1, 4, 1, 8))
+    assert not cpu_decode.supports(torch.zeros(3, 8, 2).transpose(1, 2), torch.zeros(1, 4, 1, 8))
     monkeypatch.setenv("HFACCEL_CPU_DECODE_KERNEL", "0")
     cpu_decode.load.cache_clear()
     try:
