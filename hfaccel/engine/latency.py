@@ -156,7 +156,7 @@ class LatencyPolicy:
         kv = sum(r.num_tokens for r in running)
         prompts_ahead = sum(r.num_uncomputed_tokens for r in running if r.num_uncomputed_tokens > 1)
         prompts_ahead += sum(w.num_tokens for w in ahead)
-        own = max(1, request.num_tokens - block * scheduler._cached_blocks(request))
+        own = max(1, request.num_tokens - block * scheduler.admission_order.cached_blocks(request))
         per_step, step_s = self._prefill_pace(fit, request, prompts_ahead + own)
         limit = self.tpot_limit([*running, request])
         seats = scheduler.max_num_seqs
@@ -217,7 +217,7 @@ class LatencyPolicy:
         fit = self.fit() if target is not None else None
         if fit is None:
             return False
-        cached = scheduler._cached_blocks(request)
+        cached = scheduler.admission_order.cached_blocks(request)
         own = max(1, request.num_tokens - scheduler.block_manager.block_size * cached)
         per_step, step_s = self._prefill_pace(fit, request, own)
         now = scheduler.clock()

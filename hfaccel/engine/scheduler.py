@@ -16,18 +16,7 @@ older running request may still need (their prompt plus ``max_new_tokens``): fro
 requests and it always find blocks by preempting newer ones, so the scheduler preempts a request at most
 once.
 
-Adaptive scheduling (all of it off unless asked for, so the schedule is exactly the one above): with a
-TPOT target and a learnt step-time model (`engine/cost_model.py`), each step takes every running decode,
-then prompt chunks sized by the time the running requests' mean time per output token still allows (a
-TPOT is a mean: a step may spend what earlier steps saved; at least one chunk of `block_size` tokens, so
-running prompts always progress), and a waiting request is admitted only while the decode batch it would
-join is predicted to meet the tightest target (the batch grows while the queue is deep and shrinks, by
-admitting less, when targets tighten; nothing is preempted for time). A request whose TTFT target cannot
-be met given the queue (an estimate calibrated online against observed TTFTs) is rejected or warned at
-once (`admission`), a never-started request whose TTFT deadline passes while it waits is too, and one
-that could no longer start in time is rejected when its turn comes, before any work is spent on it.
-`user_priority` orders admission (lower first, FCFS within a level); `prefix_aware_admission` prefers
-requests whose prefix is cached, within `max_passed_over`.
+Adaptive scheduling, off unless asked for: `engine/latency.py` and `engine/admission_order.py`.
 
 Fault safety: every request the scheduler holds is also in `live`, and the block manager never counts a
 block below its holders, so after an exception at any point `repair` rebuilds a consistent state.
@@ -41,6 +30,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from hfaccel.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
+from hfaccel.engine.admission_order import AdmissionOrder, count_passed_over, num_resuming
 from hfaccel.engine.batch import Batch, ScheduledStep
 from hfaccel.engine.beam_search import attach as attach_beams
 from hfaccel.engine.block_manager import BlockManager, blocks_for
@@ -78,11 +68,11 @@ class Scheduler:
         self.cost_model = cost_model
         self.rejected: list[Request] = []
         self._next_arrival = 0
-        self._prefix_keys: dict[int, list] = {}  # id(request) -> its prefix-cache keys (waiting requests)
         self._time: TimeBudget | None = None  # this step's time budget, when a TPOT target applies
         self._priorities_used = False  # some request has a non-zero user priority
         self.clock = time.perf_counter  # the time source (a test may put a fake clock here)
         self.latency = LatencyPolicy(self)  # TPOT/TTFT targets: step budget, batch check, admission control
+        self.admission_order = AdmissionOrder(self)  # user priority, prefix-aware admission
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -98,7 +88,7 @@ class Scheduler:
         if request.user_priority:
             self._priorities_used = True
         if self.latency.ttft_target(request) is not None and not self.latency.admission_check(request):
-            self._prefix_keys.pop(id(request), None)
+            self.admission_order.forget(request)
             return
         request.status = RequestStatus.WAITING
         self.live[id(request)] = request
@@ -160,7 +150,7 @@ class Scheduler:
         if not request.is_finished:
             request.finish("abort")
         self.live.pop(id(request), None)
-        self._prefix_keys.pop(id(request), None)
+        self.admission_order.forget(request)
         self.latency.forget(request)
 
     # ----------------------------------------------------------------- one step
@@ -353,11 +343,11 @@ class Scheduler:
         """Where admissions come from: the waiting queue, or the forming dynamic/static batch."""
         if self.config.batching == "continuous":
             if (self._priorities_used or self.config.prefix_aware_admission) and len(self.waiting) > 1:
-                self._order_waiting()
+                self.admission_order.order_waiting()
             elif self.config.group_by_length and len(self.waiting) > 1:
                 # Shortest first among the requests that have not started; preempted ones (at the
                 # front, oldest first) resume before any of them.
-                resuming = self._num_resuming(self.waiting)
+                resuming = num_resuming(self.waiting)
                 window = min(len(self.waiting) - resuming, self.max_num_seqs)
                 if window > 1:
                     head = [self.waiting[resuming + i] for i in range(window)]
@@ -381,7 +371,7 @@ class Scheduler:
         prefix_aware = (
             adaptive and self.config.prefix_aware_admission and self.block_manager.enable_prefix_caching
         )
-        shared = self._running_prefill_keys() if prefix_aware else []
+        shared = self.admission_order.running_prefill_keys() if prefix_aware else []
         admitted: list[Request] = []
         index = 0  # stays 0 unless a request is held back for a prefix being computed (prefix-aware)
         # A beam request (one sequence until its prompt is computed) holds seats for all its beams.
@@ -390,7 +380,7 @@ class Scheduler:
             request = queue[index]
             if seats + _seats(request) > self.max_num_seqs:
                 break  # a beam group waits for seats for all its beams
-            if prefix_aware and self._hold_for_shared_prefix(request, shared):
+            if prefix_aware and self.admission_order.hold_for_shared_prefix(request, shared):
                 index += 1
                 continue
             if adaptive and self.latency.too_late_to_start(request):
@@ -423,7 +413,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = cached
             del queue[index]
-            self._prefix_keys.pop(id(request), None)
+            self.admission_order.forget(request)
             if request.priority is None:
                 request.priority = self._next_priority
                 self._next_priority += 1
@@ -436,7 +426,7 @@ class Scheduler:
             budget -= count
             seats += _seats(request)
         if adaptive and admitted:
-            self._count_passed_over(admitted, queue)
+            count_passed_over(admitted, queue)
 
     def _may_resume(self, request: Request) -> bool:
         """A request that has not started may always try; a preempted one (behind which nothing has started,
@@ -527,7 +517,7 @@ class Scheduler:
     def retire_rejected(self, request: Request) -> None:
         """A queued request that was just rejected (finished) leaves the scheduler; the caller has taken
         it out of its queue. The engine hears of it from `take_rejected`."""
-        self._prefix_keys.pop(id(request), None)
+        self.admission_order.forget(request)
         self.live.pop(id(request), None)
         self.rejected.append(request)
 
@@ -536,99 +526,9 @@ class Scheduler:
         rejected, self.rejected = self.rejected, []
         return rejected
 
-    def _keys(self, request: Request) -> list:
-        entry = self._prefix_keys.get(id(request))
-        if entry is None or entry[0] is not request:
-            entry = (request, self.block_manager.prefix_keys(request))
-            self._prefix_keys[id(request)] = entry
-        return entry[1]
-
-    def _cached_blocks(self, request: Request) -> int:
-        """Leading blocks of `request` the prefix cache holds now (nothing is taken)."""
-        if not self.block_manager.enable_prefix_caching:
-            return 0
-        return self.block_manager.count_cached(self._keys(request))
-
     def prepare_ahead(self) -> None:
-        """Work for the next admission that does not depend on the running step's tokens: the prefix
-        keys of the waiting requests (asynchronous scheduling does it while the forward runs)."""
-        if self.block_manager.enable_prefix_caching and (
-            self.config.prefix_aware_admission or self.latency.targets_used
-        ):
-            window = max(64, 4 * self.max_num_seqs)
-            for i, request in enumerate(self.waiting):
-                if i >= window:
-                    break
-                self._keys(request)
-
-    def _order_waiting(self) -> None:
-        """Admission order of the requests that have not started (preempted ones stay in front): user
-        priority (lower first), then requests passed over `max_passed_over` times (oldest first), then,
-        with prefix-aware admission, the longest cached prefix first, then (group_by_length) shorter
-        first, then arrival."""
-        resuming = self._num_resuming(self.waiting)
-        window = min(len(self.waiting) - resuming, max(64, 4 * self.max_num_seqs))
-        if window <= 1:
-            return
-        limit = self.config.max_passed_over
-        prefix = self.config.prefix_aware_admission and self.block_manager.enable_prefix_caching
-        by_length = self.config.group_by_length
-
-        def key(request: Request) -> tuple:
-            overdue = request.passed_over >= limit
-            cached = self._cached_blocks(request) if prefix and not overdue else 0
-            length = request.num_tokens if by_length and not overdue else 0
-            return (request.user_priority, not overdue, -cached, length, request.arrival_seq)
-
-        head = sorted((self.waiting[resuming + i] for i in range(window)), key=key)
-        for i, request in enumerate(head):
-            self.waiting[resuming + i] = request
-
-    def _running_prefill_keys(self) -> list[list]:
-        """Prefix keys of the running requests still computing their prompt."""
-        return [
-            self._keys(r)
-            for r in self.running
-            if r.num_computed_tokens < len(r.prompt_token_ids) and not r.output_token_ids
-        ]
-
-    def _hold_for_shared_prefix(self, request: Request, shared: list[list]) -> bool:
-        """Whether to hold `request` back one step because a running prefill is computing blocks of its
-        prefix that are not cached yet (it takes them from the cache once they are): never a resuming
-        request, never one passed over `max_passed_over` times."""
-        if not shared or request.num_preemptions or request.passed_over >= self.config.max_passed_over:
-            return False
-        mine = self._keys(request)
-        if not mine:
-            return False
-        cached = self.block_manager.count_cached(mine)
-        for theirs in shared:
-            common = 0
-            for a, b in zip(mine, theirs):
-                if a != b:
-                    break
-                common += 1
-            if common > cached:
-                return True
-        return False
-
-    def _count_passed_over(self, admitted: list[Request], queue: deque[Request]) -> None:
-        """Every waiting request that a later arrival of its priority level overtook in this step."""
-        latest: dict[int, int] = {}
-        for request in admitted:
-            if not request.num_preemptions:
-                level = request.user_priority
-                latest[level] = max(latest.get(level, -1), request.arrival_seq)
-        for request in queue:
-            if not request.num_preemptions and request.arrival_seq < latest.get(request.user_priority, -1):
-                request.passed_over += 1
-
-    @staticmethod
-    def _num_resuming(queue: deque[Request]) -> int:
-        count = 0
-        while count < len(queue) and queue[count].num_preemptions:
-            count += 1
-        return count
+        """`AdmissionOrder.prepare_ahead`: the waiting requests' prefix keys, while a forward runs."""
+        self.admission_order.prepare_ahead()
 
     def repair(self, failed: Iterable[Request] = (), error: BaseException | None = None) -> None:
         """Make the queues and the block manager consistent again after an exception interrupted the
@@ -689,7 +589,7 @@ class Scheduler:
         for request in resuming:  # ahead of the requests that have not started
             self._requeue(request)
         self.scheduled = []
-        self._prefix_keys.clear()
+        self.admission_order.clear()
         self.latency.clear()
         self.block_manager.repair(self.live.values())
 
