@@ -16,18 +16,7 @@ older running request may still need (their prompt plus ``max_new_tokens``): fro
 requests and it always find blocks by preempting newer ones, so the scheduler preempts a request at most
 once.
 
-Adaptive scheduling (all of it off unless asked for, so the schedule is exactly the one above): with a
-TPOT target and a learnt step-time model (`engine/cost_model.py`), each step takes every running decode,
-then prompt chunks sized by the time the running requests' mean time per output token still allows (a
-TPOT is a mean: a step may spend what earlier steps saved; at least one chunk of `block_size` tokens, so
-running prompts always progress), and a waiting request is admitted only while the decode batch it would
-join is predicted to meet the tightest target (the batch grows while the queue is deep and shrinks, by
-admitting less, when targets tighten; nothing is preempted for time). A request whose TTFT target cannot
-be met given the queue (an estimate calibrated online against observed TTFTs) is rejected or warned at
-once (`admission`), a never-started request whose TTFT deadline passes while it waits is too, and one
-that could no longer start in time is rejected when its turn comes, before any work is spent on it.
-`user_priority` orders admission (lower first, FCFS within a level); `prefix_aware_admission` prefers
-requests whose prefix is cached, within `max_passed_over`.
+Adaptive scheduling, off unless asked for: `engine/latency.py` and `engine/admission_order.py`.
 
 Fault safety: every request the scheduler holds is also in `live`, and the block manager never counts a
 block below its holders, so after an exception at any point `repair` rebuilds a consistent state.
@@ -35,28 +24,19 @@ block below its holders, so after an exception at any point `repair` rebuilds a 
 
 from __future__ import annotations
 
-import logging
-import math
 import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
 from hfaccel.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
+from hfaccel.engine.admission_order import AdmissionOrder, count_passed_over, num_resuming
 from hfaccel.engine.batch import Batch, ScheduledStep
 from hfaccel.engine.beam_search import attach as attach_beams
 from hfaccel.engine.block_manager import BlockManager, blocks_for
 from hfaccel.engine.cost_model import RatioCalibration
+from hfaccel.engine.latency import LatencyPolicy, TimeBudget
 from hfaccel.engine.request import Request, RequestStatus
-
-logger = logging.getLogger("hfaccel")
-# Aim below the target: the step-time model is a fit, and a shared machine is noisy.
-HEADROOM = 0.85
-# The mean time per output token is kept within this share of the TPOT target (steps are measured as
-# they happen, so only the last steps' noise is left uncorrected), and one step lasts at most this many
-# targets.
-MEAN_HEADROOM = 0.95
-MAX_STEP_TARGETS = 2.0
 
 
 class Scheduler:
@@ -84,20 +64,15 @@ class Scheduler:
         self._next_priority = 0
         self.spec_drafted = self.spec_accepted = self.spec_steps = 0  # speculative totals
         # Adaptive scheduling: the step-time model (anything with `fit()` returning an object with
-        # `coefficients` and `predict`, or None), requests rejected since the engine last asked, counters.
+        # `coefficients` and `predict`, or None), requests rejected since the engine last asked.
         self.cost_model = cost_model
         self.rejected: list[Request] = []
-        self.num_rejected = self.num_warned = 0
         self._next_arrival = 0
-        self._prefix_keys: dict[int, list] = {}  # id(request) -> its prefix-cache keys (waiting requests)
-        self._time: _TimeBudget | None = None  # this step's time budget, when a TPOT target applies
-        self._targets_used = config.has_latency_targets  # some request may carry a latency target
+        self._time: TimeBudget | None = None  # this step's time budget, when a TPOT target applies
         self._priorities_used = False  # some request has a non-zero user priority
-        # TTFT estimates at arrival, corrected online by what the requests then took: id(request) ->
-        # (request, when it was estimated, the raw seconds estimated from then to its first token).
-        self.ttft_calibration = RatioCalibration()
-        self._ttft_predicted: dict[int, tuple[Request, float, float]] = {}
         self.clock = time.perf_counter  # the time source (a test may put a fake clock here)
+        self.latency = LatencyPolicy(self)  # TPOT/TTFT targets: step budget, batch check, admission control
+        self.admission_order = AdmissionOrder(self)  # user priority, prefix-aware admission
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -109,11 +84,11 @@ class Scheduler:
             request.arrival_seq = self._next_arrival
             self._next_arrival += 1
         if request.tpot_target_ms is not None or request.ttft_target_ms is not None:
-            self._targets_used = True
+            self.latency.targets_used = True
         if request.user_priority:
             self._priorities_used = True
-        if self._ttft_target(request) is not None and not self._admission_check(request):
-            self._prefix_keys.pop(id(request), None)
+        if self.latency.ttft_target(request) is not None and not self.latency.admission_check(request):
+            self.admission_order.forget(request)
             return
         request.status = RequestStatus.WAITING
         self.live[id(request)] = request
@@ -175,8 +150,8 @@ class Scheduler:
         if not request.is_finished:
             request.finish("abort")
         self.live.pop(id(request), None)
-        self._prefix_keys.pop(id(request), None)
-        self._ttft_predicted.pop(id(request), None)
+        self.admission_order.forget(request)
+        self.latency.forget(request)
 
     # ----------------------------------------------------------------- one step
 
@@ -204,8 +179,8 @@ class Scheduler:
     def _fill(self, kinds: set[str], draining: bool) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         chosen = self.scheduled = []
-        self._reject_late()
-        self._time = self._time_budget()
+        self.latency.reject_late()
+        self._time = self.latency.time_budget()
         budget, preempted = self._schedule_running(kinds, budget, chosen)
         # Admitting while preempting would only thrash: freed blocks go to the running requests first.
         if "prefill" in kinds and not preempted:
@@ -260,13 +235,12 @@ class Scheduler:
                 self.running.merge(created)
                 self.running.requests.sort(key=_priority)  # next to their request (stable)
             group.advance(self.block_manager, created, now)
-        if self._ttft_predicted:
-            self._observe_first_tokens(sampled)
+        self.latency.observe_first_tokens(sampled)
         finished = self.running.filter(lambda r: not r.is_finished)
         for request in finished:
             self.block_manager.free(request)
             self.live.pop(id(request), None)
-            self._ttft_predicted.pop(id(request), None)
+            self.latency.forget(request)
         # A beam group's other sequences are internal: the caller holds (and hears of) the request.
         return [r for r in finished if r.beam_group is None or r.beam_group.handle is r]
 
@@ -369,11 +343,11 @@ class Scheduler:
         """Where admissions come from: the waiting queue, or the forming dynamic/static batch."""
         if self.config.batching == "continuous":
             if (self._priorities_used or self.config.prefix_aware_admission) and len(self.waiting) > 1:
-                self._order_waiting()
+                self.admission_order.order_waiting()
             elif self.config.group_by_length and len(self.waiting) > 1:
                 # Shortest first among the requests that have not started; preempted ones (at the
                 # front, oldest first) resume before any of them.
-                resuming = self._num_resuming(self.waiting)
+                resuming = num_resuming(self.waiting)
                 window = min(len(self.waiting) - resuming, self.max_num_seqs)
                 if window > 1:
                     head = [self.waiting[resuming + i] for i in range(window)]
@@ -393,11 +367,11 @@ class Scheduler:
         queue = self._admission_queue(draining)
         computing: set = set()  # first blocks of prompts admitted uncached in this step
         timed, adaptive = self._time, self._adaptive_admission()
-        batch = self._batch_check() if adaptive else None
+        batch = self.latency.batch_check() if adaptive else None
         prefix_aware = (
             adaptive and self.config.prefix_aware_admission and self.block_manager.enable_prefix_caching
         )
-        shared = self._running_prefill_keys() if prefix_aware else []
+        shared = self.admission_order.running_prefill_keys() if prefix_aware else []
         admitted: list[Request] = []
         index = 0  # stays 0 unless a request is held back for a prefix being computed (prefix-aware)
         # A beam request (one sequence until its prompt is computed) holds seats for all its beams.
@@ -406,10 +380,10 @@ class Scheduler:
             request = queue[index]
             if seats + _seats(request) > self.max_num_seqs:
                 break  # a beam group waits for seats for all its beams
-            if prefix_aware and self._hold_for_shared_prefix(request, shared):
+            if prefix_aware and self.admission_order.hold_for_shared_prefix(request, shared):
                 index += 1
                 continue
-            if adaptive and self._too_late_to_start(request):
+            if adaptive and self.latency.too_late_to_start(request):
                 del queue[index]  # its first token cannot come in time: rejected before any work
                 continue
             if batch is not None and not batch.admits(request, len(self.running)):
@@ -439,7 +413,7 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = cached
             del queue[index]
-            self._prefix_keys.pop(id(request), None)
+            self.admission_order.forget(request)
             if request.priority is None:
                 request.priority = self._next_priority
                 self._next_priority += 1
@@ -452,7 +426,7 @@ class Scheduler:
             budget -= count
             seats += _seats(request)
         if adaptive and admitted:
-            self._count_passed_over(admitted, queue)
+            count_passed_over(admitted, queue)
 
     def _may_resume(self, request: Request) -> bool:
         """A request that has not started may always try; a preempted one (behind which nothing has started,
@@ -520,351 +494,41 @@ class Scheduler:
 
     # ----------------------------------------------------------------- adaptive scheduling
 
-    def _fit(self) -> Any:
-        return self.cost_model.fit() if self.cost_model is not None else None
-
-    def _tpot_target(self, request: Request) -> float | None:
-        """The request's TPOT target in seconds (its own, else the engine's), or None."""
-        ms = request.tpot_target_ms if request.tpot_target_ms is not None else self.config.tpot_target_ms
-        return None if ms is None else ms / 1000.0
-
-    def _ttft_target(self, request: Request) -> float | None:
-        """The request's TTFT target in seconds (its own, else the engine's), or None."""
-        ms = request.ttft_target_ms if request.ttft_target_ms is not None else self.config.ttft_target_ms
-        return None if ms is None else ms / 1000.0
-
-    def _tpot_limit(self, requests: Iterable[Request]) -> float | None:
-        """The step time the tightest TPOT target among `requests` allows (with headroom), or None."""
-        targets = [t for t in map(self._tpot_target, requests) if t is not None]
-        return HEADROOM * min(targets) if targets else None
-
     def _adaptive_admission(self) -> bool:
-        return self._targets_used or self._priorities_used or self.config.prefix_aware_admission
-
-    def _time_budget(self) -> _TimeBudget | None:
-        """This step's time budget, when a request already producing tokens has a TPOT target and the
-        step-time model is ready: the least that any such request allows (`_step_allowance`)."""
-        if not self._targets_used:
-            return None
-        now = self.clock()
-        limit = None
-        for request in self.running:
-            if not request.output_token_ids:
-                continue
-            target = self._tpot_target(request)
-            if target is not None:
-                allowance = self._step_allowance(request, target, now)
-                limit = allowance if limit is None else min(limit, allowance)
-        if limit is None:
-            return None
-        fit = self._fit()
-        return None if fit is None else _TimeBudget(fit, limit)
-
-    @staticmethod
-    def _step_allowance(request: Request, target_s: float, now: float) -> float:
-        """How long the next step may take for `request` to keep its mean time per output token within
-        `MEAN_HEADROOM` x its target: a TPOT is a mean over the request's life, so a step may spend the
-        time the earlier steps saved (a pure-decode step that took 100 ms of a 150 ms target leaves 50 ms
-        for a longer step with prompt chunks later), but never time that later steps would have to save
-        (the request may stop at any token). At most `MAX_STEP_TARGETS` targets, so one stall stays
-        bounded."""
-        times = request.metrics.token_times
-        intervals = len(request.output_token_ids)  # after this step's token
-        if not times or intervals < 1:
-            return HEADROOM * target_s
-        allowance = MEAN_HEADROOM * target_s * intervals - (now - times[0])
-        return min(allowance, MAX_STEP_TARGETS * target_s)
-
-    def _batch_check(self) -> _BatchCheck | None:
-        if not self._targets_used:
-            return None
-        fit = self._fit()
-        if fit is None:
-            return None
-        return _BatchCheck(fit, self._tpot_limit(self.running), sum(r.num_tokens for r in self.running), self)
+        return self.latency.targets_used or self._priorities_used or self.config.prefix_aware_admission
 
     def estimate_ttft(self, request: Request) -> float | None:
-        """Seconds from `request`'s arrival to its first token if it joined the queue now (behind the
-        requests that go first: resuming ones and those of its priority level or better): the time it
-        has waited plus the time still ahead (`_ttft_ahead`, by the step-time model) corrected by what
-        such estimates turned out to be (`ttft_calibration`, learnt online). None before the model is
-        ready."""
-        ahead = self._ttft_ahead(request)
-        if ahead is None:
-            return None
-        return self.clock() - request.metrics.arrival_time + ahead * self.ttft_calibration.factor
+        """`LatencyPolicy.estimate_ttft`: seconds from `request`'s arrival to its first token if it joined
+        the queue now, or None before the step-time model is ready."""
+        return self.latency.estimate_ttft(request)
 
-    def _ttft_ahead(self, request: Request) -> float | None:
-        """The raw estimate of the seconds until `request`'s first token if it joined the queue now: the
-        prompt tokens ahead of it (running prompts, the waiting requests that go first, its own) at the
-        chunk size the TPOT target allows per step, and, when the batch is full (by `max_num_seqs` or by
-        what the target allows), the decode steps until enough running requests end (output lengths at
-        their maximum). A picture of the queue as it is now, corrected online by `estimate_ttft`."""
-        fit = self._fit()
-        if fit is None:
-            return None
-        c0, c1, _, c3 = fit.coefficients
-        block = self.block_manager.block_size
-        running = list(self.running)
-        ahead = [
-            w
-            for w in self.waiting
-            if w is not request and (w.num_preemptions or w.user_priority <= request.user_priority)
-        ]
-        kv = sum(r.num_tokens for r in running)
-        prompts_ahead = sum(r.num_uncomputed_tokens for r in running if r.num_uncomputed_tokens > 1)
-        prompts_ahead += sum(w.num_tokens for w in ahead)
-        own = max(1, request.num_tokens - block * self._cached_blocks(request))
-        per_step, step_s = self._prefill_pace(fit, request, prompts_ahead + own)
-        limit = self._tpot_limit([*running, request])
-        seats = self.max_num_seqs
-        if limit is not None:
-            per_seq = c1 + c3 * (kv + request.num_tokens) / (len(running) + 1)
-            if per_seq > 0:
-                fixed = c0 + getattr(fit, "bias_s", 0.0)
-                seats = min(seats, max(1, int((limit - fixed) / per_seq)))
-        seats -= len(running)
-        position = len(ahead) + 1
-        wait_steps = 0
-        if position > seats:
-            left = sorted(max(1, r.stopping.max_new_tokens - len(r.output_token_ids)) for r in running) or [1]
-            rounds, rest = divmod(position - max(seats, 0) - 1, len(left))
-            wait_steps = left[rest] + rounds * left[-1]
-        steps = max(wait_steps + math.ceil(own / per_step), math.ceil((prompts_ahead + own) / per_step))
-        return steps * step_s
+    @property
+    def ttft_calibration(self) -> RatioCalibration:
+        return self.latency.ttft_calibration
 
-    def _admission_check(self, request: Request) -> bool:
-        """Admission control at arrival: False if `request` was rejected (its TTFT target cannot be met
-        given the queue), True if it may queue (possibly with a warning). A request that would be first
-        in line is never rejected here (it waits, and is rejected if its deadline passes before it
-        starts): so requests keep being served and measured even when the calibrated estimate runs high,
-        and the estimate comes back down."""
-        if request.num_preemptions or request.output_token_ids:
-            return True
-        target = self._ttft_target(request)
-        ahead = self._ttft_ahead(request)
-        if target is None or ahead is None:
-            return True
-        now = self.clock()
-        estimate = now - request.metrics.arrival_time + ahead * self.ttft_calibration.factor
-        first_in_line = not any(
-            w.num_preemptions or w.user_priority <= request.user_priority for w in self.waiting
-        )
-        if estimate <= target or first_in_line:
-            self._ttft_predicted[id(request)] = (request, now, ahead)
-            return True
-        reason = (
-            f"TTFT target {target * 1000:.0f} ms cannot be met: about {estimate * 1000:.0f} ms expected "
-            f"with {len(self.waiting)} requests waiting and {len(self.running)} running"
-        )
-        if self._refuse(request, reason):  # warned and queued: it still teaches the estimate
-            self._ttft_predicted[id(request)] = (request, now, ahead)
-            return True
-        return False
+    @property
+    def num_rejected(self) -> int:
+        return self.latency.num_rejected
 
-    def _too_late_to_start(self, request: Request) -> bool:
-        """With `admission="reject"`: whether a request that has not started would miss its TTFT target
-        even if it started now (the time it waited plus its own prompt at the chunk size the TPOT target
-        allows); if so it is rejected here, before any work is spent on it, and its place goes to the
-        requests behind it."""
-        if self.config.admission != "reject" or request.num_preemptions or request.output_token_ids:
-            return False
-        target = self._ttft_target(request)
-        fit = self._fit() if target is not None else None
-        if fit is None:
-            return False
-        own = max(1, request.num_tokens - self.block_manager.block_size * self._cached_blocks(request))
-        per_step, step_s = self._prefill_pace(fit, request, own)
-        now = self.clock()
-        if now - request.metrics.arrival_time + math.ceil(own / per_step) * step_s <= target:
-            return False
-        entry = self._ttft_predicted.pop(id(request), None)
-        if entry is not None and entry[0] is request:
-            self.ttft_calibration.observe(entry[2], now - entry[1])  # a lower bound, as for a late one
-        self._refuse(
-            request,
-            f"TTFT target {target * 1000:.0f} ms cannot be met: the prompt would start after "
-            f"{(now - request.metrics.arrival_time) * 1000:.0f} ms in the queue",
-        )
-        self._prefix_keys.pop(id(request), None)
+    @property
+    def num_warned(self) -> int:
+        return self.latency.num_warned
+
+    def retire_rejected(self, request: Request) -> None:
+        """A queued request that was just rejected (finished) leaves the scheduler; the caller has taken
+        it out of its queue. The engine hears of it from `take_rejected`."""
+        self.admission_order.forget(request)
         self.live.pop(id(request), None)
         self.rejected.append(request)
-        return True
-
-    def _prefill_pace(self, fit: Any, request: Request, tokens: int) -> tuple[int, float]:
-        """(prompt tokens a step computes, seconds a step takes) while the running batch decodes and
-        `tokens` prompt tokens wait: chunks of what the tightest TPOT target among the batch and `request`
-        leaves after the decodes (at least a block), else the step's token budget."""
-        _, _, c2, c3 = fit.coefficients
-        per_token = c2 + c3
-        kv = sum(r.num_tokens for r in self.running)
-        decodes = sum(1 for r in self.running if r.num_uncomputed_tokens == 1)
-        decode_s = fit.predict(decodes, 0, kv)
-        limit = self._tpot_limit([*self.running, request])
-        if limit is not None and per_token > 0:
-            per_step = max(self.block_manager.block_size, int((limit - decode_s) / per_token))
-        else:
-            per_step = self.max_num_batched_tokens - decodes
-        per_step = max(1, min(per_step, self.max_num_batched_tokens))
-        filled = min(per_step, tokens)  # a step with less prompt work costs less
-        return per_step, fit.predict(decodes, filled, kv + filled)
-
-    def _observe_first_tokens(self, sampled: list[Request]) -> None:
-        """Teach the TTFT calibration from the requests that produced their first token in this step."""
-        for request in sampled:
-            entry = self._ttft_predicted.get(id(request))
-            if entry is None or entry[0] is not request or request.metrics.first_token_time is None:
-                continue
-            del self._ttft_predicted[id(request)]
-            _, at, ahead = entry
-            self.ttft_calibration.observe(ahead, request.metrics.first_token_time - at)
-
-    def _refuse(self, request: Request, reason: str) -> bool:
-        """Reject (returns False) or warn (returns True) per `admission`."""
-        if self.config.admission == "reject":
-            request.rejected_reason = reason
-            request.finish("rejected")
-            self.num_rejected += 1
-            return False
-        request.warnings.append(reason)
-        self.num_warned += 1
-        level = logging.WARNING if self.num_warned == 1 else logging.DEBUG
-        logger.log(
-            level, "hfaccel: request %r: %s (queued anyway: admission='warn')", request.request_id, reason
-        )
-        return True
-
-    def _reject_late(self) -> None:
-        """A request that has not started and whose TTFT deadline has passed while it waited is told so:
-        rejected (returned by the next step among the finished) or warned, once. What it waited is a
-        lower bound of its TTFT, and teaches the calibration as such."""
-        if not self._targets_used or not self.waiting:
-            return
-        now = self.clock()
-        late = []
-        for request in self.waiting:
-            target = self._ttft_target(request)
-            if target is None or request.num_preemptions or now - request.metrics.arrival_time <= target:
-                continue
-            if self.config.admission == "warn" and any(
-                w.startswith("TTFT deadline") for w in request.warnings
-            ):
-                continue
-            late.append(request)
-        for request in late:
-            waited = now - request.metrics.arrival_time
-            target_ms = self._ttft_target(request) * 1000
-            entry = self._ttft_predicted.get(id(request))
-            if entry is not None and entry[0] is request:
-                del self._ttft_predicted[id(request)]
-                self.ttft_calibration.observe(entry[2], now - entry[1])
-            reason = (
-                f"TTFT deadline passed: waited {waited * 1000:.0f} ms in the queue, target {target_ms:.0f} ms"
-            )
-            if not self._refuse(request, reason):  # finished first, then out of the queues
-                self.waiting.remove(request)
-                self._prefix_keys.pop(id(request), None)
-                self.live.pop(id(request), None)
-                self.rejected.append(request)
 
     def take_rejected(self) -> list[Request]:
         """Requests rejected from the queue since the last call (the engine returns them as finished)."""
         rejected, self.rejected = self.rejected, []
         return rejected
 
-    def _keys(self, request: Request) -> list:
-        entry = self._prefix_keys.get(id(request))
-        if entry is None or entry[0] is not request:
-            entry = (request, self.block_manager.prefix_keys(request))
-            self._prefix_keys[id(request)] = entry
-        return entry[1]
-
-    def _cached_blocks(self, request: Request) -> int:
-        """Leading blocks of `request` the prefix cache holds now (nothing is taken)."""
-        if not self.block_manager.enable_prefix_caching:
-            return 0
-        return self.block_manager.count_cached(self._keys(request))
-
     def prepare_ahead(self) -> None:
-        """Work for the next admission that does not depend on the running step's tokens: the prefix
-        keys of the waiting requests (asynchronous scheduling does it while the forward runs)."""
-        if self.block_manager.enable_prefix_caching and (
-            self.config.prefix_aware_admission or self._targets_used
-        ):
-            window = max(64, 4 * self.max_num_seqs)
-            for i, request in enumerate(self.waiting):
-                if i >= window:
-                    break
-                self._keys(request)
-
-    def _order_waiting(self) -> None:
-        """Admission order of the requests that have not started (preempted ones stay in front): user
-        priority (lower first), then requests passed over `max_passed_over` times (oldest first), then,
-        with prefix-aware admission, the longest cached prefix first, then (group_by_length) shorter
-        first, then arrival."""
-        resuming = self._num_resuming(self.waiting)
-        window = min(len(self.waiting) - resuming, max(64, 4 * self.max_num_seqs))
-        if window <= 1:
-            return
-        limit = self.config.max_passed_over
-        prefix = self.config.prefix_aware_admission and self.block_manager.enable_prefix_caching
-        by_length = self.config.group_by_length
-
-        def key(request: Request) -> tuple:
-            overdue = request.passed_over >= limit
-            cached = self._cached_blocks(request) if prefix and not overdue else 0
-            length = request.num_tokens if by_length and not overdue else 0
-            return (request.user_priority, not overdue, -cached, length, request.arrival_seq)
-
-        head = sorted((self.waiting[resuming + i] for i in range(window)), key=key)
-        for i, request in enumerate(head):
-            self.waiting[resuming + i] = request
-
-    def _running_prefill_keys(self) -> list[list]:
-        """Prefix keys of the running requests still computing their prompt."""
-        return [
-            self._keys(r)
-            for r in self.running
-            if r.num_computed_tokens < len(r.prompt_token_ids) and not r.output_token_ids
-        ]
-
-    def _hold_for_shared_prefix(self, request: Request, shared: list[list]) -> bool:
-        """Whether to hold `request` back one step because a running prefill is computing blocks of its
-        prefix that are not cached yet (it takes them from the cache once they are): never a resuming
-        request, never one passed over `max_passed_over` times."""
-        if not shared or request.num_preemptions or request.passed_over >= self.config.max_passed_over:
-            return False
-        mine = self._keys(request)
-        if not mine:
-            return False
-        cached = self.block_manager.count_cached(mine)
-        for theirs in shared:
-            common = 0
-            for a, b in zip(mine, theirs):
-                if a != b:
-                    break
-                common += 1
-            if common > cached:
-                return True
-        return False
-
-    def _count_passed_over(self, admitted: list[Request], queue: deque[Request]) -> None:
-        """Every waiting request that a later arrival of its priority level overtook in this step."""
-        latest: dict[int, int] = {}
-        for request in admitted:
-            if not request.num_preemptions:
-                level = request.user_priority
-                latest[level] = max(latest.get(level, -1), request.arrival_seq)
-        for request in queue:
-            if not request.num_preemptions and request.arrival_seq < latest.get(request.user_priority, -1):
-                request.passed_over += 1
-
-    @staticmethod
-    def _num_resuming(queue: deque[Request]) -> int:
-        count = 0
-        while count < len(queue) and queue[count].num_preemptions:
-            count += 1
-        return count
+        """`AdmissionOrder.prepare_ahead`: the waiting requests' prefix keys, while a forward runs."""
+        self.admission_order.prepare_ahead()
 
     def repair(self, failed: Iterable[Request] = (), error: BaseException | None = None) -> None:
         """Make the queues and the block manager consistent again after an exception interrupted the
@@ -925,8 +589,8 @@ class Scheduler:
         for request in resuming:  # ahead of the requests that have not started
             self._requeue(request)
         self.scheduled = []
-        self._prefix_keys.clear()
-        self._ttft_predicted.clear()
+        self.admission_order.clear()
+        self.latency.clear()
         self.block_manager.repair(self.live.values())
 
     def _repair_beams(self, failed: list[Request], error: BaseException | None) -> list[Request]:
@@ -1027,69 +691,3 @@ def _whole_groups(planned: list[tuple[Request, int]], budget: int) -> tuple[list
         else:
             kept.append((request, count))
     return kept, budget
-
-
-class _TimeBudget:
-    """The step time a TPOT target leaves, spent as a step is filled (by the step-time model)."""
-
-    def __init__(self, fit: Any, limit_s: float) -> None:
-        self.coefficients = fit.coefficients
-        self.limit = limit_s
-        self.used = self.coefficients[0] + getattr(fit, "bias_s", 0.0)  # the step's fixed cost
-        self.prefilled = False
-
-    def room(self, start: int) -> int:
-        """Prompt tokens a chunk starting at position `start` may compute in the time left."""
-        _, _, c2, c3 = self.coefficients
-        if c2 + c3 <= 0:
-            return 1 << 30
-        return max(0, int((self.limit - self.used - c3 * start) / (c2 + c3)))
-
-    def take(self, request: Request, count: int, decode: bool, block_size: int) -> int:
-        """A running request's tokens: a decode always runs (its drafts cost like prompt tokens); a prompt
-        chunk is cut to the time left, but the first chunk of the step gets at least `block_size` tokens,
-        so a running prompt always progresses."""
-        _, c1, c2, c3 = self.coefficients
-        start = request.num_computed_tokens
-        if decode:
-            self.used += c1 + c2 * (count - 1) + c3 * (start + count)
-            return count
-        room = self.room(start)
-        if room < count:
-            count = min(count, max(room, 0 if self.prefilled else block_size))
-        if count:
-            self.used += (c2 + c3) * count + c3 * start
-            self.prefilled = True
-        return count
-
-    def take_admission(self, request: Request, count: int, block_size: int) -> int:
-        """A new request's first chunk: cut to the time left in whole blocks, or 0 (not this step) if less
-        than a block is left and the prompt does not fit."""
-        _, _, c2, c3 = self.coefficients
-        start = request.num_computed_tokens
-        room = self.room(start)
-        if room < count:
-            count = room - room % block_size
-        if count:
-            self.used += (c2 + c3) * count + c3 * start
-            self.prefilled = True
-        return count
-
-
-class _BatchCheck:
-    """Admit a request only while the decode step of the batch it joins is predicted to meet the tightest
-    TPOT target among the batch and itself (the first request is always admitted)."""
-
-    def __init__(self, fit: Any, limit_s: float | None, kv_tokens: int, scheduler: Scheduler) -> None:
-        self.fit, self.limit, self.kv, self.scheduler = fit, limit_s, kv_tokens, scheduler
-
-    def admits(self, request: Request, num_running: int) -> bool:
-        own = self.scheduler._tpot_target(request)
-        limit = self.limit
-        if own is not None:
-            limit = HEADROOM * own if limit is None else min(limit, HEADROOM * own)
-        kv = self.kv + request.num_tokens
-        if limit is not None and num_running > 0 and self.fit.predict(num_running + 1, 0, kv) > limit:
-            return False
-        self.kv, self.limit = kv, limit
-        return True

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from hfaccel import EngineConfig
 from hfaccel.engine.block_manager import BlockManager
+from hfaccel.engine.latency import MAX_STEP_TARGETS, MEAN_HEADROOM
 from hfaccel.engine.request import Request, StoppingParams
-from hfaccel.engine.scheduler import MAX_STEP_TARGETS, MEAN_HEADROOM, Scheduler
+from hfaccel.engine.scheduler import Scheduler
 from tests.engine.schedule_workloads import CONFIGS, record
 
 RECORDED = json.loads((pathlib.Path(__file__).parent / "data" / "schedules_before_adaptive.json").read_text())
@@ -145,7 +146,9 @@ def test_the_mean_time_per_output_token_stays_within_the_target_and_chunks_follo
     mixed = [(st, sec, b) for st, sec, b in steps if b is not None and any(n > 1 for n in st.num_tokens)]
     assert mixed
     for step, seconds, budget in mixed:
-        assert seconds <= budget.limit + block_cost + 1e-9 or seconds <= 0.010 + 0.001 * len(step) + block_cost
+        assert (
+            seconds <= budget.limit + block_cost + 1e-9 or seconds <= 0.010 + 0.001 * len(step) + block_cost
+        )
     assert max(seconds for _, seconds, _ in mixed) > 0.050, "no step spent the time earlier steps saved"
 
 
@@ -332,13 +335,13 @@ def test_a_deadline_passed_in_the_queue_teaches_the_calibration_a_lower_bound():
     add_at(sched, make("running", 4, max_new=50))
     run_timed_step(sched, sched.cost_model.current)
     waiting = add_at(sched, make("waiting", 4, max_new=2))
-    assert id(waiting) in sched._ttft_predicted
+    assert id(waiting) in sched.latency._ttft_predicted
     sched.clock.now += 0.6  # waited past its deadline without a seat
     run_timed_step(sched, sched.cost_model.current)
     assert waiting.finish_reason == "rejected"
     started, late = sched.ttft_calibration.ratios()  # the running request's, then the late one's bound
     assert started == pytest.approx(1.0)
-    assert late > 1.0 and id(waiting) not in sched._ttft_predicted
+    assert late > 1.0 and id(waiting) not in sched.latency._ttft_predicted
 
 
 @pytest.mark.parametrize("waited, served", [(0.440, True), (0.480, False)])
