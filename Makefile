@@ -44,6 +44,7 @@ test-dist: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check hfaccel tests examples
+	$(VENV)/bin/ruff format --check hfaccel tests examples
 
 bench: $(STAMP)
 	$(PY) -m hfaccel bench

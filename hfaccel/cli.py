@@ -204,11 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--goodput-systems", default="defaults,best fixed,adaptive,hf", help="goodput: systems to compare"
     )
     bench.add_argument(
-        "--goodput-repeats", type=int, default=1, help="goodput: sweeps, the systems' order reversed each time"
+        "--goodput-repeats",
+        type=int,
+        default=1,
+        help="goodput: sweeps, the systems' order reversed each time",
     )
     bench.add_argument("--goodput-plot", default=None, help="goodput: save goodput vs rate to this PNG")
     bench.add_argument(
-        "--host-share", action="store_true", help="goodput: also the host's share of a step, async scheduling off/on"
+        "--host-share",
+        action="store_true",
+        help="goodput: also the host's share of a step, async scheduling off/on",
     )
     return parser
 

@@ -14,7 +14,9 @@ def test_coverage_classifies_known_options(tmp_path):
     assert status["guidance_scale"].status == coverage.FALLBACK
     assert status["num_beams"].status == coverage.SERVED  # beam search on the engine
     assert status["num_beam_groups"].status == coverage.FALLBACK  # diverse beam search is not
-    assert not [r.option.name for r in report["results"] if r.status == coverage.ERROR], "a served option raised"
+    assert not [r.option.name for r in report["results"] if r.status == coverage.ERROR], (
+        "a served option raised"
+    )
     assert report["served"] + report["fallback"] <= len(report["results"])
     text = (tmp_path / "coverage.md").read_text()
     assert f"**{report['served']} of " in text and "| `negative_prompt_ids` (argument) |" in text

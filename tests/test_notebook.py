@@ -32,7 +32,9 @@ def test_plot_run_and_engine_state(tmp_path):
 
 
 def test_plot_run_shows_speculation(tmp_path):
-    model = hfaccel.patch(tiny_model(), kv_cache_memory=1_000_000, speculative="ngram", num_speculative_tokens=3)
+    model = hfaccel.patch(
+        tiny_model(), kv_cache_memory=1_000_000, speculative="ngram", num_speculative_tokens=3
+    )
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10, 11, 9, 10]]
     completions = hfaccel.generate(model, prompts, max_new_tokens=12, progress=False)
     totals = model._hfaccel.engine.stats()
@@ -40,7 +42,9 @@ def test_plot_run_shows_speculation(tmp_path):
     figure = hfaccel.plot_run(model, completions)
     assert len(figure.axes) == 3
     title = figure.axes[2].get_title()
-    assert title.startswith(f"speculation: {totals['spec_accepted']}/{totals['spec_drafted']} drafts accepted")
+    assert title.startswith(
+        f"speculation: {totals['spec_accepted']}/{totals['spec_drafted']} drafts accepted"
+    )
     drafted = [c for c in completions if c.metrics.get("spec_drafted")]
     counts = [patch.get_height() for patch in figure.axes[2].patches]
     assert sum(counts) == len(drafted) > 0

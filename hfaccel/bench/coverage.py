@@ -75,13 +75,29 @@ def _fixed(**extra: Any) -> Callable[[Any], dict[str, Any]]:
 OPTIONS: tuple[Option, ...] = (
     # Length and stopping
     Option("length & stopping", "max_new_tokens", "6", _fixed(max_new_tokens=6)),
-    Option("length & stopping", "max_length", "width + 5", lambda c: {"max_new_tokens": _DROP, "max_length": c.width + 5}),
+    Option(
+        "length & stopping",
+        "max_length",
+        "width + 5",
+        lambda c: {"max_new_tokens": _DROP, "max_length": c.width + 5},
+    ),
     Option("length & stopping", "min_new_tokens", "3", _fixed(min_new_tokens=3)),
     Option("length & stopping", "min_length", "width + 3", lambda c: {"min_length": c.width + 3}),
     Option("length & stopping", "eos_token_id", "[2, 5]", _fixed(eos_token_id=[2, 5])),
-    Option("length & stopping", "stop_strings", '"a" (tokenizer=)', lambda c: {"stop_strings": "a", "tokenizer": c.tokenizer}),
+    Option(
+        "length & stopping",
+        "stop_strings",
+        '"a" (tokenizer=)',
+        lambda c: {"stop_strings": "a", "tokenizer": c.tokenizer},
+    ),
     Option("length & stopping", "max_time", "30.0", _fixed(max_time=30.0)),
-    Option("length & stopping", "stopping_criteria", "a custom criterion", lambda c: {"stopping_criteria": c.criteria()}, True),
+    Option(
+        "length & stopping",
+        "stopping_criteria",
+        "a custom criterion",
+        lambda c: {"stopping_criteria": c.criteria()},
+        True,
+    ),
     # Sampling
     Option("sampling", "do_sample", "True", _sampling()),
     Option("sampling", "temperature", "0.7", _sampling(temperature=0.7)),
@@ -104,51 +120,178 @@ OPTIONS: tuple[Option, ...] = (
     Option("logits processors", "begin_suppress_tokens", "[5]", _fixed(begin_suppress_tokens=[5])),
     Option("logits processors", "forced_bos_token_id", "5", _fixed(forced_bos_token_id=5)),
     Option("logits processors", "forced_eos_token_id", "2", _fixed(forced_eos_token_id=2)),
-    Option("logits processors", "exponential_decay_length_penalty", "(2, 1.2)", _fixed(exponential_decay_length_penalty=(2, 1.2))),
+    Option(
+        "logits processors",
+        "exponential_decay_length_penalty",
+        "(2, 1.2)",
+        _fixed(exponential_decay_length_penalty=(2, 1.2)),
+    ),
     Option("logits processors", "renormalize_logits", "True", _fixed(renormalize_logits=True)),
     Option("logits processors", "remove_invalid_values", "True", _fixed(remove_invalid_values=True)),
     Option("logits processors", "guidance_scale", "1.5", _fixed(guidance_scale=1.5)),
-    Option("logits processors", "watermarking_config", "bias 2.0", lambda c: {"watermarking_config": c.watermark()}),
-    Option("logits processors", "token_healing", "True (tokenizer=)", lambda c: {"token_healing": True, "tokenizer": c.tokenizer}),
-    Option("logits processors", "logits_processor", "a custom processor", lambda c: {"logits_processor": c.processors()}, True),
-    Option("logits processors", "prefix_allowed_tokens_fn", "every id allowed", lambda c: {"prefix_allowed_tokens_fn": c.allowed}, True),
-    Option("logits processors", "negative_prompt_ids", "ids (guidance 1.5)", lambda c: {"negative_prompt_ids": c.ids, "guidance_scale": 1.5}, True),
-    Option("logits processors", "negative_prompt_attention_mask", "mask (guidance 1.5)", lambda c: {"negative_prompt_ids": c.ids, "negative_prompt_attention_mask": c.mask, "guidance_scale": 1.5}, True),
+    Option(
+        "logits processors",
+        "watermarking_config",
+        "bias 2.0",
+        lambda c: {"watermarking_config": c.watermark()},
+    ),
+    Option(
+        "logits processors",
+        "token_healing",
+        "True (tokenizer=)",
+        lambda c: {"token_healing": True, "tokenizer": c.tokenizer},
+    ),
+    Option(
+        "logits processors",
+        "logits_processor",
+        "a custom processor",
+        lambda c: {"logits_processor": c.processors()},
+        True,
+    ),
+    Option(
+        "logits processors",
+        "prefix_allowed_tokens_fn",
+        "every id allowed",
+        lambda c: {"prefix_allowed_tokens_fn": c.allowed},
+        True,
+    ),
+    Option(
+        "logits processors",
+        "negative_prompt_ids",
+        "ids (guidance 1.5)",
+        lambda c: {"negative_prompt_ids": c.ids, "guidance_scale": 1.5},
+        True,
+    ),
+    Option(
+        "logits processors",
+        "negative_prompt_attention_mask",
+        "mask (guidance 1.5)",
+        lambda c: {
+            "negative_prompt_ids": c.ids,
+            "negative_prompt_attention_mask": c.mask,
+            "guidance_scale": 1.5,
+        },
+        True,
+    ),
     # Outputs
     Option("outputs", "return_dict_in_generate", "True", _fixed(return_dict_in_generate=True)),
     Option("outputs", "output_scores", "True", _fixed(return_dict_in_generate=True, output_scores=True)),
     Option("outputs", "output_logits", "True", _fixed(return_dict_in_generate=True, output_logits=True)),
-    Option("outputs", "output_attentions", "True", _fixed(return_dict_in_generate=True, output_attentions=True)),
-    Option("outputs", "output_hidden_states", "True", _fixed(return_dict_in_generate=True, output_hidden_states=True)),
-    Option("outputs", "streamer", "a streamer (1 row)", lambda c: {**c.one_row(), "streamer": c.streamer()}, True),
+    Option(
+        "outputs", "output_attentions", "True", _fixed(return_dict_in_generate=True, output_attentions=True)
+    ),
+    Option(
+        "outputs",
+        "output_hidden_states",
+        "True",
+        _fixed(return_dict_in_generate=True, output_hidden_states=True),
+    ),
+    Option(
+        "outputs", "streamer", "a streamer (1 row)", lambda c: {**c.one_row(), "streamer": c.streamer()}, True
+    ),
     # Inputs and cache
     Option("inputs & cache", "use_cache", "False", _fixed(use_cache=False)),
     Option("inputs & cache", "cache_implementation", '"static"', _fixed(cache_implementation="static")),
     Option("inputs & cache", "prefill_chunk_size", "4", _fixed(prefill_chunk_size=4)),
-    Option("inputs & cache", "inputs_embeds", "embeddings, no ids", lambda c: {"input_ids": _DROP, "inputs_embeds": c.embeds()}, True),
-    Option("inputs & cache", "inputs_embeds + input_ids", "both", lambda c: {"inputs_embeds": c.embeds()}, True),
+    Option(
+        "inputs & cache",
+        "inputs_embeds",
+        "embeddings, no ids",
+        lambda c: {"input_ids": _DROP, "inputs_embeds": c.embeds()},
+        True,
+    ),
+    Option(
+        "inputs & cache", "inputs_embeds + input_ids", "both", lambda c: {"inputs_embeds": c.embeds()}, True
+    ),
     Option("inputs & cache", "past_key_values", "DynamicCache of a prefix", lambda c: c.continuation(), True),
-    Option("inputs & cache", "position_ids", "from the mask", lambda c: {"position_ids": c.positions()}, True),
+    Option(
+        "inputs & cache", "position_ids", "from the mask", lambda c: {"position_ids": c.positions()}, True
+    ),
     # Decoding modes
     Option("decoding modes", "num_beams", "2", _fixed(num_beams=2)),
     Option("decoding modes", "length_penalty", "0.5 (num_beams 2)", _fixed(num_beams=2, length_penalty=0.5)),
-    Option("decoding modes", "early_stopping", "True (num_beams 2)", _fixed(num_beams=2, early_stopping=True)),
-    Option("decoding modes", "num_beam_groups", "2 (diversity 0.5, 2 beams)", _fixed(num_beams=2, num_beam_groups=2, diversity_penalty=0.5)),
-    Option("decoding modes", "diversity_penalty", "0.5 (2 groups, 2 beams)", _fixed(num_beams=2, num_beam_groups=2, diversity_penalty=0.5)),
-    Option("decoding modes", "constraints", "a Constraint (num_beams 2)", lambda c: {"num_beams": 2, "constraints": [c.constraint()]}),
-    Option("decoding modes", "force_words_ids", "[[5]] (num_beams 2)", _fixed(num_beams=2, force_words_ids=[[5]])),
+    Option(
+        "decoding modes", "early_stopping", "True (num_beams 2)", _fixed(num_beams=2, early_stopping=True)
+    ),
+    Option(
+        "decoding modes",
+        "num_beam_groups",
+        "2 (diversity 0.5, 2 beams)",
+        _fixed(num_beams=2, num_beam_groups=2, diversity_penalty=0.5),
+    ),
+    Option(
+        "decoding modes",
+        "diversity_penalty",
+        "0.5 (2 groups, 2 beams)",
+        _fixed(num_beams=2, num_beam_groups=2, diversity_penalty=0.5),
+    ),
+    Option(
+        "decoding modes",
+        "constraints",
+        "a Constraint (num_beams 2)",
+        lambda c: {"num_beams": 2, "constraints": [c.constraint()]},
+    ),
+    Option(
+        "decoding modes", "force_words_ids", "[[5]] (num_beams 2)", _fixed(num_beams=2, force_words_ids=[[5]])
+    ),
     Option("decoding modes", "penalty_alpha", "0.6 (top_k 4)", _fixed(penalty_alpha=0.6, top_k=4)),
     Option("decoding modes", "dola_layers", '"low"', _fixed(dola_layers="low")),
     # Assisted decoding
-    Option("assisted decoding", "assistant_model", "a tiny Llama", lambda c: {"assistant_model": c.assistant}, True),
-    Option("assisted decoding", "num_assistant_tokens", "3 (assistant)", lambda c: {"assistant_model": c.assistant, "num_assistant_tokens": 3}),
-    Option("assisted decoding", "num_assistant_tokens_schedule", '"constant" (assistant)', lambda c: {"assistant_model": c.assistant, "num_assistant_tokens_schedule": "constant"}),
-    Option("assisted decoding", "assistant_confidence_threshold", "0.2 (assistant)", lambda c: {"assistant_model": c.assistant, "assistant_confidence_threshold": 0.2}),
-    Option("assisted decoding", "assistant_ensemble_weight", "0.5 (assistant)", lambda c: {"assistant_model": c.assistant, "assistant_ensemble_weight": 0.5}),
-    Option("assisted decoding", "speculation_type", '"dflash" (assistant)', lambda c: {"assistant_model": c.assistant, "speculation_type": "dflash"}),
-    Option("assisted decoding", "assistant_tokenizer", "another tokenizer", lambda c: {"assistant_model": c.assistant, "tokenizer": c.tokenizer, "assistant_tokenizer": c.tokenizer}, True),
+    Option(
+        "assisted decoding",
+        "assistant_model",
+        "a tiny Llama",
+        lambda c: {"assistant_model": c.assistant},
+        True,
+    ),
+    Option(
+        "assisted decoding",
+        "num_assistant_tokens",
+        "3 (assistant)",
+        lambda c: {"assistant_model": c.assistant, "num_assistant_tokens": 3},
+    ),
+    Option(
+        "assisted decoding",
+        "num_assistant_tokens_schedule",
+        '"constant" (assistant)',
+        lambda c: {"assistant_model": c.assistant, "num_assistant_tokens_schedule": "constant"},
+    ),
+    Option(
+        "assisted decoding",
+        "assistant_confidence_threshold",
+        "0.2 (assistant)",
+        lambda c: {"assistant_model": c.assistant, "assistant_confidence_threshold": 0.2},
+    ),
+    Option(
+        "assisted decoding",
+        "assistant_ensemble_weight",
+        "0.5 (assistant)",
+        lambda c: {"assistant_model": c.assistant, "assistant_ensemble_weight": 0.5},
+    ),
+    Option(
+        "assisted decoding",
+        "speculation_type",
+        '"dflash" (assistant)',
+        lambda c: {"assistant_model": c.assistant, "speculation_type": "dflash"},
+    ),
+    Option(
+        "assisted decoding",
+        "assistant_tokenizer",
+        "another tokenizer",
+        lambda c: {
+            "assistant_model": c.assistant,
+            "tokenizer": c.tokenizer,
+            "assistant_tokenizer": c.tokenizer,
+        },
+        True,
+    ),
     Option("assisted decoding", "prompt_lookup_num_tokens", "3", _fixed(prompt_lookup_num_tokens=3)),
-    Option("assisted decoding", "max_matching_ngram_size", "3 (prompt lookup 3)", _fixed(prompt_lookup_num_tokens=3, max_matching_ngram_size=3)),
+    Option(
+        "assisted decoding",
+        "max_matching_ngram_size",
+        "3 (prompt lookup 3)",
+        _fixed(prompt_lookup_num_tokens=3, max_matching_ngram_size=3),
+    ),
     Option("assisted decoding", "assistant_early_exit", "1", _fixed(assistant_early_exit=1)),
     Option("assisted decoding", "use_mtp", "True", _fixed(use_mtp=True)),
     # Other arguments of generate
@@ -330,7 +473,9 @@ def unlisted_fields() -> list[str]:
     return sorted(set(GenerationConfig().to_dict()) - listed)
 
 
-def run_coverage(out_dir: str | None = "bench-results", plot: bool = True, verbose: bool = True) -> dict[str, Any]:
+def run_coverage(
+    out_dir: str | None = "bench-results", plot: bool = True, verbose: bool = True
+) -> dict[str, Any]:
     """Classify every option; write ``coverage.md`` (and ``coverage.png``) into `out_dir` unless None.
     Returns ``{"results": [...], "served": n, "fallback": n, "share": f, "markdown": str}``."""
     import hfaccel
@@ -377,7 +522,9 @@ def _versions() -> str:
 
     import hfaccel
 
-    return f"hfaccel {hfaccel.__version__}, transformers {transformers.__version__}, torch {torch.__version__}"
+    return (
+        f"hfaccel {hfaccel.__version__}, transformers {transformers.__version__}, torch {torch.__version__}"
+    )
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -387,7 +534,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"**{report['served']} of {report['counted']} options served on the engine "
         f"({100 * report['share']:.0f}%)**, {report['fallback']} fall back to HF's generate"
         + "".join(
-            f", {sum(r.status == s for r in results)} {s}" for s in (NOT_APPLICABLE, ERROR) if any(r.status == s for r in results)
+            f", {sum(r.status == s for r in results)} {s}"
+            for s in (NOT_APPLICABLE, ERROR)
+            if any(r.status == s for r in results)
         )
         + f" ({_versions()}).",
         "",
@@ -395,7 +544,9 @@ def markdown(report: dict[str, Any]) -> str:
         "| --- | ---: | ---: | ---: |",
     ]
     for group in dict.fromkeys(r.option.group for r in results):
-        counts = [sum(r.status == s and r.option.group == group for r in results) for s in (SERVED, FALLBACK, ERROR)]
+        counts = [
+            sum(r.status == s and r.option.group == group for r in results) for s in (SERVED, FALLBACK, ERROR)
+        ]
         lines.append(f"| {group} | {' | '.join(map(str, counts))} |")
     lines += ["", "| group | option | value set | result | reason |", "| --- | --- | --- | --- | --- |"]
     for r in results:
@@ -403,7 +554,9 @@ def markdown(report: dict[str, Any]) -> str:
         detail = r.detail.replace("|", "\\|")
         lines.append(f"| {r.option.group} | {name} | {r.option.value} | {r.status} | {detail} |")
     lines += ["", "Not rows (they change nothing generate computes, or only parameterise another row): "]
-    lines.append(", ".join(f"`{name}` ({why})" for name, why in BOOKKEEPING.items() if not name.startswith("_")) + ".")
+    lines.append(
+        ", ".join(f"`{name}` ({why})" for name, why in BOOKKEEPING.items() if not name.startswith("_")) + "."
+    )
     unlisted = unlisted_fields()
     if unlisted:
         lines += ["", f"GenerationConfig fields this table does not know yet: {', '.join(unlisted)}."]
@@ -452,7 +605,9 @@ def plot_coverage(report: dict[str, Any], path: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hfaccel.bench.coverage", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m hfaccel.bench.coverage", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--out", default="bench-results", help="folder for coverage.md and coverage.png")
     parser.add_argument("--no-plot", action="store_true", help="write the markdown only")
     args = parser.parse_args(argv)

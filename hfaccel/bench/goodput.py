@@ -223,7 +223,16 @@ def run_goodput_benchmark(
         torch.set_num_threads(threads)
     try:
         results = _run_all(
-            model, dtype, rates, num_requests, tpot_target_ms, ttft_target_ms, best_fixed, systems, base, repeats
+            model,
+            dtype,
+            rates,
+            num_requests,
+            tpot_target_ms,
+            ttft_target_ms,
+            best_fixed,
+            systems,
+            base,
+            repeats,
         )
     finally:
         torch.set_num_threads(before)
@@ -345,7 +354,9 @@ def run_host_share(model: Any, repeats: int = 2, threads: int | None = 1) -> lis
         for repeat in range(repeats):
             for setting in (False, True) if repeat % 2 == 0 else (True, False):
                 engine = Engine(model, EngineConfig(kv_cache_memory=2 * 1024**3, async_scheduling=setting))
-                engine.run([engine.make_request(p[:8], StoppingParams(max_new_tokens=2)) for p in prompts[:4]])
+                engine.run(
+                    [engine.make_request(p[:8], StoppingParams(max_new_tokens=2)) for p in prompts[:4]]
+                )
                 engine.step_stats.clear()
                 start = time.perf_counter()
                 engine.run([engine.make_request(p, stop) for p in prompts])

@@ -52,7 +52,9 @@ def attach_prompt_embeds(engine: Any, request: Request, embeds: Any, hide_prompt
     if reason is not None:
         raise ValueError(f"prompt embeddings are not served for {reason}")
     if embeds.dim() != 2 or not embeds.is_floating_point():
-        raise ValueError(f"prompt embeddings must be a float tensor [tokens, hidden], got {tuple(embeds.shape)}")
+        raise ValueError(
+            f"prompt embeddings must be a float tensor [tokens, hidden], got {tuple(embeds.shape)}"
+        )
     if not 0 < embeds.shape[0] <= len(request.prompt_token_ids):
         raise ValueError(
             f"{embeds.shape[0]} prompt embeddings for a prompt of {len(request.prompt_token_ids)} tokens"

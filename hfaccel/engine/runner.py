@@ -297,8 +297,12 @@ class ModelRunner:
         slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
         with torch.no_grad():
             for (k_cache, v_cache), (k, v) in zip(self.kv_caches, kv, strict=True):
-                k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.device, k_cache.dtype))
-                v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.device, v_cache.dtype))
+                k_cache.view(-1, *k_cache.shape[2:]).index_copy_(
+                    0, slots, k.to(k_cache.device, k_cache.dtype)
+                )
+                v_cache.view(-1, *v_cache.shape[2:]).index_copy_(
+                    0, slots, v.to(v_cache.device, v_cache.dtype)
+                )
 
 
 def kv_bytes_per_token(executor: ModelExecutor, dtype: torch.dtype) -> int:

@@ -111,9 +111,15 @@ def plan(
     for layer in cache.layers:
         for tensor in (layer.keys, layer.values):
             if tuple(tensor.shape) != want:
-                return None, f"a past_key_values of shape {tuple(tensor.shape)} (inputs and model need {want})"
+                return (
+                    None,
+                    f"a past_key_values of shape {tuple(tensor.shape)} (inputs and model need {want})",
+                )
             if tensor.dtype != model_dtype or tensor.device != engine.device:
-                return None, f"a past_key_values in {tensor.dtype} on {tensor.device} (the model: {model_dtype})"
+                return (
+                    None,
+                    f"a past_key_values in {tensor.dtype} on {tensor.device} (the model: {model_dtype})",
+                )
     padding = (attention_mask.shape[1] - attention_mask.bool().sum(dim=1)).tolist()
     rows: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = []
     for i, pad in enumerate(padding):

@@ -37,9 +37,7 @@ class RowCriteria:
         self._scores: dict[int, list[torch.Tensor]] = {}  # per request: its scores so far, [1, V] each
 
     def __call__(self, request: Any) -> bool:
-        ids = torch.tensor(
-            [request.processor_ids()], dtype=torch.long, device=self.device
-        )
+        ids = torch.tensor([request.processor_ids()], dtype=torch.long, device=self.device)
         scores = None
         if self.with_scores:
             kept = self._scores.setdefault(id(request), [])

@@ -50,7 +50,9 @@ def unsupported_reason(model: Any, embeds: Any, input_ids: Any) -> str | None:
     return None
 
 
-def visible_and_engine_ids(embeds: torch.Tensor, input_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def visible_and_engine_ids(
+    embeds: torch.Tensor, input_ids: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's ``input_ids`` for the call (the given ids, or ``[B, 0]``: what the output starts with and
     what processors see) and the ids the engine's prompts are made of (the given ids, or placeholders)."""
     if input_ids is not None:

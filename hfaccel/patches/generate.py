@@ -245,7 +245,9 @@ def patched_generate(
             return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
 
         arguments = (has_default_max, has_default_min, tokenizer)
-        return generate_beams(self, state, input_ids, attention_mask, config, stopping, sampling, arguments, original)
+        return generate_beams(
+            self, state, input_ids, attention_mask, config, stopping, sampling, arguments, original
+        )
     prompts = visible_ids.repeat_interleave(copies, dim=0)
     if stopping.max_new_tokens <= 0:
         return _output(config, prompts, [])

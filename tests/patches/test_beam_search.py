@@ -16,7 +16,9 @@ PROMPTS = [[5, 6, 7], [9] * 12, [11, 12, 13, 14, 15, 16, 17], [20], list(range(3
 def likely_tokens(model, ids, mask):
     """The first greedy tokens of the batch: EOS ids that end searches early."""
     with torch.no_grad():
-        out = type(model).generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
+        out = type(model).generate(
+            model, input_ids=ids, attention_mask=mask, max_new_tokens=1, do_sample=False
+        )
     return sorted(set(out[:, -1].tolist()))
 
 
@@ -120,7 +122,10 @@ def test_beams_run_beside_other_calls_and_share_the_cache():
         ({"do_sample": True}, "beam_sample"),
         ({"num_beam_groups": 2, "diversity_penalty": 1.0}, "group_beam_search"),
         ({"force_words_ids": [[7]]}, "constrained_beam_search"),
-        ({"return_dict_in_generate": True, "output_scores": True}, "return_dict_in_generate with beam search"),
+        (
+            {"return_dict_in_generate": True, "output_scores": True},
+            "return_dict_in_generate with beam search",
+        ),
     ],
 )
 def test_what_the_engine_does_not_serve_falls_back_with_a_warning(kwargs, reason):

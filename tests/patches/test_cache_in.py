@@ -26,14 +26,21 @@ def served(model, **kwargs):
 def extended(sequences, mask, more):
     """`sequences` with the tokens `more` (one list per row) appended, and the mask over all of them."""
     ids = torch.cat([sequences, torch.tensor(more, dtype=torch.long).reshape(len(sequences), -1)], dim=1)
-    return ids, torch.cat([mask, torch.ones(len(mask), ids.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1)
+    return ids, torch.cat(
+        [mask, torch.ones(len(mask), ids.shape[1] - mask.shape[1], dtype=mask.dtype)], dim=1
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_continuing_from_the_returned_cache_equals_one_long_generate_and_hf(family):
     model = tiny_model(family)
     ids, mask = left_padded(varied_prompts(6, seed=2)[1:5])  # 1, 37, 37 and 43 tokens
-    first_kwargs = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "return_dict_in_generate": True}
+    first_kwargs = {
+        "max_new_tokens": 4,
+        "min_new_tokens": 4,
+        "do_sample": False,
+        "return_dict_in_generate": True,
+    }
     hf_first = hf(model, input_ids=ids, attention_mask=mask, **first_kwargs)
     hfaccel.patch(model, block_size=8, kv_cache_memory=4_000_000, max_num_batched_tokens=32)
     try:
@@ -94,13 +101,20 @@ def test_the_given_cache_is_extended_in_place_as_hf_extends_it():
         ours = served(model, input_ids=seq, attention_mask=seq_mask, past_key_values=our_cache, **kwargs)
         plain = copy.deepcopy(hf_first.past_key_values)
         served(  # without return_dict_in_generate the cache is extended all the same
-            model, input_ids=seq, attention_mask=seq_mask, past_key_values=plain, max_new_tokens=3, do_sample=False
+            model,
+            input_ids=seq,
+            attention_mask=seq_mask,
+            past_key_values=plain,
+            max_new_tokens=3,
+            do_sample=False,
         )
     finally:
         hfaccel.unpatch(model)
     assert torch.equal(ours.sequences, theirs.sequences)
     assert ours.past_key_values is our_cache and theirs.past_key_values is hf_cache
-    assert our_cache.get_seq_length() == hf_cache.get_seq_length() == plain.get_seq_length() == seq.shape[1] + 2
+    assert (
+        our_cache.get_seq_length() == hf_cache.get_seq_length() == plain.get_seq_length() == seq.shape[1] + 2
+    )
     length = hf_first.past_key_values.get_seq_length()
     real = torch.cat([seq_mask, torch.ones(2, 2, dtype=mask.dtype)], dim=1).bool()
     for layer, (ours_layer, hf_layer) in enumerate(zip(our_cache.layers, hf_cache.layers)):
@@ -116,7 +130,9 @@ def test_a_prompt_cache_reused_for_several_continuations():
     model = tiny_model("llama")
     prefix = varied_prompts(4, seed=6)[2]
     with torch.no_grad():
-        prompt_cache = model(torch.tensor([prefix]), past_key_values=DynamicCache(config=model.config)).past_key_values
+        prompt_cache = model(
+            torch.tensor([prefix]), past_key_values=DynamicCache(config=model.config)
+        ).past_key_values
     suffixes, five = [[50, 51, 52], [60]], {"max_new_tokens": 5}
     expected = [
         hf(model, input_ids=torch.tensor([prefix + s]), past_key_values=copy.deepcopy(prompt_cache), **five)
@@ -127,7 +143,12 @@ def test_a_prompt_cache_reused_for_several_continuations():
     hfaccel.patch(model, block_size=8, kv_cache_memory=4_000_000)
     try:
         outs = [
-            served(model, input_ids=torch.tensor([prefix + s]), past_key_values=copy.deepcopy(prompt_cache), **five)
+            served(
+                model,
+                input_ids=torch.tensor([prefix + s]),
+                past_key_values=copy.deepcopy(prompt_cache),
+                **five,
+            )
             for s in suffixes
         ]
         empty = DynamicCache(config=model.config)
@@ -176,11 +197,17 @@ def test_a_preempted_request_imports_its_kv_again():
         with torch.no_grad():
             cache = model(torch.tensor([prompt[:-3]]), past_key_values=DynamicCache(config=model.config))
         cache = cache.past_key_values
-        caches.append([(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers])
-        out = hf(model, input_ids=torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        caches.append(
+            [(layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)) for layer in cache.layers]
+        )
+        out = hf(
+            model, input_ids=torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False
+        )
         expected.append(out[0, len(prompt) :].tolist())
     block_bytes = 2 * 2 * 2 * 16 * 4 * 8  # K and V, 2 layers, 2 KV heads, head dim 16, float32, 8 tokens
-    engine = Engine(model, EngineConfig(block_size=8, kv_cache_memory=20 * block_bytes, max_num_batched_tokens=32))
+    engine = Engine(
+        model, EngineConfig(block_size=8, kv_cache_memory=20 * block_bytes, max_num_batched_tokens=32)
+    )
     requests = []
     for prompt, kv in zip(prompts, caches):
         request = engine.make_request(prompt, StoppingParams(24, 24, frozenset({EOS})))
@@ -211,7 +238,9 @@ def _too_long(model, ids):
 
 def _other_batch(model, ids):
     with torch.no_grad():
-        return model(ids[:, :2].repeat(2, 1), past_key_values=DynamicCache(config=model.config)).past_key_values
+        return model(
+            ids[:, :2].repeat(2, 1), past_key_values=DynamicCache(config=model.config)
+        ).past_key_values
 
 
 @pytest.mark.parametrize("make", [_static, _legacy, _too_long, _other_batch])

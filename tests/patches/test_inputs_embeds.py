@@ -90,10 +90,7 @@ def test_lengths_processors_copies_and_cache_follow_hf(prompts):
             expected.append(hf(model, inputs_embeds=embeds, attention_mask=mask, **extra))
         hfaccel.patch(model, block_size=8, kv_cache_memory=4_000_000)
         try:
-            outs = [
-                served(model, inputs_embeds=embeds, attention_mask=mask, **extra)
-                for extra in calls
-            ]
+            outs = [served(model, inputs_embeds=embeds, attention_mask=mask, **extra) for extra in calls]
         finally:
             hfaccel.unpatch(model)
     for extra, out, ref in zip(calls[:4], outs, expected):
@@ -119,7 +116,13 @@ def test_prefix_cache_never_matches_an_embedded_prompt_by_its_ids():
     try:
         engine = model._hfaccel.get_engine(model)
         for cached in (ids, placeholders):  # put both id sequences' blocks in the prefix cache
-            served(model, input_ids=cached, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+            served(
+                model,
+                input_ids=cached,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=2,
+                do_sample=False,
+            )
         hits = engine.block_manager.stats.hit_tokens
         both = served(model, input_ids=ids, inputs_embeds=embeds, max_new_tokens=6, do_sample=False)
         only = served(model, inputs_embeds=embeds, max_new_tokens=6, do_sample=False)
@@ -127,7 +130,9 @@ def test_prefix_cache_never_matches_an_embedded_prompt_by_its_ids():
         assert engine.block_manager.stats.hit_tokens == hits, "no embedded prompt hit the prefix cache"
     finally:
         hfaccel.unpatch(model)
-    assert torch.equal(both, hf(model, input_ids=ids, inputs_embeds=embeds, max_new_tokens=6, do_sample=False))
+    assert torch.equal(
+        both, hf(model, input_ids=ids, inputs_embeds=embeds, max_new_tokens=6, do_sample=False)
+    )
     assert torch.equal(only, hf(model, inputs_embeds=embeds, max_new_tokens=6, do_sample=False))
     assert torch.equal(again, only)
 
