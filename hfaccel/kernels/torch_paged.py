@@ -214,19 +214,10 @@ def attend(
     """Causal paged attention; ``query`` ``[T, Hq, D]`` -> a new ``[T, Hq, D]``."""
     common = meta.common
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    # One-token decodes in float32 on a CPU go to the C kernel, which reads the blocks in place (no
-    # gathered copy, no mask); elsewhere, batched SDPA over the gathered blocks.
+    # One-token decode rows in float32 on a CPU go to the C kernel, which reads the blocks in place (no
+    # gathered copy, no mask; a pure decode step never gets here: `forward` runs it through the kernel,
+    # store included); elsewhere, batched SDPA over the gathered blocks.
     kernel = meta.decode_queries == 1 and common.num_decodes > 0 and cpu_decode.supports(query, k_cache)
-    if (
-        kernel
-        and common.num_seqs == common.num_decodes
-        and common.num_padded_seqs == common.num_padded_tokens
-    ):
-        # A pure decode step, bucket padding included (a padded sequence has length 0: a zero row).
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        return cpu_decode.paged_decode(
-            query, k_cache, v_cache, common.block_tables, common.seq_lens, common.max_seq_len, scale, out
-        )
     if (
         not kernel
         and meta.decode_queries == 1
