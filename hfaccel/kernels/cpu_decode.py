@@ -268,12 +268,13 @@ def load() -> ctypes.CDLL | None:
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel serves this layer's decode rows (float32 on a CPU, a query whose head rows are
-    contiguous, a contiguous cache)."""
+    """Whether the kernel serves this layer's decode rows (float32 on a CPU, contiguous query and cache:
+    the kernel writes a contiguous output, the layout the attention op's fake implementation promises
+    for such a query)."""
     return (
         query.device.type == "cpu"
         and query.dtype == torch.float32
-        and query.stride(-1) == 1
+        and query.is_contiguous()
         and query.shape[1] // k_cache.shape[2] * query.shape[2] <= 4096  # the kernel's MAX_ACC
         and k_cache.dtype == torch.float32
         and k_cache.is_contiguous()

@@ -58,25 +58,25 @@ class TorchMetadata:
     # heads sharing a KV head: made by the first layer that asks (`decode_bias`) and shared by every
     # other layer of the step, so SDPA converts no boolean mask per layer.
     _decode_bias: dict[tuple[torch.dtype, int], torch.Tensor] = field(default_factory=dict, repr=False)
-    # The C kernel's call for a pure decode step, bound by the first layer (False: the kernel does not
-    # serve this step).
+    # The C kernel bound to this step's one-token decode rows, by the first layer that asks (False: the
+    # kernel does not serve this step's decodes).
     _cpu_decode: cpu_decode.DecodeCall | bool | None = field(default=None, repr=False)
 
     def cpu_decode_call(self, query: torch.Tensor, k_cache: torch.Tensor) -> cpu_decode.DecodeCall | None:
-        """The C kernel's bound call when this is a pure decode step it serves (one token per sequence,
-        bucket padding included: a padded sequence has length 0 and slot -1), else None."""
+        """The C kernel bound to the step's first ``num_decodes`` rows (one token each: their block
+        tables, lengths and slots), or None where it does not serve them; shared by every layer."""
         if self._cpu_decode is None:
             common = self.common
-            pure = (
-                self.decode_queries == 1
-                and 0 < common.num_decodes == common.num_seqs
-                and common.num_padded_seqs == common.num_padded_tokens
-            )
+            rows = common.num_decodes
+            serves = self.decode_queries == 1 and rows > 0 and cpu_decode.supports(query, k_cache)
             self._cpu_decode = (
                 cpu_decode.DecodeCall(
-                    common.block_tables, common.seq_lens, common.max_seq_len, common.slot_mapping
+                    common.block_tables[:rows],
+                    common.seq_lens[:rows],
+                    common.max_seq_len,
+                    common.slot_mapping[:rows],
                 )
-                if pure and cpu_decode.supports(query, k_cache)
+                if serves
                 else False
             )
         return self._cpu_decode or None
@@ -184,10 +184,14 @@ class TorchPagedAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
+        common = meta.common
         call = meta.cpu_decode_call(query, k_cache)
-        if call is not None:  # the kernel stores this step's K/V and attends in one call
-            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-            return call(query, k_cache, v_cache, scale, out, key, value)
+        if call is not None and common.num_decodes == common.num_seqs:
+            # Decodes only: the kernel stores their K/V and attends in one call; padding rows stay zero.
+            rows = common.num_decodes
+            out = torch.empty_like(query) if rows == query.shape[0] else torch.zeros_like(query)
+            call(query[:rows], k_cache, v_cache, scale, out[:rows], key[:rows], value[:rows])
+            return out
         write_kv(k_cache, v_cache, key, value, meta.write_slots)
         return attend(query, key, value, k_cache, v_cache, meta, scale)
 
@@ -215,11 +219,11 @@ def attend(
     common = meta.common
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     # One-token decode rows in float32 on a CPU go to the C kernel, which reads the blocks in place (no
-    # gathered copy, no mask; a pure decode step never gets here: `forward` runs it through the kernel,
-    # store included); elsewhere, batched SDPA over the gathered blocks.
-    kernel = meta.decode_queries == 1 and common.num_decodes > 0 and cpu_decode.supports(query, k_cache)
+    # gathered copy, no mask; a step of decodes only never gets here: `forward` runs it through the
+    # kernel, store included); elsewhere, batched SDPA over the gathered blocks.
+    kernel = meta.cpu_decode_call(query, k_cache)
     if (
-        not kernel
+        kernel is None
         and meta.decode_queries == 1
         and 0 < common.num_decodes == common.num_padded_tokens
         and query.is_contiguous()
@@ -232,11 +236,8 @@ def attend(
     )
     if meta.decode_blocks is not None:  # padded sequences are skipped: their rows stay zero
         d = common.num_decodes
-        if kernel:
-            tables, lens = common.block_tables[:d], common.seq_lens[:d]
-            cpu_decode.paged_decode(
-                query[:d], k_cache, v_cache, tables, lens, common.max_seq_len, scale, out[:d]
-            )
+        if kernel is not None:  # their K/V are stored already (write_kv)
+            kernel(query[:d], k_cache, v_cache, scale, out[:d])
         elif meta.decode_queries == 1:
             out[:d] = _decode(query[:d], k_cache, v_cache, meta, scale)
         else:

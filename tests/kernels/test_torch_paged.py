@@ -284,7 +284,7 @@ def test_cpu_decode_kernel_stores_the_new_rows_from_strided_views():
 
 def test_cpu_decode_kernel_is_off_for_other_dtypes_and_by_switch(monkeypatch):
     assert not cpu_decode.supports(torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 4, 1, 8))
-    assert not cpu_decode.supports(torch.zeros(3, 8, 2).transpose(1, 2), torch.zeros(1, 4, 1, 8))
+    assert not cpu_decode.supports(torch.zeros(3, 2, 8).transpose(0, 1), torch.zeros(1, 4, 1, 8))
     monkeypatch.setenv("HFACCEL_CPU_DECODE_KERNEL", "0")
     cpu_decode.load.cache_clear()
     try:
