@@ -1,4 +1,4 @@
-"""A small C kernel for float32 paged decode attention on a CPU, compiled at first use.
+"""A small C kernel for paged decode attention on a CPU, compiled at first use.
 
 Why: the torch backend's decode path gathers every sequence's KV blocks into a padded copy per layer
 and runs batched SDPA on it. On a CPU that costs more than the attention itself: the copy writes and
@@ -8,6 +8,15 @@ fixed cost each. Measured on SmolLM2 at batch 32 (about 140 tokens of context), 
 once, straight from the cache through the block table, with the query heads of a KV head sharing the
 read, and needs no mask: a sequence's length bounds its loop (a padded sequence, length 0, gets a zero
 row).
+
+It serves a float32 query over a float32 or a bfloat16 KV cache (a float32 model with a bf16 cache: half
+the KV bytes a decode step reads, its memory-bandwidth bound at large batch) and a bfloat16 query over a
+bfloat16 cache (a bf16 model on a CPU); float16 and other combinations take the torch backend's SDPA
+path. All arithmetic is float32 whatever the dtypes: bf16 K/V rows are widened as they are read, and a
+bf16 output is rounded from the float32 result. The new K/V rows it stores arrive in the query's dtype
+and are rounded to the cache's bf16 (to nearest even) exactly as ``tensor.to(torch.bfloat16)`` rounds
+them on a CPU, so the cache holds the same bits as after the torch path's ``index_copy_``. The float32
+path is the float32-only kernel's code, arithmetic order included (bit-identical results).
 
 It is plain C99 with OpenMP, built with the system C compiler (``$CC``, else ``cc``) the first time a
 process needs it, into a per-user cache directory keyed by the source, the flags and the CPU (the
@@ -39,6 +48,57 @@ _SOURCE = r"""
 #include <string.h>
 
 #define MAX_ACC 4096 /* rep * D floats of output accumulators per task, on the stack */
+
+/* Element types (the codes the Python side passes). Every function taking a type is inlined with a
+   constant one, so each served combination compiles to straight code of its own: float32 loads and
+   copies exactly as a float32-only kernel would, bfloat16 a shift on load and a rounding on store. */
+enum { F32 = 0, BF16 = 1 };
+#define INLINE static inline __attribute__((always_inline))
+#define ESIZE(t) ((t) == BF16 ? 2 : 4)
+#define AT(p, i, t) ((char *)(p) + (int64_t)(i) * ESIZE(t)) /* &p[i] in elements of type t */
+
+INLINE float bf16_to_float(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* The bits of a float to bfloat16, rounding to nearest even as torch's CPU conversion does (a NaN
+   becomes 0xffff, what its vectorised conversion writes). Integer arithmetic only, so
+   -ffinite-math-only cannot fold the NaN test away. */
+INLINE uint16_t bits_to_bf16(uint32_t u) {
+    return (u & 0x7fffffffu) > 0x7f800000u ? 0xffffu : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+INLINE float load(const void *p, int64_t i, const int t) {
+    return t == BF16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+INLINE void store(void *p, int64_t i, float x, const int t) {
+    if (t == BF16) {
+        uint32_t u;
+        memcpy(&u, &x, sizeof u);
+        ((uint16_t *)p)[i] = bits_to_bf16(u);
+    } else {
+        ((float *)p)[i] = x;
+    }
+}
+
+/* n elements of type st at src to type dt at dst: a copy, or a conversion. */
+INLINE void copy_row(void *restrict dst, const int dt, const void *restrict src, const int st, int64_t n) {
+    if (dt == st)
+        memcpy(dst, src, (size_t)(n * ESIZE(dt)));
+    else
+        for (int64_t i = 0; i < n; i++) store(dst, i, load(src, i, st), dt);
+}
+
+/* A row of n elements of type t as floats: the row itself for float32, else widened into buf. */
+INLINE const float *widen(float *restrict buf, const void *row, int64_t n, const int t) {
+    if (t == F32) return (const float *)row;
+    copy_row(buf, F32, row, t, n);
+    return buf;
+}
 
 /* 16 independent lanes: vectorised without letting the compiler reassociate a float sum. */
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -81,20 +141,26 @@ __attribute__((noinline)) static void exp_shifted(float *restrict row, int32_t *
     }
 }
 
-/* One (sequence, KV head): the rep query heads sharing the KV head attend to the sequence's first len
-   tokens. Inlined with constant D and rep for the common shapes, so the loops unroll and the output
-   accumulators stay in registers. */
-static inline __attribute__((always_inline)) void decode_task(
-    const float *restrict qb, const float *restrict k_cache, const float *restrict v_cache,
-    const int32_t *restrict table, int64_t len, float *restrict ob, float *restrict scores,
+/* One (sequence, KV head): the rep query heads sharing the KV head (qb: their rows in float) attend to
+   the sequence's first len tokens; ob gets their rows in type ot, the caches are of type ct. Inlined
+   with constant D and rep for the common shapes, so the loops unroll and the output accumulators stay
+   in registers. All arithmetic is float32, the cache's rows widened as they are read. */
+INLINE void decode_task(
+    const float *restrict qb, const void *restrict k_cache, const void *restrict v_cache,
+    const int32_t *restrict table, int64_t len, void *restrict ob, float *restrict scores,
     int32_t *restrict work, const int64_t D, const int64_t rep, int64_t row, int64_t h, int64_t block_size,
-    float scale, int64_t max_len) {
+    float scale, int64_t max_len, const int ot, const int ct) {
+    /* A bf16 K or V row widened to float once for the rep query heads that read it (measured faster
+       than widening inside each head's dot and axpy). */
+    float rowbuf[MAX_ACC];
     /* Scores: each K row is read once for the rep query heads sharing it; blocks are walked in order. */
     for (int64_t start = 0, n = 0; start < len; start += block_size, n++) {
         const int64_t count = len - start < block_size ? len - start : block_size;
-        const float *k = k_cache + (int64_t)table[n] * block_size * row + h * D;
-        for (int64_t t = 0; t < count; t++, k += row)
-            for (int64_t r = 0; r < rep; r++) scores[r * max_len + start + t] = dot(qb + r * D, k, D) * scale;
+        const char *k = AT(k_cache, (int64_t)table[n] * block_size * row + h * D, ct);
+        for (int64_t t = 0; t < count; t++, k = AT(k, row, ct)) {
+            const float *kf = widen(rowbuf, k, D, ct);
+            for (int64_t r = 0; r < rep; r++) scores[r * max_len + start + t] = dot(qb + r * D, kf, D) * scale;
+        }
     }
     for (int64_t r = 0; r < rep; r++) {
         float *sr = scores + r * max_len;
@@ -115,31 +181,80 @@ static inline __attribute__((always_inline)) void decode_task(
     for (int64_t i = 0; i < rep * D; i++) acc[i] = 0.0f;
     for (int64_t start = 0, n = 0; start < len; start += block_size, n++) {
         const int64_t count = len - start < block_size ? len - start : block_size;
-        const float *v = v_cache + (int64_t)table[n] * block_size * row + h * D;
-        for (int64_t t = 0; t < count; t++, v += row)
+        const char *v = AT(v_cache, (int64_t)table[n] * block_size * row + h * D, ct);
+        for (int64_t t = 0; t < count; t++, v = AT(v, row, ct)) {
+            const float *vf = widen(rowbuf, v, D, ct);
             for (int64_t r = 0; r < rep; r++) {
                 const float p = scores[r * max_len + start + t];
-                for (int64_t d = 0; d < D; d++) acc[r * D + d] += p * v[d];
+                for (int64_t d = 0; d < D; d++) acc[r * D + d] += p * vf[d];
             }
+        }
     }
-    for (int64_t i = 0; i < rep * D; i++) ob[i] = acc[i];
+    for (int64_t i = 0; i < rep * D; i++) store(ob, i, acc[i], ot);
+}
+
+/* The kernel's arguments (see hfaccel_paged_decode), shared by its tasks. */
+struct step {
+    const void *q, *key, *value; /* of the query's type */
+    int64_t q_st, q_sh, kv_st, kv_sh;
+    const int64_t *slots;
+    void *k_cache, *v_cache; /* of the cache's type */
+    const int32_t *tables, *lens;
+    int64_t width;
+    void *out; /* of the query's type */
+    int64_t Hq, Hkv, D, block_size, max_len;
+    float scale;
+};
+
+/* Task (b, h) with query type qt and cache type ct: store sequence b's new K/V row of KV head h, then
+   attend with the head's query rows. scores, work, qbuf: the thread's scratch. */
+INLINE void run_task(const struct step *s, int64_t b, int64_t h, float *restrict scores,
+                     int32_t *restrict work, float *restrict qbuf, const int qt, const int ct) {
+    const int64_t D = s->D, rep = s->Hq / s->Hkv, row = s->Hkv * D, len = s->lens[b];
+    char *ob = AT(s->out, (b * s->Hq + h * rep) * D, qt);
+    if (len <= 0) {
+        memset(ob, 0, (size_t)(rep * D * ESIZE(qt)));
+        return;
+    }
+    if (s->slots != NULL && s->slots[b] >= 0) { /* the new rows arrive in qt: stored converted to ct */
+        const int64_t at = s->slots[b] * row + h * D, from = b * s->kv_st + h * s->kv_sh;
+        copy_row(AT(s->k_cache, at, ct), ct, AT(s->key, from, qt), qt, D);
+        copy_row(AT(s->v_cache, at, ct), ct, AT(s->value, from, qt), qt, D);
+    }
+    for (int64_t r = 0; r < rep; r++) /* the rep query rows of this KV head, contiguous, in float */
+        copy_row(qbuf + r * D, F32, AT(s->q, b * s->q_st + (h * rep + r) * s->q_sh, qt), qt, D);
+    const float *qb = qbuf;
+    const int32_t *table = s->tables + b * s->width;
+#define TASK(DD, RR) decode_task(qb, s->k_cache, s->v_cache, table, len, ob, scores, work, DD, RR, row, h, \
+                                 s->block_size, s->scale, s->max_len, qt, ct)
+    if (D == 64 && rep == 3) TASK(64, 3);
+    else if (D == 64 && rep == 4) TASK(64, 4);
+    else if (D == 128 && rep == 4) TASK(128, 4);
+    else if (D == 64) TASK(64, rep);
+    else if (D == 128) TASK(128, rep);
+    else TASK(D, rep);
+#undef TASK
 }
 
 /* q: [B, Hq, D] with row stride q_st and head stride q_sh (D contiguous); key, value: this step's
    [B, Hkv, D] rows the same way (kv_st, kv_sh), stored at slots[b] first (a negative slot: padding, not
-   stored); out: a contiguous [B, Hq, D]; k_cache, v_cache: [blocks, block_size, Hkv, D]; tables: int32
-   [B, *], rows `width` apart; lens: int32 [B], the context length of each sequence with this step's
-   token (0: padding). A task is one (sequence, KV head): it stores that head's new K/V row and then
-   reads the head's rows, so no task reads what another writes. Returns 0, or -1 (nothing done) when
-   rep * D exceeds MAX_ACC. */
-int hfaccel_paged_decode_f32(const float *q, int64_t q_st, int64_t q_sh, const float *key, const float *value,
-                             int64_t kv_st, int64_t kv_sh, const int64_t *slots, float *k_cache, float *v_cache,
-                             const int32_t *tables, int64_t width, const int32_t *lens, float *out, int64_t B,
-                             int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale,
-                             int64_t max_len, int num_threads) {
+   stored); out: a contiguous [B, Hq, D]; all four of type q_dtype. k_cache, v_cache: [blocks,
+   block_size, Hkv, D] of type kv_dtype; tables: int32 [B, *], rows `width` apart; lens: int32 [B], the
+   context length of each sequence with this step's token (0: padding). A task is one (sequence, KV
+   head): it stores that head's new K/V row and then reads the head's rows, so no task reads what another
+   writes. Served types (q_dtype, kv_dtype): (F32, F32), (F32, BF16), (BF16, BF16). Returns 0, or
+   (nothing done) -1 when rep * D exceeds MAX_ACC, -2 for types it does not serve. */
+int hfaccel_paged_decode(int q_dtype, int kv_dtype, const void *q, int64_t q_st, int64_t q_sh,
+                         const void *key, const void *value, int64_t kv_st, int64_t kv_sh, const int64_t *slots,
+                         void *k_cache, void *v_cache, const int32_t *tables, int64_t width,
+                         const int32_t *lens, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                         int64_t block_size, float scale, int64_t max_len, int num_threads) {
+    const struct step s = {q, key, value, q_st, q_sh, kv_st, kv_sh, slots, k_cache, v_cache, tables, lens,
+                           width, out, Hq, Hkv, D, block_size, max_len, scale};
     const int64_t rep = Hq / Hkv;
-    const int64_t row = Hkv * D;
     if (rep * D > MAX_ACC) return -1;
+    const int f32 = q_dtype == F32 && kv_dtype == F32, f32_bf16 = q_dtype == F32 && kv_dtype == BF16;
+    if (!f32 && !f32_bf16 && !(q_dtype == BF16 && kv_dtype == BF16)) return -2;
 #pragma omp parallel num_threads(num_threads)
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)(rep * max_len));
@@ -148,30 +263,11 @@ int hfaccel_paged_decode_f32(const float *q, int64_t q_st, int64_t q_sh, const f
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < B * Hkv; task++) {
             const int64_t b = task / Hkv, h = task % Hkv;
-            const int64_t len = lens[b];
-            float *ob = out + (b * Hq + h * rep) * D;
-            if (len <= 0) {
-                memset(ob, 0, sizeof(float) * (size_t)(rep * D));
-                continue;
-            }
-            if (slots != NULL && slots[b] >= 0) {
-                const int64_t at = slots[b] * row + h * D;
-                memcpy(k_cache + at, key + b * kv_st + h * kv_sh, sizeof(float) * (size_t)D);
-                memcpy(v_cache + at, value + b * kv_st + h * kv_sh, sizeof(float) * (size_t)D);
-            }
-            for (int64_t r = 0; r < rep; r++)  /* the rep query rows of this KV head, contiguous */
-                memcpy(qbuf + r * D, q + b * q_st + (h * rep + r) * q_sh, sizeof(float) * (size_t)D);
-            const float *qb = qbuf;
-        const int32_t *table = tables + b * width;
-#define TASK(DD, RR) decode_task(qb, k_cache, v_cache, table, len, ob, scores, work, DD, RR, row, h, \
-                                 block_size, scale, max_len)
-            if (D == 64 && rep == 3) TASK(64, 3);
-            else if (D == 64 && rep == 4) TASK(64, 4);
-            else if (D == 128 && rep == 4) TASK(128, 4);
-            else if (D == 64) TASK(64, rep);
-            else if (D == 128) TASK(128, rep);
-            else TASK(D, rep);
-#undef TASK
+            /* The types are constants inside run_task (OpenMP outlines this body before inlining, so
+               the choice is made here, once per task). */
+            if (f32) run_task(&s, b, h, scores, work, qbuf, F32, F32);
+            else if (f32_bf16) run_task(&s, b, h, scores, work, qbuf, F32, BF16);
+            else run_task(&s, b, h, scores, work, qbuf, BF16, BF16);
         }
         free(scores);
         free(work);
@@ -182,7 +278,8 @@ int hfaccel_paged_decode_f32(const float *q, int64_t q_st, int64_t q_sh, const f
 """
 
 # The scores are finite (no masks: lengths bound the loops), so the vectoriser may assume finite math
-# (a clamp and a max need it); nothing is reassociated (no -ffast-math).
+# (a clamp and a max need it); nothing is reassociated (no -ffast-math). The bf16 rounding is integer
+# arithmetic, so its NaN test survives -ffinite-math-only.
 _FLAGS = [
     "-O3",
     "-march=native",
@@ -194,7 +291,14 @@ _FLAGS = [
     "-fPIC",
     "-std=gnu99",
 ]
+# The element type codes of the C source (F32, BF16), and the (query, KV cache) dtypes it serves.
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_SERVED = frozenset(
+    {(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16)}
+)
 _ARGTYPES = [
+    ctypes.c_int,  # query (and key, value, out) dtype code
+    ctypes.c_int,  # KV cache dtype code
     ctypes.c_void_p,  # q
     ctypes.c_int64,  # q row stride
     ctypes.c_int64,  # q head stride
@@ -258,7 +362,7 @@ def load() -> ctypes.CDLL | None:
                 )
                 os.replace(built, path)  # atomic: a concurrent process loads a whole file or builds its own
         library = ctypes.CDLL(path)
-        function = library.hfaccel_paged_decode_f32
+        function = library.hfaccel_paged_decode
         function.argtypes = _ARGTYPES
         function.restype = ctypes.c_int
         return library
@@ -268,15 +372,15 @@ def load() -> ctypes.CDLL | None:
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel serves this layer's decode rows (float32 on a CPU, contiguous query and cache:
-    the kernel writes a contiguous output, the layout the attention op's fake implementation promises
-    for such a query)."""
+    """Whether the kernel serves this layer's decode rows: on a CPU, a float32 query over a float32 or
+    bfloat16 cache or a bfloat16 query over a bfloat16 cache, contiguous query and cache (the kernel
+    writes a contiguous output, the layout the attention op's fake implementation promises for such a
+    query)."""
     return (
         query.device.type == "cpu"
-        and query.dtype == torch.float32
+        and (query.dtype, k_cache.dtype) in _SERVED
         and query.is_contiguous()
         and query.shape[1] // k_cache.shape[2] * query.shape[2] <= 4096  # the kernel's MAX_ACC
-        and k_cache.dtype == torch.float32
         and k_cache.is_contiguous()
         and load() is not None
     )
@@ -298,7 +402,7 @@ class DecodeCall:
         self._lens = seq_lens.contiguous()
         self._slots = None if slots is None else slots.contiguous()
         self._max_len = max(max_seq_len, 1)
-        self._function = load().hfaccel_paged_decode_f32
+        self._function = load().hfaccel_paged_decode
 
     def __call__(
         self,
@@ -311,17 +415,20 @@ class DecodeCall:
         value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend ``query`` ``[B, Hq, D]`` (head rows contiguous) into ``out`` (a contiguous
-        ``[B, Hq, D]``), first storing ``key``/``value`` ``[B, Hkv, D]`` at the bound slots when given."""
+        ``[B, Hq, D]`` in the query's dtype), first storing ``key``/``value`` ``[B, Hkv, D]`` at the
+        bound slots when given (the kernel rounds them to a bf16 cache itself)."""
         batch, num_heads, head_dim = query.shape
-        if not (out.is_contiguous() and out.shape == query.shape):
-            raise ValueError(f"out must be a contiguous {tuple(query.shape)} tensor")
+        if not (out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype):
+            raise ValueError(f"out must be a contiguous {tuple(query.shape)} {query.dtype} tensor")
         store = key is not None and self._slots is not None
         if store:
+            if key.dtype != query.dtype:  # the kernel reads the new rows in the query's dtype
+                key, value = key.to(query.dtype), value.to(query.dtype)
             if key.stride(-1) != 1 or key.stride() != value.stride():
                 key, value = key.contiguous(), value.contiguous()
-            if key.dtype != k_cache.dtype:
-                key, value = key.to(k_cache.dtype), value.to(k_cache.dtype)
         status = self._function(
+            _DTYPE_CODES.get(query.dtype, -1),  # -1: not served, the kernel returns -2
+            _DTYPE_CODES.get(k_cache.dtype, -1),
             query.data_ptr(),
             query.stride(0),
             query.stride(1),
@@ -345,6 +452,8 @@ class DecodeCall:
             self._max_len,
             torch.get_num_threads(),
         )
+        if status == -2:
+            raise ValueError(f"no kernel for a {query.dtype} query over a {k_cache.dtype} cache")
         if status != 0:
             raise ValueError(
                 f"{num_heads // k_cache.shape[2]} query heads per KV head of dim {head_dim} is too large"
@@ -364,5 +473,6 @@ def paged_decode(
 ) -> torch.Tensor:
     """One query token per sequence: ``query`` ``[B, Hq, D]`` attends to the first ``seq_lens[b]``
     tokens of sequence ``b``'s blocks (``block_tables`` int32 ``[B, width]``, rows may be strided);
-    writes ``out`` (a contiguous ``[B, Hq, D]``; zero rows where ``seq_lens`` is 0) and returns it."""
+    writes ``out`` (a contiguous ``[B, Hq, D]`` in the query's dtype; zero rows where ``seq_lens`` is 0)
+    and returns it."""
     return DecodeCall(block_tables, seq_lens, max_seq_len)(query, k_cache, v_cache, scale, out)

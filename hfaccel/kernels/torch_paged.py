@@ -1,9 +1,10 @@
 """Pure-PyTorch paged attention: the reference backend and the CPU fast path.
 
-Decodes (one query token per sequence) in float32 on a CPU run a small C kernel (`cpu_decode`) that reads
-each sequence's K/V rows in place through its block table; otherwise (other dtypes or devices, no C
-compiler, or verification rows of several queries) they run as one batched SDPA call over K/V gathered
-from the cache by whole blocks and padded to the longest context. Multi-token sequences (prefill chunks) run one SDPA
+Decodes (one query token per sequence) on a CPU run a small C kernel (`cpu_decode`) that reads each
+sequence's K/V rows in place through its block table, for a float32 query over a float32 or bfloat16
+cache and a bfloat16 query over a bfloat16 cache; otherwise (float16, other devices, no C compiler, or
+verification rows of several queries) they run as one batched SDPA call over K/V gathered from the cache
+by whole blocks and padded to the longest context. Multi-token sequences (prefill chunks) run one SDPA
 call each: a fresh prompt attends to its own K/V with ``is_causal``; a chunk that continues a cached
 context gathers that context and uses an offset causal mask. Everything a layer needs is derived once
 per step by the builder, from host-side ints (no device sync), and shared by all layers.
@@ -218,9 +219,9 @@ def attend(
     """Causal paged attention; ``query`` ``[T, Hq, D]`` -> a new ``[T, Hq, D]``."""
     common = meta.common
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    # One-token decode rows in float32 on a CPU go to the C kernel, which reads the blocks in place (no
-    # gathered copy, no mask; a step of decodes only never gets here: `forward` runs it through the
-    # kernel, store included); elsewhere, batched SDPA over the gathered blocks.
+    # One-token decode rows on a CPU in the dtypes it serves go to the C kernel, which reads the blocks in
+    # place (no gathered copy, no mask; a step of decodes only never gets here: `forward` runs it through
+    # the kernel, store included); elsewhere, batched SDPA over the gathered blocks.
     kernel = meta.cpu_decode_call(query, k_cache)
     if (
         kernel is None
