@@ -6,6 +6,7 @@ import torch
 from hfaccel import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.request import StoppingParams
+from hfaccel.kernels import cpu_decode
 from tests.helpers import (
     EOS,
     Fault,
@@ -246,3 +247,56 @@ def test_greedy_fast_path_masks_eos_only_below_min_new_tokens():
     # The general path (a request that records its scores) gives the same tokens.
     recorded = Request(3, [1, 2], grown, SamplingParams(output_scores=True))
     assert sample(torch.cat([logits, logits[:1]]), requests + [recorded]) == [2, 1, 3, 1]
+
+
+def _greedy_through(model, kernel: bool, monkeypatch, **config) -> tuple[list[list[int]], set]:
+    """Greedy tokens of `varied_prompts` with the CPU decode kernel on or off, and what the kernel saw:
+    (query dtype, cache dtype, whether it stored the new K/V) per call."""
+    seen = set()
+    real = cpu_decode.DecodeCall.__call__
+
+    def spy(self, query, k_cache, v_cache, scale, out, key=None, value=None):
+        seen.add((query.dtype, k_cache.dtype, key is not None))
+        return real(self, query, k_cache, v_cache, scale, out, key, value)
+
+    monkeypatch.setattr(cpu_decode.DecodeCall, "__call__", spy)
+    monkeypatch.setenv("HFACCEL_CPU_DECODE_KERNEL", "1" if kernel else "0")
+    cpu_decode.load.cache_clear()
+    try:
+        engine = Engine(
+            model, EngineConfig(block_size=8, max_num_batched_tokens=64, kv_cache_memory=2_000_000, **config)
+        )
+        tokens = [r.output_token_ids for r in run(engine, varied_prompts(16), max_new=16)]
+    finally:
+        monkeypatch.delenv("HFACCEL_CPU_DECODE_KERNEL")
+        cpu_decode.load.cache_clear()
+    return tokens, seen
+
+
+@pytest.mark.skipif(
+    cpu_decode.load() is None, reason="no C compiler: the CPU decode kernel is not built here"
+)
+def test_bf16_kv_cache_decodes_the_same_tokens_through_the_cpu_kernel_as_through_sdpa(model, monkeypatch):
+    """A float32 model over a bfloat16 KV cache: the kernel stores the new rows rounded as the torch path
+    rounds them and attends in float32 over the same bf16 values as the SDPA path (which widens the
+    gathered blocks to float32), so only the summation order differs (about 1e-7, far below this
+    model's top-2 logit gaps): the same greedy tokens, in pure decode steps (the kernel stores) and
+    mixed ones (write_kv stores) alike."""
+    ours, seen = _greedy_through(model, True, monkeypatch, dtype="bfloat16")
+    reference, none = _greedy_through(model, False, monkeypatch, dtype="bfloat16")
+    f32, bf16 = torch.float32, torch.bfloat16
+    assert seen == {(f32, bf16, True), (f32, bf16, False)} and none == set()
+    assert ours == reference
+
+
+@pytest.mark.skipif(
+    cpu_decode.load() is None, reason="no C compiler: the CPU decode kernel is not built here"
+)
+def test_a_bf16_model_decodes_through_the_cpu_kernel(monkeypatch):
+    """A bfloat16 model on a CPU (bf16 cache) now takes the kernel. Its tokens are not compared with the
+    SDPA path's: that path computes in bf16 and the kernel in float32, so near-ties may go either way
+    (the kernel's accuracy is tested against float32 SDPA in tests/kernels)."""
+    bf16_model = tiny_model("llama").to(torch.bfloat16)
+    tokens, seen = _greedy_through(bf16_model, True, monkeypatch)
+    assert {(q, c) for q, c, _ in seen} == {(torch.bfloat16, torch.bfloat16)}
+    assert all(len(t) == 16 or t[-1] == EOS for t in tokens)
