@@ -100,6 +100,11 @@ INLINE const float *widen(float *restrict buf, const void *row, int64_t n, const
     return buf;
 }
 
+/* Ask for the n bytes at p ahead of their use: one prefetch per 64-byte cache line. */
+INLINE void prefetch(const void *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
+}
+
 /* 16 independent lanes: vectorised without letting the compiler reassociate a float sum. */
 static inline float dot(const float *a, const float *b, int64_t n) {
     float acc[16] = {0};
@@ -153,11 +158,22 @@ INLINE void decode_task(
     /* A bf16 K or V row widened to float once for the rep query heads that read it (measured faster
        than widening inside each head's dot and axpy). */
     float rowbuf[MAX_ACC];
-    /* Scores: each K row is read once for the rep query heads sharing it; blocks are walked in order. */
+    /* Scores: each K row is read once for the rep query heads sharing it; blocks are walked in order.
+       While a block's K rows are scored, the same rows of the next block's K are prefetched (the cache
+       comes from memory, and the loads would otherwise wait on each block in turn), and for a bf16
+       cache this block's V rows too (measured on an AVX-512 EPYC, batch 8 and 32: K ahead 1.1x faster
+       in float32, K and V ahead 1.3-1.55x in bf16; V ahead slowed float32, whose loads already run at
+       the memory's bandwidth). */
+    const int64_t num_blocks = (len + block_size - 1) / block_size, bytes = D * ESIZE(ct);
     for (int64_t start = 0, n = 0; start < len; start += block_size, n++) {
         const int64_t count = len - start < block_size ? len - start : block_size;
-        const char *k = AT(k_cache, (int64_t)table[n] * block_size * row + h * D, ct);
-        for (int64_t t = 0; t < count; t++, k = AT(k, row, ct)) {
+        const int64_t base = (int64_t)table[n] * block_size * row + h * D;
+        const char *k = AT(k_cache, base, ct), *v = AT(v_cache, base, ct);
+        const char *k_next =
+            n + 1 < num_blocks ? AT(k_cache, (int64_t)table[n + 1] * block_size * row + h * D, ct) : NULL;
+        for (int64_t t = 0; t < count; t++, k = AT(k, row, ct), v = AT(v, row, ct)) {
+            if (k_next != NULL) prefetch(AT(k_next, t * row, ct), bytes);
+            if (ct == BF16) prefetch(v, bytes);
             const float *kf = widen(rowbuf, k, D, ct);
             for (int64_t r = 0; r < rep; r++) scores[r * max_len + start + t] = dot(qb + r * D, kf, D) * scale;
         }
