@@ -190,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="step: also time per-bucket static graphs (one compile per bucket) beside the dynamic graph",
     )
     bench.add_argument(
+        "--step-bf16-kv",
+        action="store_true",
+        help="step: also time the compiled float32 step over a bfloat16 KV cache (half the KV bytes read)",
+    )
+    bench.add_argument(
         "--step-e2e-repeats",
         type=int,
         default=3,
@@ -384,6 +389,7 @@ def run_bench(args: argparse.Namespace) -> None:
             batch_sizes=tuple(int(b) for b in args.step_batches.split(",") if b.strip()),
             steps=args.step_rounds,
             per_bucket=args.step_per_bucket,
+            bf16_kv=args.step_bf16_kv,
         )
         if args.step_e2e_repeats > 0:
             run_end_to_end(fp32_model, repeats=args.step_e2e_repeats)

@@ -156,9 +156,14 @@ def run_step_benchmark(
     steps: int = 15,
     compiled: bool = True,
     per_bucket: bool = False,
+    bf16_kv: bool = False,
 ) -> list[StepTiming]:
     """Time every system at each batch size, interleaved; print a table with ratios to the floor (median
-    and interquartile range over the rounds) and the CPU ISA."""
+    and interquartile range over the rounds) and the CPU ISA.
+
+    `bf16_kv` adds the compiled step of a float32 model over a bfloat16 KV cache (``EngineConfig(dtype=
+    "bfloat16")``): half the KV bytes a decode step reads, the part of a step the floor does not have.
+    It computes in float32 but stores K/V rounded to bf16, so its tokens may differ from float32's."""
     dtype = next(model.parameters()).dtype
     print(
         f"\n== decode step: {cpu_description()}, dtype={str(dtype).removeprefix('torch.')}, "
@@ -182,6 +187,11 @@ def run_step_benchmark(
                 name = "hfaccel compiled (per bucket)"
                 systems[name], warmups[name] = engine_decode_step(
                     model, batch, prompt_len, steps, compile_dynamic=False, compile="decode"
+                )
+            if bf16_kv and dtype != torch.bfloat16:
+                name = "hfaccel compiled, bf16 KV cache"
+                systems[name], warmups[name] = engine_decode_step(
+                    model, batch, prompt_len, steps, compile="decode", dtype="bfloat16"
                 )
         times = interleave(systems, steps)
         floor = times["matmul floor"]

@@ -33,3 +33,14 @@ def test_end_to_end_compares_identical_greedy_tokens(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     result = step.run_end_to_end(model, num_requests=3, new_tokens=4, repeats=2)
     assert result["identical"] and len(result["speedups"]) == 2
+
+
+def test_step_table_adds_the_bf16_kv_row_for_a_float32_model(monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # the harness, not a compile
+    results = step.run_step_benchmark(
+        tiny_model("llama"), batch_sizes=(2,), prompt_len=8, steps=2, compiled=True, bf16_kv=True
+    )
+    assert [r.system for r in results][3:] == [
+        "hfaccel compiled (dynamic tokens)",
+        "hfaccel compiled, bf16 KV cache",
+    ]
