@@ -100,6 +100,48 @@ INLINE const float *widen(float *restrict buf, const void *row, int64_t n, const
     return buf;
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define MAX_REP16 8 /* query heads per KV head the AVX-512 scoring serves (its partial sums: on the stack) */
+
+/* The 16-lane partial products of a and b summed over n (a multiple of 16): one vector per token. */
+INLINE __m512 dot16(const float *a, const float *b, int64_t n) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+    for (int64_t i = 16; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return acc;
+}
+
+/* Lane i of the result: the sum of v[i]'s 16 lanes. One transposing reduction of 16 vectors (about 45
+   shuffles and adds) instead of 16 horizontal sums: a token's score costs a few instructions, not a
+   dozen. Adjacent pairs within 128-bit lanes, then quads, then the four 128-bit lanes. */
+INLINE __m512 hsum16(const __m512 *v) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int j = 0; j < 4; j++)
+        b[j] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * j], a[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(d01, d23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* Scores of `count` (<= 16) pending tokens from `first` on, for each of rep heads: part holds 16
+   partial-product vectors per head (the unused ones are zeroed here). */
+INLINE void flush16(__m512 *part, float *scores, int64_t max_len, int64_t first, int64_t count, int64_t rep,
+                    float scale) {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t r = 0; r < rep; r++) {
+        for (int64_t i = count; i < 16; i++) part[r * 16 + i] = _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(scores + r * max_len + first, (__mmask16)((1u << count) - 1u),
+                              _mm512_mul_ps(hsum16(part + r * 16), s));
+    }
+}
+#endif
+
 /* Ask for the n bytes at p ahead of their use: one prefetch per 64-byte cache line. */
 INLINE void prefetch(const void *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
@@ -165,6 +207,12 @@ INLINE void decode_task(
        in float32, K and V ahead 1.3-1.55x in bf16; V ahead slowed float32, whose loads already run at
        the memory's bandwidth). */
     const int64_t num_blocks = (len + block_size - 1) / block_size, bytes = D * ESIZE(ct);
+#if defined(__AVX512F__)
+    /* AVX-512: each token's per-head partial products are kept and reduced 16 tokens at a time. */
+    __m512 part[MAX_REP16 * 16];
+    const int wide = D % 16 == 0 && rep <= MAX_REP16;
+    int64_t pending = 0;
+#endif
     for (int64_t start = 0, n = 0; start < len; start += block_size, n++) {
         const int64_t count = len - start < block_size ? len - start : block_size;
         const int64_t base = (int64_t)table[n] * block_size * row + h * D;
@@ -175,9 +223,22 @@ INLINE void decode_task(
             if (k_next != NULL) prefetch(AT(k_next, t * row, ct), bytes);
             if (ct == BF16) prefetch(v, bytes);
             const float *kf = widen(rowbuf, k, D, ct);
+#if defined(__AVX512F__)
+            if (wide) {
+                for (int64_t r = 0; r < rep; r++) part[r * 16 + pending] = dot16(qb + r * D, kf, D);
+                if (++pending == 16) {
+                    flush16(part, scores, max_len, start + t - 15, 16, rep, scale);
+                    pending = 0;
+                }
+                continue;
+            }
+#endif
             for (int64_t r = 0; r < rep; r++) scores[r * max_len + start + t] = dot(qb + r * D, kf, D) * scale;
         }
     }
+#if defined(__AVX512F__)
+    if (wide && pending > 0) flush16(part, scores, max_len, len - pending, pending, rep, scale);
+#endif
     for (int64_t r = 0; r < rep; r++) {
         float *sr = scores + r * max_len;
         float m = sr[0];

@@ -214,25 +214,36 @@ def test_all_decode_step_returns_a_contiguous_result_matching_the_reference(deco
 @pytest.mark.skipif(
     cpu_decode.load() is None, reason="no C compiler: the CPU decode kernel is not built here"
 )
-@pytest.mark.parametrize("heads", [(4, 2, 8), (6, 3, 64), (8, 8, 80), (9, 3, 64)])
-def test_cpu_decode_kernel_matches_sdpa(heads):
-    """The kernel against SDPA over each sequence's own context: GQA ratios, a head dim that is not a
-    multiple of 16, lengths across and inside blocks, a strided block table and a padded sequence."""
+@pytest.mark.parametrize("heads", [(4, 2, 8), (6, 3, 64), (8, 8, 80), (9, 3, 64), (16, 2, 64), (18, 2, 64)])
+@pytest.mark.parametrize("block", [16, 5])
+def test_cpu_decode_kernel_matches_sdpa(heads, block):
+    """The kernel against SDPA over each sequence's own context: GQA ratios (8 query heads per KV head:
+    the most the AVX-512 scoring takes; 9: the generic loop), head dims that are not a multiple of 16 (the generic loop),
+    lengths across and inside blocks, blocks of 5 tokens (the AVX-512 scoring's groups of 16 tokens
+    span blocks), a strided block table and a padded sequence."""
     hq, hkv, d = heads
     g = torch.Generator().manual_seed(1)
-    block, blocks = 16, 40
+    blocks = 40 * 16 // block
     k_cache = torch.randn(blocks, block, hkv, d, generator=g)
     v_cache = torch.randn(blocks, block, hkv, d, generator=g)
     lens = [1, 16, 17, 100, 0, 33]
-    table = torch.zeros(len(lens), 12, dtype=torch.int32)  # 12 columns, 7 used: rows are strided
+    table = torch.zeros(len(lens), 12 * 16 // block, dtype=torch.int32)  # wider than used: strided rows
     order = torch.randperm(blocks, generator=g).tolist()
     for i, n in enumerate(lens):
         for j in range(-(-n // block)):
             table[i, j] = order.pop()
     query = torch.randn(len(lens), hq, d, generator=g)
     out = torch.full_like(query, float("nan"))
+    used = -(-max(lens) // block)
     cpu_decode.paged_decode(
-        query, k_cache, v_cache, table[:, :7], torch.tensor(lens, dtype=torch.int32), max(lens), d**-0.5, out
+        query,
+        k_cache,
+        v_cache,
+        table[:, :used],
+        torch.tensor(lens, dtype=torch.int32),
+        max(lens),
+        d**-0.5,
+        out,
     )
     for i, n in enumerate(lens):
         if n == 0:
