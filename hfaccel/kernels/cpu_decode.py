@@ -326,6 +326,8 @@ int hfaccel_paged_decode(int q_dtype, int kv_dtype, const void *q, int64_t q_st,
                          void *k_cache, void *v_cache, const int32_t *tables, int64_t width,
                          const int32_t *lens, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                          int64_t block_size, float scale, int64_t max_len, int num_threads) {
+    for (int64_t b = 0; b < B; b++) /* the scratch rows hold the longest context, whatever max_len says */
+        max_len = lens[b] > max_len ? lens[b] : max_len;
     const struct step s = {q, key, value, q_st, q_sh, kv_st, kv_sh, slots, k_cache, v_cache, tables, lens,
                            width, out, Hq, Hkv, D, block_size, max_len, scale};
     const int64_t rep = Hq / Hkv;
@@ -475,9 +477,11 @@ class DecodeCall:
         max_seq_len: int,
         slots: torch.Tensor | None = None,
     ) -> None:
-        self._tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
-        self._lens = seq_lens.contiguous()
-        self._slots = None if slots is None else slots.contiguous()
+        # The C side reads int32 tables and lengths and int64 slots, rows of the table `stride(0)` apart.
+        tables = block_tables.to(torch.int32)
+        self._tables = tables if tables.stride(1) == 1 else tables.contiguous()
+        self._lens = seq_lens.to(torch.int32).contiguous()
+        self._slots = None if slots is None else slots.to(torch.int64).contiguous()
         self._max_len = max(max_seq_len, 1)
         self._function = load().hfaccel_paged_decode
 
@@ -495,12 +499,21 @@ class DecodeCall:
         ``[B, Hq, D]`` in the query's dtype), first storing ``key``/``value`` ``[B, Hkv, D]`` at the
         bound slots when given (the kernel rounds them to a bf16 cache itself)."""
         batch, num_heads, head_dim = query.shape
+        if query.stride(2) != 1:
+            raise ValueError("query must have contiguous head rows (stride 1 in its last dimension)")
         if not (out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype):
             raise ValueError(f"out must be a contiguous {tuple(query.shape)} {query.dtype} tensor")
+        if not (
+            v_cache.dtype == k_cache.dtype and v_cache.shape == k_cache.shape and v_cache.is_contiguous()
+        ):
+            raise ValueError("v_cache must be a contiguous tensor of k_cache's shape and dtype")
         store = key is not None and self._slots is not None
         if store:
-            if key.dtype != query.dtype:  # the kernel reads the new rows in the query's dtype
-                key, value = key.to(query.dtype), value.to(query.dtype)
+            rows = (batch, k_cache.shape[2], head_dim)
+            if key.shape != rows or value is None or value.shape != rows:
+                raise ValueError(f"key and value must both be {rows} tensors")
+            # The kernel reads the new rows in the query's dtype, key and value with the same strides.
+            key, value = key.to(query.dtype), value.to(query.dtype)
             if key.stride(-1) != 1 or key.stride() != value.stride():
                 key, value = key.contiguous(), value.contiguous()
         status = self._function(

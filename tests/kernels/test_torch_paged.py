@@ -218,9 +218,9 @@ def test_all_decode_step_returns_a_contiguous_result_matching_the_reference(deco
 @pytest.mark.parametrize("block", [16, 5])
 def test_cpu_decode_kernel_matches_sdpa(heads, block):
     """The kernel against SDPA over each sequence's own context: GQA ratios (8 query heads per KV head:
-    the most the AVX-512 scoring takes; 9: the generic loop), head dims that are not a multiple of 16 (the generic loop),
-    lengths across and inside blocks, blocks of 5 tokens (the AVX-512 scoring's groups of 16 tokens
-    span blocks), a strided block table and a padded sequence."""
+    the most the AVX-512 scoring takes; 9: the generic loop), head dims that are not a multiple of 16
+    (the generic loop), lengths across and inside blocks, blocks of 5 tokens (the AVX-512 scoring's
+    groups of 16 tokens span blocks), a strided block table and a padded sequence."""
     hq, hkv, d = heads
     g = torch.Generator().manual_seed(1)
     blocks = 40 * 16 // block
@@ -434,3 +434,43 @@ def test_cpu_decode_kernel_refuses_dtypes_it_does_not_serve():
         with pytest.raises(ValueError, match="no kernel for"):
             call(query, cache, cache, 0.5, out)
         assert (out == 7).all()
+
+
+@pytest.mark.skipif(
+    cpu_decode.load() is None, reason="no C compiler: the CPU decode kernel is not built here"
+)
+def test_cpu_decode_call_converts_index_dtypes_and_refuses_inconsistent_tensors():
+    """What a direct caller may hand the wrapper: int64 tables and lengths, int32 slots, a value of
+    another dtype than the key, and a `max_seq_len` below the longest length are converted or made safe
+    (the result equals the engine-shaped call); a mismatched V cache, key/value shapes or a query with
+    strided head rows are refused with a ValueError rather than read wrongly."""
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, block = 9, 3, 64, 16
+    lens = [5, 40, 17]
+    k_cache, v_cache, table = _random_paged_case(g, (hq, hkv, d), lens, torch.float32)
+    query = torch.randn(len(lens), hq, d, generator=g)
+    key = torch.randn(len(lens), hkv, d, generator=g)
+    value = torch.randn(len(lens), hkv, d, generator=g)
+    slots = torch.tensor(
+        [int(table[i, (n - 1) // block]) * block + (n - 1) % block for i, n in enumerate(lens)]
+    )
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+
+    def attend(call, key, value):
+        k, v, out = k_cache.clone(), v_cache.clone(), torch.empty_like(query)
+        call(query, k, v, d**-0.5, out, key, value)
+        return out, k, v
+
+    expected = attend(cpu_decode.DecodeCall(table, seq_lens, max(lens), slots), key, value)
+    loose = cpu_decode.DecodeCall(table.long(), seq_lens.long(), 1, slots.int())
+    for got, want in zip(attend(loose, key, value.double()), expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    call = cpu_decode.DecodeCall(table, seq_lens, max(lens), slots)
+    out = torch.empty_like(query)
+    with pytest.raises(ValueError, match="v_cache"):
+        call(query, k_cache, v_cache.bfloat16(), d**-0.5, out)
+    with pytest.raises(ValueError, match="key and value"):
+        call(query, k_cache.clone(), v_cache.clone(), d**-0.5, out, key, value[:, :1])
+    strided = torch.randn(len(lens), hq, 2 * d, generator=g)[..., ::2]
+    with pytest.raises(ValueError, match="contiguous head rows"):
+        call(strided, k_cache, v_cache, d**-0.5, out)
