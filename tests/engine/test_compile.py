@@ -64,6 +64,17 @@ def test_compiled_decode_matches_eager_for_every_family(family):
     check_family(family)
 
 
+@full_only
+def test_compiled_decode_over_a_bf16_kv_cache_matches_eager():
+    """A float32 model over a bf16 KV cache (the C kernel widens the rows it reads, rounds the rows it
+    stores): compiled and eager decode the same tokens, and the warmed-up buckets never recompile."""
+    model = tiny_model("llama")
+    eager, _, _ = run(model, compile="off", dtype="bfloat16")
+    compiled, sizes, _ = run(model, compile="decode", cuda_graph_sizes=(2, 8), dtype="bfloat16")
+    assert compiled == eager
+    assert sizes >= {1, 2, 3, 4, 5}
+
+
 def test_compile_all_matches_eager_on_mixed_steps():
     model = tiny_model("qwen2")
     eager, _, _ = run(model, compile="off", max_num_batched_tokens=16)
