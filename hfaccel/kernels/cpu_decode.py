@@ -484,6 +484,7 @@ class DecodeCall:
         self._slots = None if slots is None else slots.to(torch.int64).contiguous()
         self._max_len = max(max_seq_len, 1)
         self._function = load().hfaccel_paged_decode
+        self._checked = False  # the first call's tensors were checked (`_check_call`)
 
     def __call__(
         self,
@@ -499,21 +500,16 @@ class DecodeCall:
         ``[B, Hq, D]`` in the query's dtype), first storing ``key``/``value`` ``[B, Hkv, D]`` at the
         bound slots when given (the kernel rounds them to a bf16 cache itself)."""
         batch, num_heads, head_dim = query.shape
-        if query.stride(2) != 1:
-            raise ValueError("query must have contiguous head rows (stride 1 in its last dimension)")
-        if not (out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype):
-            raise ValueError(f"out must be a contiguous {tuple(query.shape)} {query.dtype} tensor")
-        if not (
-            v_cache.dtype == k_cache.dtype and v_cache.shape == k_cache.shape and v_cache.is_contiguous()
-        ):
-            raise ValueError("v_cache must be a contiguous tensor of k_cache's shape and dtype")
         store = key is not None and self._slots is not None
+        if not self._checked:  # every layer of a step has the same shapes and dtypes: check the first
+            _check_call(query, k_cache, v_cache, out, key if store else None, value if store else None)
+            self._checked = True
         if store:
-            rows = (batch, k_cache.shape[2], head_dim)
-            if key.shape != rows or value is None or value.shape != rows:
-                raise ValueError(f"key and value must both be {rows} tensors")
             # The kernel reads the new rows in the query's dtype, key and value with the same strides.
-            key, value = key.to(query.dtype), value.to(query.dtype)
+            if key.dtype != query.dtype:
+                key = key.to(query.dtype)
+            if value.dtype != query.dtype:
+                value = value.to(query.dtype)
             if key.stride(-1) != 1 or key.stride() != value.stride():
                 key, value = key.contiguous(), value.contiguous()
         status = self._function(
@@ -549,6 +545,29 @@ class DecodeCall:
                 f"{num_heads // k_cache.shape[2]} query heads per KV head of dim {head_dim} is too large"
             )
         return out
+
+
+def _check_call(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+) -> None:
+    """Raise ValueError unless the kernel can read these tensors as it assumes (the C side gets raw
+    pointers and strides, so a wrong layout would be read wrongly, not refused)."""
+    batch, _, head_dim = query.shape
+    if query.stride(2) != 1:
+        raise ValueError("query must have contiguous head rows (stride 1 in its last dimension)")
+    if not (out.is_contiguous() and out.shape == query.shape and out.dtype == query.dtype):
+        raise ValueError(f"out must be a contiguous {tuple(query.shape)} {query.dtype} tensor")
+    if not (v_cache.dtype == k_cache.dtype and v_cache.shape == k_cache.shape and v_cache.is_contiguous()):
+        raise ValueError("v_cache must be a contiguous tensor of k_cache's shape and dtype")
+    if key is not None:
+        rows = (batch, k_cache.shape[2], head_dim)
+        if key.shape != rows or value is None or value.shape != rows:
+            raise ValueError(f"key and value must both be {rows} tensors")
 
 
 def paged_decode(
