@@ -7,6 +7,7 @@ from collections import defaultdict
 import torch
 
 from hfaccel.engine.request import Request
+from hfaccel.kernels.cpu_argmax import argmax_rows
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -40,7 +41,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         index = torch.tensor(rows, device=scores.device)
         dummy_ids = torch.zeros((len(rows), 1), dtype=torch.long, device=scores.device)
         scores[index] = warpers(dummy_ids, scores[index])
-    tokens = scores.argmax(dim=-1)
+    tokens = argmax_rows(scores)
     sampled_rows = [i for i, r in enumerate(requests) if r.sampling.do_sample]
     if sampled_rows:
         index = torch.tensor(sampled_rows, device=scores.device)
@@ -48,7 +49,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         noise = torch.empty_like(probs)
         for row, i in enumerate(sampled_rows):
             noise[row].exponential_(generator=request_generator(requests[i], scores.device))
-        tokens[index] = (probs / noise).argmax(dim=-1)
+        tokens[index] = argmax_rows(probs / noise)
     chosen = tokens.tolist()
     _record_outputs(logits, scores, chosen, requests)
     return chosen
@@ -69,10 +70,11 @@ def _plain_greedy(request: Request) -> bool:
 def _greedy(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """The fast path of a step whose requests all decode greedily with no processors and record nothing:
     one argmax over the logits as they are (no float32 copy: widening is exact, so the argmax is the
-    same) and one copy of the tokens to the host. A request still below ``min_new_tokens`` must not
-    emit EOS; its masked argmax differs from the plain one only when the plain one is an EOS token, so
-    only such a row (rare) is redone with its EOS ids masked."""
-    chosen = logits.argmax(dim=-1).tolist()
+    same; float32 rows on a CPU by `argmax_rows`' vector kernel) and one copy of the tokens to the
+    host. A request still below ``min_new_tokens`` must not emit EOS; its masked argmax differs from
+    the plain one only when the plain one is an EOS token, so only such a row (rare) is redone with its
+    EOS ids masked."""
+    chosen = argmax_rows(logits).tolist()
     vocab = logits.shape[-1]
     for i, request in enumerate(requests):
         stopping = request.stopping

@@ -18,28 +18,20 @@ and are rounded to the cache's bf16 (to nearest even) exactly as ``tensor.to(tor
 them on a CPU, so the cache holds the same bits as after the torch path's ``index_copy_``. The float32
 path is the float32-only kernel's code, arithmetic order included (bit-identical results).
 
-It is plain C99 with OpenMP, built with the system C compiler (``$CC``, else ``cc``) the first time a
-process needs it, into a per-user cache directory keyed by the source, the flags and the CPU (the
-build uses ``-march=native``). The shared object links ``libgomp.so.1``, which resolves to the OpenMP
-runtime torch already loaded, so the kernel uses torch's thread pool size and threads. Where no
-compiler works the torch path runs instead (a debug line says why); ``HFACCEL_CPU_DECODE_KERNEL=0``
-turns the kernel off.
+It is plain C99 with OpenMP, built with the system C compiler the first time a process needs it (see
+`cpu_build`: cached per source, flags and CPU; torch's OpenMP threads). Where no compiler works the
+torch path runs instead; ``HFACCEL_CPU_DECODE_KERNEL=0`` turns the CPU kernels off (this one and
+`cpu_argmax`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 
 import torch
 
-logger = logging.getLogger(__name__)
+from hfaccel.kernels.cpu_build import build_library, kernels_enabled
 
 _SOURCE = r"""
 #include <math.h>
@@ -375,8 +367,6 @@ _FLAGS = [
     "-fno-trapping-math",
     "-ffinite-math-only",
     "-fno-signed-zeros",
-    "-shared",
-    "-fPIC",
     "-std=gnu99",
 ]
 # The element type codes of the C source (F32, BF16), and the (query, KV cache) dtypes it serves.
@@ -412,51 +402,17 @@ _ARGTYPES = [
 ]
 
 
-def _cpu_key() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return "".join(lines)
-
-
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel's library, built on first use; None where it cannot be built or is off."""
-    if os.environ.get("HFACCEL_CPU_DECODE_KERNEL", "1") == "0":
+    if not kernels_enabled():
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        logger.debug("no C compiler found: the torch backend's decode path stays on SDPA")
-        return None
-    key = hashlib.sha256("\0".join([_SOURCE, compiler, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
-    user = os.getuid() if hasattr(os, "getuid") else "user"
-    folder = os.path.join(tempfile.gettempdir(), f"hfaccel-kernels-{user}")
-    path = os.path.join(folder, f"paged_decode_{key}.so")
-    try:
-        if not os.path.exists(path):
-            os.makedirs(folder, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=folder) as work:
-                source = os.path.join(work, "paged_decode.c")
-                with open(source, "w") as f:
-                    f.write(_SOURCE)
-                built = os.path.join(work, "paged_decode.so")
-                subprocess.run(
-                    [compiler, *_FLAGS, "-o", built, source, "-lm"],
-                    check=True,
-                    capture_output=True,
-                    timeout=120,
-                )
-                os.replace(built, path)  # atomic: a concurrent process loads a whole file or builds its own
-        library = ctypes.CDLL(path)
+    library = build_library("paged_decode", _SOURCE, _FLAGS)
+    if library is not None:
         function = library.hfaccel_paged_decode
         function.argtypes = _ARGTYPES
         function.restype = ctypes.c_int
-        return library
-    except (OSError, subprocess.SubprocessError) as error:
-        logger.debug("the CPU decode kernel could not be built (%s): the decode path stays on SDPA", error)
-        return None
+    return library
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
