@@ -26,6 +26,9 @@ _SOURCE = r"""
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
 
 /* The first index of x[0..n)'s largest value (n >= 1); a NaN is the largest (the first NaN). */
 static int64_t argmax_row(const float *x, int64_t n) {
@@ -66,10 +69,25 @@ static int64_t argmax_row(const float *x, int64_t n) {
     return 0; /* not reached: m is one of the values */
 }
 
-/* out[r] = argmax of row r (n floats, rows `stride` floats apart), rows across the threads. */
+/* out[r] = argmax of row r (n floats, rows `stride` floats apart), rows across the threads. Each thread
+   compares under the caller's floating-point control word (torch.set_flush_denormal sets it for the
+   calling thread only: a denormal counts as zero on every row or on none). */
 void hfaccel_argmax(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out, int num_threads) {
-#pragma omp parallel for num_threads(rows > 1 ? num_threads : 1) schedule(static)
-    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, n);
+#if defined(__SSE__)
+    const unsigned int csr = _mm_getcsr();
+#endif
+#pragma omp parallel num_threads(rows > 1 ? num_threads : 1)
+    {
+#if defined(__SSE__)
+        const unsigned int own = _mm_getcsr();
+        _mm_setcsr(csr);
+#endif
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * stride, n);
+#if defined(__SSE__)
+        _mm_setcsr(own);
+#endif
+    }
 }
 """
 
@@ -99,6 +117,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         or x.shape[1] == 0
         or x.stride(1) != 1
         or x.requires_grad
+        or x.is_neg()  # a lazily negated view: its memory holds the values un-negated
         or (library := load()) is None
     ):
         return x.argmax(dim=-1)

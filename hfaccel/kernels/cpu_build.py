@@ -13,10 +13,14 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
+import threading
 
 logger = logging.getLogger(__name__)
+
+_BUILD_LOCK = threading.Lock()  # threads asking at once build once (the others load the result)
 
 
 def _cpu_key() -> str:
@@ -30,7 +34,24 @@ def _cpu_key() -> str:
 
 def build_library(name: str, source: str, flags: list[str]) -> ctypes.CDLL | None:
     """`source` compiled with `flags` (plus ``-shared -fPIC``) and loaded; None where it cannot be
-    built. `name` names the cached file (``<name>_<key>.so``)."""
+    built, or where the cache directory is not the user's own (see `_private_folder`). `name` names the
+    cached file (``<name>_<key>.so``)."""
+    with _BUILD_LOCK:
+        return _build_library(name, source, flags)
+
+
+def _private_folder(folder: str) -> bool:
+    """Whether `folder` (made here if missing) is a directory that only this user can write to: a
+    library found there is loaded into the process, and its name is predictable, so a folder another
+    user made (or can write to) must not be trusted."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    if not hasattr(os, "getuid"):
+        return True
+    info = os.lstat(folder)
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
+
+
+def _build_library(name: str, source: str, flags: list[str]) -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         logger.debug("no C compiler found: %s is not built (its torch path runs)", name)
@@ -41,8 +62,14 @@ def build_library(name: str, source: str, flags: list[str]) -> ctypes.CDLL | Non
     folder = os.path.join(tempfile.gettempdir(), f"hfaccel-kernels-{user}")
     path = os.path.join(folder, f"{name}_{key}.so")
     try:
+        if not _private_folder(folder):
+            logger.warning(
+                "hfaccel: %s is not a directory of this user's that only it can write to: the CPU kernels "
+                "are not built or loaded from it (the torch paths run)",
+                folder,
+            )
+            return None
         if not os.path.exists(path):
-            os.makedirs(folder, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=folder) as work:
                 source_path = os.path.join(work, f"{name}.c")
                 with open(source_path, "w") as f:

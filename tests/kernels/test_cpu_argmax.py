@@ -52,3 +52,27 @@ def test_a_real_vocabulary_row_and_other_inputs():
     for other in (x.bfloat16(), x.double(), x[0], x.t()[:100]):
         assert torch.equal(cpu_argmax.argmax_rows(other), other.argmax(dim=-1))
     assert cpu_argmax.argmax_rows(torch.empty(0, 5)).shape == (0,)
+
+
+def test_layouts_a_flush_to_zero_caller_and_the_switch(monkeypatch):
+    """Expanded rows (row stride 0) and a lazily negated view match torch; under
+    ``torch.set_flush_denormal(True)`` (the calling thread's setting) every row compares denormals as
+    zero, whichever thread takes it; ``HFACCEL_CPU_DECODE_KERNEL=0`` turns the kernel off."""
+    row = torch.randn(1, 70)
+    for x in (row.expand(6, 70), torch._neg_view(torch.randn(3, 40))):
+        assert torch.equal(cpu_argmax.argmax_rows(x), x.argmax(dim=-1))
+    tiny = torch.tensor([[1e-45, 2e-45, 3e-45]] * 8)
+    cpu_argmax.argmax_rows(torch.randn(8, 100))  # the worker threads exist before the flag is set
+    if torch.set_flush_denormal(True):
+        try:
+            assert torch.equal(cpu_argmax.argmax_rows(tiny), tiny.argmax(dim=-1))
+        finally:
+            torch.set_flush_denormal(False)
+    monkeypatch.setenv("HFACCEL_CPU_DECODE_KERNEL", "0")
+    cpu_argmax.load.cache_clear()
+    try:
+        assert cpu_argmax.load() is None
+        assert torch.equal(cpu_argmax.argmax_rows(tiny), tiny.argmax(dim=-1))
+    finally:
+        monkeypatch.delenv("HFACCEL_CPU_DECODE_KERNEL")
+        cpu_argmax.load.cache_clear()
