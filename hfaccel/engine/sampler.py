@@ -7,7 +7,7 @@ from collections import defaultdict
 import torch
 
 from hfaccel.engine.request import Request
-from hfaccel.kernels.cpu_argmax import argmax_rows
+from hfaccel.kernels.cpu_argmax import argmax_index, argmax_rows
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -81,7 +81,7 @@ def _greedy(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         if chosen[i] in stopping.eos_token_ids and len(request.output_token_ids) < stopping.min_new_tokens:
             row = logits[i].to(dtype=torch.float32, copy=True)
             row[[eos for eos in stopping.eos_token_ids if 0 <= eos < vocab]] = -float("inf")
-            chosen[i] = int(row.argmax())
+            chosen[i] = argmax_index(row)
     return chosen
 
 

@@ -126,3 +126,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads()
     )
     return out
+
+
+def argmax_index(row: torch.Tensor) -> int:
+    """``int(row.argmax())`` of a 1-D ``row``, through `argmax_rows`."""
+    return int(argmax_rows(row.unsqueeze(0))[0])

@@ -38,6 +38,7 @@ from hfaccel.engine.runner import ModelRunner
 from hfaccel.engine.sampler import request_generator
 from hfaccel.engine.speculative.rejection import _draw
 from hfaccel.engine.speculative.verify import process_row
+from hfaccel.kernels.cpu_argmax import argmax_index
 from hfaccel.kernels.metadata import StepLayout, num_leading_decodes
 
 
@@ -142,7 +143,7 @@ class DraftModelProposer:
             state.drafts.append(_draw(probs, request_generator(request, probs.device)))
             state.probs.append(probs)
         else:
-            state.drafts.append(int(row.argmax()))
+            state.drafts.append(argmax_index(row))
 
     def _run(self, rows: list[_Row]) -> torch.Tensor:
         """One draft pass; the logits of the rows that want them, in `rows` order."""

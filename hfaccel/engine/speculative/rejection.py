@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import torch
 
+from hfaccel.kernels.cpu_argmax import argmax_index, argmax_rows
+
 
 def accept_greedy(target_probs: torch.Tensor, drafts: list[int]) -> list[int]:
     """Tokens emitted for `drafts` given ``[k + 1, V]`` target scores/probs (argmax decides)."""
-    best = target_probs.argmax(dim=-1).tolist()
+    best = argmax_rows(target_probs).tolist()
     out: list[int] = []
     for j, draft in enumerate(drafts):
         if draft != best[j]:
@@ -63,4 +65,4 @@ def accept_sampled(
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One categorical draw (the exponential race the plain sampler uses)."""
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+    return argmax_index(probs / noise)

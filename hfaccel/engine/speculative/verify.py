@@ -15,6 +15,7 @@ import torch
 from hfaccel.engine.request import Request
 from hfaccel.engine.sampler import request_generator, sample
 from hfaccel.engine.speculative.rejection import accept_greedy, accept_sampled
+from hfaccel.kernels.cpu_argmax import argmax_index
 
 
 def process_row(row: torch.Tensor, request: Request, drafts: list[int]) -> torch.Tensor:
@@ -47,7 +48,7 @@ def verify_drafts(logits: torch.Tensor, request: Request, drafts: list[int]) -> 
             scores[j : j + 1] = process_row(scores[j : j + 1], request, drafts[:j])
     except Exception as error:  # the request's own processors raised: it fails alone (as in `sample`)
         request.fail(error)
-        return [int(scores[0].argmax())]
+        return [argmax_index(scores[0])]
     if not request.sampling.do_sample:
         return accept_greedy(scores, drafts)
     probs = torch.softmax(scores, dim=-1)
