@@ -53,6 +53,8 @@ class TorchMetadata:
     decode_query_index: torch.Tensor | None = None  # [num_decodes * Q]
     decode_out_src: torch.Tensor | None = None  # rows of the [num_decodes * Q] output that are real
     decode_out_dst: torch.Tensor | None = None  # their packed token index
+    decode_row_seqs: torch.Tensor | None = None  # each real row's sequence (in decode order)
+    decode_row_lens: torch.Tensor | None = None  # each real row's visible context (its position + 1)
     prefills: list[PrefillSpan] = field(default_factory=list)
     write_slots: torch.Tensor | None = None  # slot_mapping with padding sent to the scratch block
     # The additive form of `decode_mask` (0 where visible, -inf elsewhere), rows repeated for the query
@@ -62,6 +64,9 @@ class TorchMetadata:
     # The C kernel bound to this step's one-token decode rows, by the first layer that asks (False: the
     # kernel does not serve this step's decodes).
     _cpu_decode: cpu_decode.DecodeCall | bool | None = field(default=None, repr=False)
+    # The same for multi-query decode rows (speculative verification): each real row as its own
+    # one-token "sequence" over its sequence's blocks, seeing the context up to its own position.
+    _cpu_rows: cpu_decode.DecodeCall | bool | None = field(default=None, repr=False)
 
     def cpu_decode_call(self, query: torch.Tensor, k_cache: torch.Tensor) -> cpu_decode.DecodeCall | None:
         """The C kernel bound to the step's first ``num_decodes`` rows (one token each: their block
@@ -81,6 +86,26 @@ class TorchMetadata:
                 else False
             )
         return self._cpu_decode or None
+
+    def cpu_decode_rows_call(
+        self, query: torch.Tensor, k_cache: torch.Tensor
+    ) -> cpu_decode.DecodeCall | None:
+        """The C kernel bound to the step's multi-query decode rows (the real ones, in
+        `decode_out_dst` order; their K/V stored first by `write_kv`), or None where it does not serve
+        them; shared by every layer."""
+        if self._cpu_rows is None:
+            serves = self.decode_queries > 1 and self.decode_row_lens is not None
+            serves = serves and cpu_decode.supports(query, k_cache)
+            self._cpu_rows = (
+                cpu_decode.DecodeCall(
+                    self.common.block_tables.index_select(0, self.decode_row_seqs),
+                    self.decode_row_lens,
+                    self.common.max_seq_len,
+                )
+                if serves
+                else False
+            )
+        return self._cpu_rows or None
 
     def decode_bias(self, dtype: torch.dtype, rep: int) -> torch.Tensor:
         """``[num_decodes, 1, rep * Q, nb * block_size]`` additive mask in `dtype` (built once per step);
@@ -128,7 +153,7 @@ class TorchMetadataBuilder(MetadataBuilder):
                 seen = torch.tensor(lens, device=device)
                 meta.decode_mask = (slots[None, :] < seen[:, None])[:, None, None, :]
             else:
-                index, last_position, src, dst = [], [], [], []
+                index, last_position, src, dst, row_seqs, row_lens = [], [], [], [], [], []
                 start = 0
                 for b, (q, length) in enumerate(zip(queries, lens)):
                     for i in range(q_max):
@@ -138,6 +163,8 @@ class TorchMetadataBuilder(MetadataBuilder):
                         if i < q:
                             src.append(b * q_max + i)
                             dst.append(start + i)
+                            row_seqs.append(b)
+                            row_lens.append(length - q + i + 1)
                     start += q
                 visible = torch.tensor(last_position, device=device).view(num_decodes, q_max)
                 meta.decode_mask = (slots[None, None, :] <= visible[:, :, None])[:, None]
@@ -145,6 +172,8 @@ class TorchMetadataBuilder(MetadataBuilder):
                 meta.decode_query_index = torch.tensor(index, device=device)
                 meta.decode_out_src = torch.tensor(src, device=device)
                 meta.decode_out_dst = torch.tensor(dst, device=device)
+                meta.decode_row_seqs = torch.tensor(row_seqs, device=device)
+                meta.decode_row_lens = torch.tensor(row_lens, dtype=torch.int32, device=device)
         start = common.num_decode_tokens
         tables = block_tables.long()
         for i in range(num_decodes, common.num_seqs):
@@ -219,9 +248,10 @@ def attend(
     """Causal paged attention; ``query`` ``[T, Hq, D]`` -> a new ``[T, Hq, D]``."""
     common = meta.common
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    # One-token decode rows on a CPU in the dtypes it serves go to the C kernel, which reads the blocks in
-    # place (no gathered copy, no mask; a step of decodes only never gets here: `forward` runs it through
-    # the kernel, store included); elsewhere, batched SDPA over the gathered blocks.
+    # Decode rows on a CPU in the dtypes it serves go to the C kernel, which reads the blocks in place (no
+    # gathered copy, no mask; a step of one-token decodes only never gets here: `forward` runs it through
+    # the kernel, store included; multi-query rows each as a sequence of their own visible length);
+    # elsewhere, batched SDPA over the gathered blocks.
     kernel = meta.cpu_decode_call(query, k_cache)
     if (
         kernel is None
@@ -241,6 +271,10 @@ def attend(
             kernel(query[:d], k_cache, v_cache, scale, out[:d])
         elif meta.decode_queries == 1:
             out[:d] = _decode(query[:d], k_cache, v_cache, meta, scale)
+        elif (rows_kernel := meta.cpu_decode_rows_call(query, k_cache)) is not None:
+            queries = query.index_select(0, meta.decode_out_dst)
+            rows = rows_kernel(queries, k_cache, v_cache, scale, torch.empty_like(queries))
+            out.index_copy_(0, meta.decode_out_dst, rows)
         else:
             rows = _decode(query.index_select(0, meta.decode_query_index), k_cache, v_cache, meta, scale)
             out.index_copy_(0, meta.decode_out_dst, rows.index_select(0, meta.decode_out_src))

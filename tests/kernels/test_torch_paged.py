@@ -98,7 +98,7 @@ def test_matches_dense_causal_attention(seqs, dtype, decode_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_multi_query_decode_rows_match_dense_causal_attention(dtype):
+def test_multi_query_decode_rows_match_dense_causal_attention(dtype, decode_path):
     """Verification rows (1 + k queries continuing a context) on the batched decode path, mixed with
     one-query decodes, a short fresh prompt and a long prefill."""
     seqs = [(10, 3), (20, 5), (4, 1), (0, 2), (7, 12)]
