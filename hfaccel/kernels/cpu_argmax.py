@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from hfaccel.kernels.cpu_build import build_library, kernels_enabled
+from hfaccel.kernels.cpu_build import load_kernel
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -98,13 +98,7 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ct
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel's library, built on first use; None where it cannot be built or is off."""
-    if not kernels_enabled():
-        return None
-    library = build_library("argmax", _SOURCE, _FLAGS)
-    if library is not None:
-        library.hfaccel_argmax.argtypes = _ARGTYPES
-        library.hfaccel_argmax.restype = None
-    return library
+    return load_kernel("argmax", _SOURCE, _FLAGS, "hfaccel_argmax", _ARGTYPES, None)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

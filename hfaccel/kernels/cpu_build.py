@@ -88,6 +88,17 @@ def _build_library(name: str, source: str, flags: list[str]) -> ctypes.CDLL | No
         return None
 
 
-def kernels_enabled() -> bool:
-    """False when ``HFACCEL_CPU_DECODE_KERNEL=0`` turns the CPU kernels off (the torch paths run)."""
-    return os.environ.get("HFACCEL_CPU_DECODE_KERNEL", "1") != "0"
+def load_kernel(
+    name: str, source: str, flags: list[str], function: str, argtypes: list, restype: object
+) -> ctypes.CDLL | None:
+    """The library of a CPU kernel, built on first use (`build_library`) with `function`'s signature
+    set; None where it cannot be built or ``HFACCEL_CPU_DECODE_KERNEL=0`` turns the CPU kernels off
+    (the torch paths run)."""
+    if os.environ.get("HFACCEL_CPU_DECODE_KERNEL", "1") == "0":
+        return None
+    library = build_library(name, source, flags)
+    if library is not None:
+        entry = getattr(library, function)
+        entry.argtypes = argtypes
+        entry.restype = restype
+    return library

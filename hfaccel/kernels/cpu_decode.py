@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from hfaccel.kernels.cpu_build import build_library, kernels_enabled
+from hfaccel.kernels.cpu_build import load_kernel
 
 _SOURCE = r"""
 #include <math.h>
@@ -405,14 +405,7 @@ _ARGTYPES = [
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The compiled kernel's library, built on first use; None where it cannot be built or is off."""
-    if not kernels_enabled():
-        return None
-    library = build_library("paged_decode", _SOURCE, _FLAGS)
-    if library is not None:
-        function = library.hfaccel_paged_decode
-        function.argtypes = _ARGTYPES
-        function.restype = ctypes.c_int
-    return library
+    return load_kernel("paged_decode", _SOURCE, _FLAGS, "hfaccel_paged_decode", _ARGTYPES, ctypes.c_int)
 
 
 def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:

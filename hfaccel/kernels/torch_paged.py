@@ -1,10 +1,10 @@
 """Pure-PyTorch paged attention: the reference backend and the CPU fast path.
 
-Decodes (one query token per sequence) on a CPU run a small C kernel (`cpu_decode`) that reads each
-sequence's K/V rows in place through its block table, for a float32 query over a float32 or bfloat16
-cache and a bfloat16 query over a bfloat16 cache; otherwise (float16, other devices, no C compiler, or
-verification rows of several queries) they run as one batched SDPA call over K/V gathered from the cache
-by whole blocks and padded to the longest context. Multi-token sequences (prefill chunks) run one SDPA
+Decodes on a CPU run a small C kernel (`cpu_decode`) that reads each sequence's K/V rows in place
+through its block table, for a float32 query over a float32 or bfloat16 cache and a bfloat16 query over
+a bfloat16 cache (verification rows of several queries each as a sequence of its own visible length);
+otherwise (float16, other devices, no C compiler) they run as one batched SDPA call over K/V gathered
+from the cache by whole blocks and padded to the longest context. Multi-token sequences (prefill chunks) run one SDPA
 call each: a fresh prompt attends to its own K/V with ``is_causal``; a chunk that continues a cached
 context gathers that context and uses an offset causal mask. Everything a layer needs is derived once
 per step by the builder, from host-side ints (no device sync), and shared by all layers.
