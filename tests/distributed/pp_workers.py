@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import hfaccel
 from tests.distributed.workers import MAX_NEW, _greedy_reference
@@ -32,9 +33,11 @@ def pp_parity(rank: int, microbatches: int = 2, layers: int = 4, family: str = "
     logprobs_reference = hfaccel.generate(
         copy.deepcopy(whole), prompts[:3], max_new_tokens=4, do_sample=False, logprobs=True, progress=False
     )
+    slow_trace = _trace_with_a_slow_last_stage(model, executor)
     return {
         "tokens": tokens,
         "reference": reference,
+        "slow_trace": slow_trace,
         "logprobs": [c.logprobs for c in with_logprobs],
         "logprobs_reference": [c.logprobs for c in logprobs_reference],
         "logits_broadcasts": executor.num_logits_broadcasts,
@@ -46,6 +49,30 @@ def pp_parity(rank: int, microbatches: int = 2, layers: int = 4, family: str = "
         "plans": list(executor.step_sync.plans),
         "sampled": [c.token_ids for c in sampled],
     }
+
+
+def _trace_with_a_slow_last_stage(model, executor) -> list:
+    """The trace of fresh prompts' prefill while the last stage takes 50 ms more per microbatch: if the
+    schedule lets stage 0 run microbatch m + 1 while stage 1 works on m, the two certainly overlap then
+    (without the delay, a tiny model's microbatches take well under a millisecond, and whether they
+    overlap depends on how the OS schedules two processes on two cores)."""
+    mark = len(executor.trace)
+    layers = executor._layers
+    if executor.pp.last:
+
+        def slow_layers(*args):
+            time.sleep(0.05)
+            return layers(*args)
+
+        executor._layers = slow_layers
+    try:
+        fresh = varied_prompts(4, seed=11)
+        hfaccel.generate(
+            model, [p + [5] * 20 for p in fresh], max_new_tokens=1, do_sample=False, progress=False
+        )
+    finally:
+        executor._layers = layers
+    return list(executor.trace)[mark:]
 
 
 def dp_parity(
