@@ -84,6 +84,9 @@ class ModelRunner:
                 executor.head_dim,
                 kv_dtype,
                 executor.attention_scale,
+                # A bucket captured in a graph is planned on its own fixed-buffer wrapper: a plan on the
+                # shared one would rebind the buffers a graph replays.
+                cuda_graph_batch_sizes=self.decode_buckets if cuda_graphs else (),
             )
         pin = self.device.type == "cuda"
         self._host = {

@@ -345,7 +345,10 @@ class FlashInferPagedAttention(AttentionBackend):
             )
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, key, value, meta.write_slots)
-        query = query.contiguous()
+        # Planned for queries in the cache's dtype (FlashInfer refuses others): a model computing in
+        # another dtype (float32 over a bfloat16 cache) gets its output back in its own.
+        model_dtype = query.dtype
+        query = query.to(k_cache.dtype).contiguous()
         out = torch.zeros_like(query) if meta.zero_fill else torch.empty_like(query)
         n = meta.num_decode_rows
         if meta.decode_wrapper is not None:
@@ -357,4 +360,4 @@ class FlashInferPagedAttention(AttentionBackend):
         if meta.prefill_wrapper is not None:
             rows = slice(meta.prefill_start, meta.prefill_end)
             meta.prefill_wrapper.run(query[rows], (k_cache, v_cache), out=out[rows])
-        return out
+        return out.to(model_dtype)

@@ -76,3 +76,36 @@ def test_cuda_graphs_on_a_cpu_are_skipped_not_an_error(llama):
 
     engine = Engine(llama, EngineConfig(cuda_graphs=True, kv_cache_memory=1_000_000))
     assert engine.runner.cuda_graphs is False
+
+
+def test_a_graphed_runner_plans_flashinfer_buckets_on_fixed_buffer_wrappers(monkeypatch):
+    # A graph replays the buffers its bucket's plan wrote: the runner must hand its buckets to the
+    # builder, or every step is planned on the shared wrapper, whose plan() rebinds fresh tensors.
+    import sys
+    import types
+
+    from hfaccel.engine.runner import ModelRunner
+    from hfaccel.kernels.flashinfer_backend import FlashInferPagedAttention
+    from tests.kernels.test_flashinfer_backend import FakeDecodeWrapper, FakePrefillWrapper
+
+    module = types.ModuleType("flashinfer")
+    module.BatchDecodeWithPagedKVCacheWrapper = FakeDecodeWrapper
+    module.BatchPrefillWithPagedKVCacheWrapper = FakePrefillWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", module)
+    monkeypatch.setattr(ModelRunner, "_no_graphs_reason", staticmethod(lambda executor, backend: None))
+    executor = types.SimpleNamespace(
+        device=torch.device("cpu"),
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        num_layers=1,
+        attention_scale=0.25,
+    )
+    runner = ModelRunner(
+        executor, FlashInferPagedAttention(), 16, 16, torch.bfloat16, 8, 64, 4,
+        cuda_graphs=True, decode_buckets=(1, 2, 4, 8),
+    )  # fmt: skip
+    assert runner.builder.cuda_graph_batch_sizes == {1, 2, 4, 8}
+    meta = runner.builder.build(decode_layout(3), 4, 4)
+    assert meta.cuda_graph and meta.decode_wrapper is runner.builder.decode_wrapper_for(4)
+    assert meta.decode_wrapper.use_cuda_graph and meta.mask_padded_decodes

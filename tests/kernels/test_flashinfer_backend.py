@@ -187,6 +187,18 @@ def _check_csr(indptr, indices, last_page_len, page_size):
     assert bool(((last_page_len >= 1) & (last_page_len <= page_size)).all())
 
 
+def _check_planned_dtypes(planned, q, k_cache):
+    """As FlashInfer's ``_check_cached_qkv_data_type``: run() refuses a query or cache dtype other than the
+    plan's."""
+    q_type, kv_type = planned
+    if q.dtype != q_type:
+        raise ValueError(
+            f"The dtype of q {q.dtype} does not match the q_data_type {q_type} specified in plan"
+        )
+    if k_cache.dtype != kv_type:
+        raise ValueError(f"The dtype of k {k_cache.dtype} does not match the kv_data_type {kv_type}")
+
+
 class FakeDecodeWrapper:
     def __init__(
         self,
@@ -249,9 +261,11 @@ class FakeDecodeWrapper:
         )
         self.csr, self.page_size = csr, page_size
         self.scale = head_dim**-0.5 if sm_scale is None else sm_scale
+        self.dtypes = (q_data_type, kv_data_type or q_data_type)
 
     def run(self, q, paged_kv_cache, out=None):
         k_cache, v_cache = paged_kv_cache
+        _check_planned_dtypes(self.dtypes, q, k_cache)
         indptr, indices, last = self.csr
         lens = _paged_lengths(indptr, last, self.page_size)
         assert q.shape[0] == len(lens) and q.is_contiguous()
@@ -319,9 +333,11 @@ class FakePrefillWrapper:
             causal,
             head_dim_qk**-0.5 if sm_scale is None else sm_scale,
         )
+        self.dtypes = (q_data_type, kv_data_type or q_data_type)
 
     def run(self, q, paged_kv_cache, out=None):
         k_cache, v_cache = paged_kv_cache
+        _check_planned_dtypes(self.dtypes, q, k_cache)
         qo, indptr, indices, last, page_size, causal, scale = self.state
         lens = _paged_lengths(indptr, last, page_size)
         assert q.shape[0] == int(qo[-1]) and q.is_contiguous()
@@ -526,6 +542,22 @@ def test_padded_mixed_step_zero_fills_the_padding(fake_flashinfer):
     _, meta, out = assert_same_as_torch(MIXED, pad_seqs=2, pad_tokens=3)
     assert meta.zero_fill and not meta.cuda_graph and meta.num_decode_rows == 3
     assert not out[-3:].any()
+
+
+@pytest.mark.parametrize("case", ["decodes", "mixed"])
+def test_a_float32_model_over_a_bf16_cache_gets_float32_back(fake_flashinfer, case):
+    # FlashInfer runs only queries of the dtype it was planned for (the cache's): the backend converts
+    # the model's query to it and the output back, as the torch backend computes a float32 query.
+    layout, q, k, v, caches = make_step(CASES[case], hq=4, hkv=2, d=8, dtype=torch.float32)
+    caches = tuple(c.to(torch.bfloat16) for c in caches)
+    ref, ref_caches, _, _ = run_backend(TorchPagedAttention(), layout, q, k, v, caches)
+    out, out_caches, _, _ = run_backend(
+        FlashInferPagedAttention(), layout, q, k, v, caches, configure=configured(4, 2, 8, torch.bfloat16)
+    )
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)  # the query rounded to bf16 here only
+    for mine, theirs in zip(out_caches, ref_caches):
+        assert torch.equal(mine[:-1], theirs[:-1])
 
 
 def test_large_gqa_groups_use_tensor_cores(fake_flashinfer):
