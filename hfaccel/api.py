@@ -250,7 +250,8 @@ def unpatch(model: Any) -> Any:
 
 
 def reset_prefix_cache(model: Any) -> None:
-    """Forget every KV block the prefix cache holds for `model`, so the next requests recompute them.
+    """Forget every KV block the prefix cache holds for `model`, so the next requests recompute them,
+    and every captured CUDA graph, so the next decode steps capture the model as it is now.
 
     Weight updates, ``load_state_dict``, dtype or device moves and PEFT adapter switches are detected
     by themselves; call this after a change the engine cannot see (an edit through ``.data`` that
@@ -259,7 +260,7 @@ def reset_prefix_cache(model: Any) -> None:
     """
     state: PatchState | None = getattr(model, "__dict__", {}).get("_hfaccel")
     if state is not None and state.engine is not None:
-        state.engine.block_manager.reset_prefix_cache()
+        state.engine.forget_model_outputs()
 
 
 def release(model: Any) -> None:

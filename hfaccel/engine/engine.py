@@ -125,7 +125,10 @@ class Engine:
             else None
         )
         model_state = model_state or self.executor.state_token
-        self._model_state = model_state if self.config.enable_prefix_caching else None
+        # The fingerprint is watched where something outlives a model change: the prefix cache's KV, and
+        # captured CUDA graphs (they replay the weights' addresses and the adapters' control flow).
+        watched = self.config.enable_prefix_caching or self.runner.cuda_graphs
+        self._model_state = model_state if watched else None
         self._model_token = model_state() if self._model_state is not None else None
         self.num_steps = 0
         self.num_generated_tokens = 0
@@ -446,16 +449,24 @@ class Engine:
                 request.spec_token_ids = list(drafts)
 
     def check_model_state(self) -> bool:
-        """Forget the prefix cache if `model_state` says the model changed since the last check; returns
-        whether it did. Requests already running finish on the KV they hold but never register it."""
+        """Forget the prefix cache and the captured CUDA graphs if `model_state` says the model changed
+        since the last check; returns whether it did. Requests already running finish on the KV they
+        hold but never register it."""
         if self._model_state is None:
             return False
         token = self._model_state()
         if token == self._model_token:
             return False
         self._model_token = token
-        self.block_manager.reset_prefix_cache()
+        self.forget_model_outputs()
         return True
+
+    def forget_model_outputs(self) -> None:
+        """Drop what the model as it was made and a change would leave stale: the prefix cache's KV and
+        every captured CUDA graph (a graph replays the weights' old addresses and the control flow of
+        the adapters it was captured with; each bucket is captured again at its next use)."""
+        self.block_manager.reset_prefix_cache()
+        self.runner.graphs.clear()
 
     def _recover(self, error: BaseException) -> None:
         """The one recovery path after an exception anywhere in a step (or an abort): fail the requests

@@ -109,3 +109,29 @@ def test_a_graphed_runner_plans_flashinfer_buckets_on_fixed_buffer_wrappers(monk
     meta = runner.builder.build(decode_layout(3), 4, 4)
     assert meta.cuda_graph and meta.decode_wrapper is runner.builder.decode_wrapper_for(4)
     assert meta.decode_wrapper.use_cuda_graph and meta.mask_padded_decodes
+
+
+def test_a_model_change_drops_captured_graphs_even_without_prefix_caching(monkeypatch):
+    # A graph replays the weights' addresses and the adapters' control flow as they were at capture:
+    # once the model changes (here a weight replaced, as load_state_dict(assign=True) does), none may
+    # replay. Graphs cannot be captured on a CPU: the engine is told graphs are possible, and the test
+    # plants a stand-in graph where a capture would have put one.
+    from hfaccel.engine.engine import Engine
+    from hfaccel.engine.runner import ModelRunner
+    from tests.helpers import tiny_model
+
+    monkeypatch.setattr(ModelRunner, "_no_graphs_reason", staticmethod(lambda executor, backend: None))
+    model = tiny_model("llama")
+    engine = Engine(
+        model, EngineConfig(cuda_graphs=True, enable_prefix_caching=False, kv_cache_memory=1_000_000)
+    )
+    assert engine.runner.cuda_graphs
+    key = GraphKey(1, engine.runner.max_blocks_per_seq, engine.runner.backend.name, torch.float32)
+    engine.runner.graphs._graphs[key] = ("graph", torch.zeros(1))
+    assert not engine.check_model_state() and key in engine.runner.graphs  # nothing changed: kept
+    weight = model.model.layers[0].mlp.up_proj.weight
+    weight.data = weight.data.clone()
+    assert engine.check_model_state() and len(engine.runner.graphs) == 0
+    engine.runner.graphs._graphs[key] = ("graph", torch.zeros(1))
+    engine.forget_model_outputs()  # what hfaccel.reset_prefix_cache(model) calls
+    assert len(engine.runner.graphs) == 0
