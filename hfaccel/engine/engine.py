@@ -457,16 +457,20 @@ class Engine:
         token = self._model_state()
         if token == self._model_token:
             return False
-        self._model_token = token
-        self.forget_model_outputs()
+        previous, self._model_token = self._model_token, token
+        # Graphs survive a change of values only (an optimizer step in place: the same addresses), where
+        # the token can tell (`same_structure`, as `HFExecutor`'s has); anything else drops them.
+        same_structure = getattr(token, "same_structure", None)
+        self.forget_model_outputs(graphs=same_structure is None or not same_structure(previous))
         return True
 
-    def forget_model_outputs(self) -> None:
+    def forget_model_outputs(self, graphs: bool = True) -> None:
         """Drop what the model as it was made and a change would leave stale: the prefix cache's KV and
-        every captured CUDA graph (a graph replays the weights' old addresses and the control flow of
-        the adapters it was captured with; each bucket is captured again at its next use)."""
+        (with `graphs`) every captured CUDA graph, which replays the weights' addresses and the control
+        flow of the adapters it was captured with; each bucket is captured again at its next use."""
         self.block_manager.reset_prefix_cache()
-        self.runner.graphs.clear()
+        if graphs:
+            self.runner.graphs.clear()
 
     def _recover(self, error: BaseException) -> None:
         """The one recovery path after an exception anywhere in a step (or an abort): fail the requests

@@ -29,7 +29,7 @@ only recomputation, never correctness).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -60,6 +60,26 @@ def optimizer_steps() -> int:
     return _optimizer_steps
 
 
+class ModelToken(NamedTuple):
+    """`ModelStateTracker.token`'s value: compared whole, it says whether anything changed."""
+
+    optimizer_steps: int
+    training: bool
+    layout: tuple  # per tensor: id, data_ptr, dtype, device, shape
+    versions: tuple
+    adapters: tuple
+    checksum: bytes
+
+    def same_structure(self, other: Hashable) -> bool:
+        """Whether `other` differs from this token in tensor values only: the same tensors at the same
+        addresses, the same adapter state and training flag (what a captured CUDA graph bakes in)."""
+        return isinstance(other, ModelToken) and (self.training, self.layout, self.adapters) == (
+            other.training,
+            other.layout,
+            other.adapters,
+        )
+
+
 class ModelStateTracker:
     """Fingerprints `model`'s weights and adapter state; `token()` changes when they do.
 
@@ -78,7 +98,7 @@ class ModelStateTracker:
         # Per dtype/device group: (tensor index, count, stride, storage offset) of the sampled elements.
         self._plan: list[list[tuple[int, int, int, int]]] = []
 
-    def token(self) -> Hashable:
+    def token(self) -> ModelToken:
         """A hashable fingerprint of the weights, buffers and adapter state (holds no tensor)."""
         tensors: list[torch.Tensor | None] = []
         adapters: list[Hashable] = []
@@ -100,7 +120,7 @@ class ModelStateTracker:
         if layout != self._layout:
             self._plan = _sampling_plan(present, self.samples)
             self._layout = layout
-        return (
+        return ModelToken(
             _optimizer_steps,
             self.model.training,
             layout,

@@ -130,8 +130,16 @@ def test_a_model_change_drops_captured_graphs_even_without_prefix_caching(monkey
     engine.runner.graphs._graphs[key] = ("graph", torch.zeros(1))
     assert not engine.check_model_state() and key in engine.runner.graphs  # nothing changed: kept
     weight = model.model.layers[0].mlp.up_proj.weight
+    with torch.no_grad():
+        weight.mul_(0.5)  # an optimizer step in place: the same tensors at the same addresses
+    assert engine.check_model_state() and key in engine.runner.graphs  # a graph reads the new values
     weight.data = weight.data.clone()
     assert engine.check_model_state() and len(engine.runner.graphs) == 0
+    engine.runner.graphs._graphs[key] = ("graph", torch.zeros(1))
+    model.train()  # dropout: another forward
+    assert engine.check_model_state() and len(engine.runner.graphs) == 0
+    model.eval()
+    engine.check_model_state()
     engine.runner.graphs._graphs[key] = ("graph", torch.zeros(1))
     engine.forget_model_outputs()  # what hfaccel.reset_prefix_cache(model) calls
     assert len(engine.runner.graphs) == 0
