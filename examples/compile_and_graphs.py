@@ -61,7 +61,8 @@ def main() -> None:
     prompts = [[5 + i, 17, 42 + i, 8] * (2 + i % 3) for i in range(args.requests)]
     results = {}
     for mode in ("off", "decode"):
-        hfaccel.patch(model, compile=mode, max_num_seqs=args.requests)
+        # The baseline is plain eager: no compile and no graphs (graphs default to on with CUDA).
+        hfaccel.patch(model, compile=mode, cuda_graphs=mode != "off", max_num_seqs=args.requests)
         engine = model._hfaccel.get_engine(model)
         warmup = engine.warmup()
         seconds, tokens = timed_generate(model, prompts, args.new_tokens)

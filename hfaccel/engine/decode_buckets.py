@@ -70,7 +70,9 @@ class CapturedDecodeGraphs:
             run()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # "thread_local": the user's own CUDA work in other threads (a plain forward, a training step)
+        # may go on during a capture; only this thread's unsafe calls would spoil it.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             output = run()
         self._graphs[key] = (graph, output)
 
