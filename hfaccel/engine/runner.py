@@ -226,13 +226,10 @@ class ModelRunner:
             return None
         dynamic = bucket is None or self.compile_dynamic
         # One compiled function for every shape (dynamic tokens; dynamo still specialises size 1), or one
-        # per bucket (static shapes). Dynamo caches graphs per code object, and every bucket compiles the
-        # same forward: allow as many cache entries as there are buckets.
+        # per bucket (static shapes). Each is compiled over its own copy of the forward's code, so each
+        # has its own dynamo cache and recompile budget (`patches/compiled_forward.py`).
         slot = "dynamic" if dynamic else bucket
         if slot not in self._compiled:
-            limit = len(self.decode_buckets) + 2
-            if torch._dynamo.config.recompile_limit < limit:
-                torch._dynamo.config.recompile_limit = limit
             self._compiled[slot] = self.executor.compile(dynamic=dynamic)
         return self._compiled[slot]
 

@@ -14,6 +14,8 @@ its steps under ``torch.inference_mode``.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from hfaccel.kernels.context import current_forward_context
@@ -29,10 +31,28 @@ def paged_attention(
 ) -> torch.Tensor:
     """Store ``key``/``value`` ``[T, Hkv, D]`` of layer `layer_idx` in the paged cache and return causal
     paged attention of ``query`` ``[T, Hq, D]``, as the current forward context describes the step."""
-    context = current_forward_context()
-    if context is None:
-        raise RuntimeError("hfaccel::paged_attention runs only inside an hfaccel engine step")
-    return context.backend.forward(query, key, value, context.kv_caches[layer_idx], context.metadata, scale)
+    try:
+        context = current_forward_context()
+        if context is None:
+            raise RuntimeError("hfaccel::paged_attention runs only inside an hfaccel engine step")
+        return context.backend.forward(
+            query, key, value, context.kv_caches[layer_idx], context.metadata, scale
+        )
+    except BaseException as error:
+        # A compiled graph's C++ wrapper replaces this by its own RuntimeError: keep the original for
+        # the caller of the graph (`take_error`).
+        _errors.last = error
+        raise
+
+
+_errors = threading.local()
+
+
+def take_error() -> BaseException | None:
+    """The exception the op last raised in this thread, if any (and forget it)."""
+    error = getattr(_errors, "last", None)
+    _errors.last = None
+    return error
 
 
 _LIBRARY.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")

@@ -12,6 +12,7 @@ import torch
 from hfaccel.engine.executor import register_executor_factory
 from hfaccel.patches import lora
 from hfaccel.patches.attention import engine_attention, register_attention
+from hfaccel.patches.compiled_forward import CompiledForward, own_code
 from hfaccel.patches.model_state import ModelStateTracker
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
 
@@ -89,9 +90,13 @@ class HFExecutor:
     def compile(self, dynamic: bool) -> Callable[..., torch.Tensor]:
         """The model forward under ``torch.compile``: one graph, attention as the custom-op node
         (``fullgraph=True``: a graph break is an error, found at warm-up, never silently slow)."""
-        return torch.compile(
-            self._model_forward, fullgraph=True, dynamic=dynamic, options=inductor_options(self.device)
+        # A copy of the forward's code per compile: its graphs are this model's alone, freed with it, and
+        # count against dynamo's recompile limit apart from other models' (`compiled_forward`).
+        forward = own_code(type(self)._model_forward).__get__(self)
+        compiled = torch.compile(
+            forward, fullgraph=True, dynamic=dynamic, options=inductor_options(self.device)
         )
+        return CompiledForward(compiled, self._model_forward)
 
     def _model_forward(
         self,
