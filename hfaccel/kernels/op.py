@@ -40,16 +40,25 @@ def paged_attention(
         )
     except BaseException as error:
         # A compiled graph's C++ wrapper replaces this by its own RuntimeError: keep the original for
-        # the caller of the graph (`take_error`).
-        _errors.last = error
+        # the caller of the graph (`keep_errors`, `take_error`).
+        if getattr(_errors, "keep", False):
+            _errors.last = error
         raise
 
 
 _errors = threading.local()
 
 
+def keep_errors(keep: bool) -> None:
+    """Whether the op keeps what it raises in this thread for `take_error` (only while a compiled graph
+    runs: a kept exception holds its frames, and with them the step's tensors); either way, forget any
+    kept one."""
+    _errors.keep = keep
+    _errors.last = None
+
+
 def take_error() -> BaseException | None:
-    """The exception the op last raised in this thread, if any (and forget it)."""
+    """The exception the op last raised in this thread while keeping errors, if any (and forget it)."""
     error = getattr(_errors, "last", None)
     _errors.last = None
     return error

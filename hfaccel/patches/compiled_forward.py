@@ -13,8 +13,8 @@
   graph's guards and log dynamo's warning again, every step.
 - **The op's own errors.** On a CPU the compiled graph's C++ wrapper calls ``hfaccel::paged_attention``
   through the dispatcher, which replaces whatever the op raised (a KeyboardInterrupt from Ctrl-C, a
-  ValueError naming a parameter) by its own RuntimeError; the op records its error
-  (`kernels.op.take_error`), and `call_compiled` raises that instead.
+  ValueError naming a parameter) by its own RuntimeError; while a compiled graph runs, the op keeps
+  its error (`kernels.op.keep_errors`, `take_error`), and `call_compiled` raises that instead.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class CompiledForward:
 
 def call_compiled(compiled: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
     """``compiled(*args)``, raising the attention op's own exception where the compiled graph masked it."""
-    op.take_error()  # nothing left over from an earlier step
+    op.keep_errors(True)
     try:
         return compiled(*args)
     except RuntimeError as error:
@@ -95,3 +95,5 @@ def call_compiled(compiled: Callable[..., torch.Tensor], *args: Any) -> torch.Te
         if original is None or original is error:
             raise
         raise original.with_traceback(original.__traceback__) from error
+    finally:
+        op.keep_errors(False)

@@ -93,3 +93,12 @@ def test_an_error_inside_the_compiled_attention_op_reaches_the_caller_as_raised(
     while engine.has_unfinished_requests():
         engine.step()
     assert again.output_token_ids == hf_greedy(model, prompt, 4)
+
+
+def test_the_op_keeps_no_error_outside_a_compiled_graph():
+    # A kept exception holds its frames (the step's tensors, the KV cache): only a compiled call keeps one.
+    from hfaccel.kernels import op
+
+    with pytest.raises(RuntimeError, match="only inside an hfaccel engine step"):
+        op.paged_attention(torch.zeros(1, 1, 1), torch.zeros(1, 1, 1), torch.zeros(1, 1, 1), 0, 1.0)
+    assert op.take_error() is None
