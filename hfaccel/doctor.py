@@ -154,10 +154,32 @@ def generate_matches(name: str, device: torch.device, dtype: torch.dtype) -> boo
         completions = hfaccel.generate(model, prompts, max_new_tokens=16, min_new_tokens=16, progress=False)
         runs.append([c.token_ids for c in completions])
         hfaccel.unpatch(model)
-    return runs[0] == runs[1]
+    reference, ours = runs
+    return all(
+        first_difference_is_a_near_tie(model, prompt, mine, theirs, TOLERANCE[dtype])
+        for prompt, mine, theirs in zip(prompts, ours, reference)
+    )
 
 
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def first_difference_is_a_near_tie(
+    model, prompt: list[int], ours: list[int], ref: list[int], gap: float
+) -> bool:
+    """Whether greedy tokens `ours` agree with `ref`: equal, or first different where the model's own top
+    two logits (eager HF forward on the reference's prefix) lie within `gap`, which a kernel's rounding
+    may flip (a random tiny model's logits are close together, in float16 above all)."""
+    if ours == ref:
+        return True
+    at = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), None)
+    if at is None:  # one is a prefix of the other: a length differs
+        return False
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + ref[:at]], device=device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1]) <= gap
 
 
 def check_backend(name: str, device: torch.device) -> BackendReport:

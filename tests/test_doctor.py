@@ -39,3 +39,21 @@ def test_cli_doctor_checks_triton_under_the_interpreter_on_cpu():
 def test_doctor_reports_the_auto_batch_limits():
     line = auto_limits_line(torch.device("cpu"))
     assert "max_num_seqs=" in line and "(auto)" in line and "max_num_batched_tokens=2048 (auto)" in line
+
+
+def test_a_first_difference_counts_only_at_a_near_tie():
+    from hfaccel.doctor import first_difference_is_a_near_tie
+    from tests.helpers import hf_greedy, tiny_model
+
+    model = tiny_model("llama")
+    prompt = [5, 9, 14, 3]
+    ref = hf_greedy(model, prompt, 6)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ref[:2]])).logits[0, -1]
+    top = logits.topk(2)
+    gap = float(top.values[0] - top.values[1])
+    other = ref[:2] + [int(top.indices[1])] + ref[3:]  # the runner-up taken at token 2
+    assert first_difference_is_a_near_tie(model, prompt, ref, ref, 0.0)
+    assert first_difference_is_a_near_tie(model, prompt, other, ref, gap * 1.01)
+    assert not first_difference_is_a_near_tie(model, prompt, other, ref, gap * 0.99)
+    assert not first_difference_is_a_near_tie(model, prompt, ref[:-1], ref, 1.0)  # a length differs
