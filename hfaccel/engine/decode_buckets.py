@@ -48,11 +48,19 @@ class CapturedDecodeGraphs:
 
     `capture(key, run)` records `run()` (which must read only persistent buffers) after one warm-up
     call; `replay(key)` returns the output tensor the graph writes. Only on CUDA.
+
+    Every graph ends by copying its logits into one shared output buffer (rows for the largest bucket,
+    made outside any capture), and only that view is kept: a graph's own output, left alive, would pin
+    its memory in the pool for good (every bucket's ``[bucket, vocab]``: over a GB for 35 buckets up to
+    256 sequences and a 152k vocabulary), while freed at the end of its capture it is pool memory the
+    next capture reuses. A step uses its logits before the next replay (the engine copies what it keeps).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_rows: int = 1) -> None:
         self._graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self.max_rows = max_rows
+        self._output: torch.Tensor | None = None
 
     def __contains__(self, key: GraphKey) -> bool:
         return key in self._graphs
@@ -67,14 +75,27 @@ class CapturedDecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            run()
+            warm = run()
         torch.cuda.current_stream().wait_stream(stream)
+        output = self.output_view(warm)
+        del warm
         graph = torch.cuda.CUDAGraph()
         # "thread_local": the user's own CUDA work in other threads (a plain forward, a training step)
         # may go on during a capture; only this thread's unsafe calls would spoil it.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            output = run()
+            output.copy_(run())
         self._graphs[key] = (graph, output)
+
+    def output_view(self, like: torch.Tensor) -> torch.Tensor:
+        """The shared output buffer's first rows, shaped and typed as `like` (a ``[rows, vocab]`` output);
+        a new buffer where the current one does not fit (graphs captured on the old one keep it)."""
+        rows, width = like.shape
+        out = self._output
+        fits = out is not None and out.shape[0] >= rows and out.shape[1] == width
+        if not (fits and out.dtype == like.dtype and out.device == like.device):
+            out = torch.empty((max(rows, self.max_rows), width), dtype=like.dtype, device=like.device)
+            self._output = out
+        return out[:rows]
 
     def replay(self, key: GraphKey) -> torch.Tensor:
         """Replay the graph captured under exactly `key`; KeyError if there is none."""
@@ -83,6 +104,7 @@ class CapturedDecodeGraphs:
         return output
 
     def clear(self) -> None:
-        """Drop every graph and the pool (frees their memory)."""
+        """Drop every graph, the pool and the output buffer (frees their memory)."""
         self._graphs.clear()
         self._pool = None
+        self._output = None

@@ -59,7 +59,7 @@ class ModelRunner:
         self.decode_buckets = decode_buckets if (compile_mode != "off" or cuda_graphs) else ()
         self.max_blocks_per_seq = max_blocks_per_seq
         self._compiled: dict[object, Callable[..., torch.Tensor]] = {}
-        self.graphs = CapturedDecodeGraphs()
+        self.graphs = CapturedDecodeGraphs(max(self.decode_buckets, default=1))
         self.backend = backend
         self.block_size = block_size
         self.device = executor.device

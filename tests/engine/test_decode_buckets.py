@@ -143,3 +143,72 @@ def test_a_model_change_drops_captured_graphs_even_without_prefix_caching(monkey
     engine.runner.graphs._graphs[key] = ("graph", torch.zeros(1))
     engine.forget_model_outputs()  # what hfaccel.reset_prefix_cache(model) calls
     assert len(engine.runner.graphs) == 0
+
+
+class _FakeCuda:
+    """torch.cuda's graph API as a CPU can run it: a capture runs its body once, a replay does nothing
+    (enough to check which tensors a capture keeps, not what a replay computes)."""
+
+    class CUDAGraph:
+        def replay(self):
+            pass
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    @staticmethod
+    def graph_pool_handle():
+        return object()
+
+    @staticmethod
+    def current_stream():
+        return _FakeCuda.Stream()
+
+    class stream:  # noqa: N801 (torch.cuda.stream is a class)
+        def __init__(self, s):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class graph(stream):  # noqa: N801
+        def __init__(self, graph, pool=None, capture_error_mode="global"):
+            assert capture_error_mode == "thread_local"
+
+
+def test_every_graph_writes_its_logits_into_one_shared_buffer(monkeypatch):
+    # A graph's own output, kept alive, would pin its memory in the pool: all graphs copy into the
+    # first rows of one buffer made outside the captures, and only those views are kept.
+    for name in ("CUDAGraph", "Stream", "graph_pool_handle", "current_stream", "stream", "graph"):
+        monkeypatch.setattr(torch.cuda, name, getattr(_FakeCuda, name))
+    graphs = CapturedDecodeGraphs(max_rows=8)
+    made = []
+
+    def logits(rows):
+        def run():
+            made.append(torch.full((rows, 5), float(rows)))
+            return made[-1]
+
+        return run
+
+    for bucket in (8, 2, 4):
+        graphs.capture(GraphKey(bucket, 4, "triton", torch.float32), logits(bucket))
+    views = [graphs.replay(GraphKey(b, 4, "triton", torch.float32)) for b in (8, 2, 4)]
+    assert [v.shape for v in views] == [(8, 5), (2, 5), (4, 5)]
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1  # one buffer
+    assert all(
+        not any(v.untyped_storage().data_ptr() == m.untyped_storage().data_ptr() for m in made) for v in views
+    )
+    assert torch.equal(views[2], torch.full((4, 5), 4.0))  # the last capture's copy
+    # a wider output (another vocabulary) gets a buffer of its own; older graphs keep theirs
+    graphs.capture(GraphKey(16, 4, "triton", torch.float32), lambda: torch.ones(16, 7))
+    wide = graphs.replay(GraphKey(16, 4, "triton", torch.float32))
+    assert (
+        wide.shape == (16, 7) and wide.untyped_storage().data_ptr() != views[0].untyped_storage().data_ptr()
+    )
+    graphs.clear()
+    assert len(graphs) == 0 and graphs._output is None
