@@ -8,6 +8,7 @@ and, through the backend's builder, the attention metadata. The model is reached
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -21,6 +22,8 @@ from hfaccel.engine.executor import ModelExecutor
 from hfaccel.engine.microbatch import split_microbatches
 from hfaccel.kernels.context import ForwardContext, forward_context
 from hfaccel.kernels.metadata import AttentionBackend
+
+logger = logging.getLogger("hfaccel")
 
 
 class ModelRunner:
@@ -199,10 +202,10 @@ class ModelRunner:
             self._copied = torch.cuda.Event()
             self._copied.record()
         context = ForwardContext(self.backend, metadata, self.kv_caches)
-        if bucket is not None and self.cuda_graphs:
-            key = self._graph_key(bucket, metadata)
-            if key not in self.graphs:
-                self._capture(key, context, input_ids, positions, logits_indices)
+        key = self._graph_key(bucket, metadata) if bucket is not None and self.cuda_graphs else None
+        if key is not None and key not in self.graphs:
+            self._capture(key, context, input_ids, positions, logits_indices)
+        if key is not None and key in self.graphs:  # a failed capture turned graphs off
             logits = self.graphs.replay(key)
         else:
             extra = {} if adapters is None else {"token_adapters": adapters}
@@ -244,7 +247,19 @@ class ModelRunner:
             with forward_context(context):
                 return self.executor.forward(input_ids, positions, logits_indices, compiled=compiled)
 
-        self.graphs.capture(key, run)
+        try:
+            self.graphs.capture(key, run)
+        except Exception as error:  # not a Ctrl-C: that propagates
+            # A model whose step cannot be captured (a host sync, a data-dependent shape) runs without
+            # graphs from now on, compiled or eager as configured, rather than failing every decode step.
+            logger.warning(
+                "hfaccel: CUDA graphs turned off: capturing a decode step of bucket %d failed (%s: %s)",
+                key.bucket,
+                type(error).__name__,
+                error,
+            )
+            self.cuda_graphs = False
+            self.graphs.clear()
 
     def warmup(self, progress: bool = True) -> float:
         """Compile (and on CUDA capture) every decode bucket now, largest first; returns the seconds.

@@ -212,3 +212,33 @@ def test_every_graph_writes_its_logits_into_one_shared_buffer(monkeypatch):
     )
     graphs.clear()
     assert len(graphs) == 0 and graphs._output is None
+
+
+def test_a_step_that_cannot_be_captured_turns_graphs_off_and_runs_without(monkeypatch, caplog):
+    # A host sync or a data-dependent shape makes CUDA refuse a capture: the engine warns once and goes
+    # on without graphs (the same tokens), rather than failing every decode step.
+    import logging
+
+    from hfaccel.engine.engine import Engine
+    from hfaccel.engine.request import StoppingParams
+    from hfaccel.engine.runner import ModelRunner
+    from tests.helpers import hf_greedy, tiny_model
+
+    class RefusingGraph(_FakeCuda.graph):
+        def __enter__(self):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    for name in ("CUDAGraph", "Stream", "graph_pool_handle", "current_stream", "stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(_FakeCuda, name))
+    monkeypatch.setattr(torch.cuda, "graph", RefusingGraph)
+    monkeypatch.setattr(ModelRunner, "_no_graphs_reason", staticmethod(lambda executor, backend: None))
+    model = tiny_model("llama")
+    engine = Engine(model, EngineConfig(cuda_graphs=True, max_num_seqs=4, kv_cache_memory=2_000_000))
+    prompts = [[5, 17, 33], [7, 8]]
+    with caplog.at_level(logging.WARNING, logger="hfaccel"):
+        requests = [engine.add_request(p, StoppingParams(max_new_tokens=5)) for p in prompts]
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert [r.output_token_ids for r in requests] == [hf_greedy(model, p, 5) for p in prompts]
+    assert not engine.runner.cuda_graphs and len(engine.runner.graphs) == 0
+    assert sum("CUDA graphs turned off" in r.getMessage() for r in caplog.records) == 1
