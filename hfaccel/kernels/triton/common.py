@@ -34,8 +34,10 @@ def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) ->
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision after the fp32 upcast.
 
-    fp16/bf16 values are exact in TF32 (10-bit mantissa), so TF32 tensor cores lose nothing on Q.K; fp32
-    inputs would be truncated, so they get full IEEE fp32 (slow, but fp32 serving is for testing).
+    fp16/bf16 cache values are exact in TF32 (10-bit mantissa), but the operands the kernels multiply
+    are not all cache values: the query is scaled before the dot and the softmax weights ``p`` are fp32,
+    so both are rounded to TF32, an error of fp16's order, which fp16/bf16 serving accepts. fp32 inputs
+    get full IEEE fp32 (slow, but fp32 serving is for testing).
     """
     return "ieee" if dtype == torch.float32 else "tf32"
 
