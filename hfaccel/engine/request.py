@@ -18,14 +18,15 @@ class RequestStatus(enum.Enum):
 @dataclass(frozen=True)
 class StoppingParams:
     """When a request stops: ``max_new_tokens``, EOS ids (never before ``min_new_tokens``), when
-    `stop_check` (given the generated ids) says a stop string has appeared, or when `criteria` (given
+    `stop_check` (given the prompt's ids and the generated ones) says a stop string has appeared, or
+    when `criteria` (given
     the request, after each new token) says so. As in HF's generate, only EOS waits for
     ``min_new_tokens``: stop strings and custom criteria may stop a request before it."""
 
     max_new_tokens: int
     min_new_tokens: int = 0
     eos_token_ids: frozenset[int] = frozenset()
-    stop_check: Callable[[list[int]], bool] | None = None
+    stop_check: Callable[[list[int], list[int]], bool] | None = None
     criteria: Callable[[Request], bool] | None = None  # e.g. HF's custom stopping criteria, run per row
 
     def __post_init__(self) -> None:
@@ -242,12 +243,15 @@ class Request:
         if num_new >= stopping.min_new_tokens and token_id in stopping.eos_token_ids:
             self.finish("stop")
             return
-        checks = ((stopping.stop_check, self.output_token_ids), (stopping.criteria, self))
-        for check, argument in checks:
+        checks = (
+            (stopping.stop_check, (self.prompt_token_ids, self.output_token_ids)),
+            (stopping.criteria, (self,)),
+        )
+        for check, arguments in checks:
             if check is None:
                 continue
             try:
-                stop = check(argument)
+                stop = check(*arguments)
             except Exception as error:  # the request's own callback: it fails alone
                 self.fail(error)
                 return

@@ -243,15 +243,18 @@ def split_score_only(processors: LogitsProcessorList) -> tuple[LogitsProcessorLi
     return LogitsProcessorList(processors[:cut]), LogitsProcessorList(processors[cut:])
 
 
-def stop_string_check(tokenizer: Any, stop_strings: list[str]) -> Callable[[list[int]], bool]:
-    """A check that fires when a stop string ends inside the newest token (overhang allowed, as HF's
-    StopStringCriteria)."""
+def stop_string_check(tokenizer: Any, stop_strings: list[str]) -> Callable[[list[int], list[int]], bool]:
+    """A check of (prompt ids, generated ids) that fires when a stop string ends inside the newest token
+    (overhang allowed), wherever it starts: in the prompt too, as HF's StopStringCriteria matches over
+    the whole row."""
     if not stop_strings or any(not isinstance(s, str) or not s for s in stop_strings):
         raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
     window = max(map(len, stop_strings)) + 2  # every token decodes to at least one character, nearly always
 
-    def check(generated: list[int]) -> bool:
+    def check(prompt: list[int], generated: list[int]) -> bool:
         tail = generated[-window:]
+        if len(tail) < window and prompt:
+            tail = prompt[len(tail) - window :] + tail
         text = tokenizer.decode(tail)
         before = len(tokenizer.decode(tail[:-1])) if len(tail) > 1 else 0
         return any((pos := text.rfind(s)) != -1 and pos + len(s) > before for s in stop_strings)

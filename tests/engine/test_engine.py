@@ -158,7 +158,7 @@ def test_a_raising_stop_check_fails_only_its_request(model):
     engine = Engine(model, EngineConfig(block_size=8, kv_cache_memory=2_000_000))
     prompts = varied_prompts(4)
 
-    def broken(ids):
+    def broken(prompt, ids):
         if len(ids) == 3:
             raise ValueError("stop check bug")
         return False

@@ -65,7 +65,7 @@ def hf_reference(prompt: tuple[int, ...]) -> list[int]:
     return hf_greedy(MODEL, list(prompt), MAX_NEW)
 
 
-def never_stops(ids: list[int]) -> bool:
+def never_stops(prompt: list[int], ids: list[int]) -> bool:
     return False
 
 

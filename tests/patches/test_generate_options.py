@@ -264,6 +264,24 @@ def test_criteria_and_stop_strings_are_not_held_back_by_min_new_tokens():
         assert out.shape[1] == 4 + at + 1
 
 
+def test_a_stop_string_may_begin_in_the_prompt():
+    # HF's StopStringCriteria matches over the whole row: a stop string the first new token completes,
+    # begun by the prompt's last character, stops there.
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama")
+    for text in ("Hello world", "abc", "stop here", "xyz", "0123"):  # a first new token that is a character
+        ids = torch.tensor([tokenizer(text).input_ids])
+        first = hf(model, inputs=ids, max_new_tokens=1, do_sample=False)[0, -1:].tolist()
+        if 3 <= first[0] < 98:
+            break
+    stop = text[-1] + tokenizer.decode(first)
+    kwargs = dict(max_new_tokens=10, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+    reference = hf(model, inputs=ids, **kwargs)
+    assert reference.shape[1] == ids.shape[1] + 1
+    patch(model)
+    assert torch.equal(model.generate(ids, **kwargs), reference)
+
+
 def test_a_raising_criterion_raises_from_generate():
     class Boom(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
