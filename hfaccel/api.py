@@ -42,7 +42,13 @@ from hfaccel.patches.generate import (
 from hfaccel.patches.lora import check_adapter_names
 from hfaccel.patches.lora import unsupported_reason as lora_unsupported_reason
 from hfaccel.patches.models import check_engine_config, check_model, window_reason
-from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
+from hfaccel.patches.params import (
+    has_default_lengths,
+    prepare_config,
+    request_params,
+    stop_string_check,
+    unsupported_reason,
+)
 from hfaccel.patches.pipeline import install_pipeline_batching
 from hfaccel.patches.tp_plan import setup_tensor_parallel
 
@@ -899,21 +905,18 @@ def _plan(
     if reason is not None:
         fall_back(state, reason)
         start = time.perf_counter()
-        output = state.run_original(
-            input_ids, generation_config=copy.deepcopy(prepared), tokenizer=tokenizer, **hf_only
-        )
+        # The caller's own config and arguments, not `prepared`: HF's preparation has filled in lengths
+        # (max_length=20), which HF would no longer treat as defaults.
+        extra = dict(kwargs, **hf_only)
+        if config is not None:
+            extra["generation_config"] = copy.deepcopy(config)
+        output = state.run_original(input_ids, tokenizer=tokenizer, **extra)
         seconds = time.perf_counter() - start
         sequences = output.sequences if hasattr(output, "sequences") else output
-        eos = prepared.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        done = []
-        for row in sequences:
-            new = row[len(ids) :].tolist()
-            if any(t in eos_ids for t in new):  # HF pads the copies that stopped before the longest one
-                new = new[: next(k for k, t in enumerate(new) if t in eos_ids) + 1]
-            reason_done = "stop" if new and new[-1] in eos_ids else "length"
-            done.append(_Done(ids, new, reason_done, metrics=_no_metrics(seconds)))
-        return done
+        return [
+            _Done(ids, new, stopped, metrics=_no_metrics(seconds))
+            for new, stopped in _unpadded_copies(sequences, len(ids), prepared, tokenizer)
+        ]
     if stopping.max_new_tokens <= 0:
         return [_Done(ids, metrics=_no_metrics(0.0)) for _ in range(copies)]
     engine = state.get_engine(model)
@@ -922,6 +925,37 @@ def _plan(
         engine.make_request(ids, stopping, sampling, seed=s, adapter=adapter, **(targets or {}))
         for s in seeds
     ]
+
+
+def _unpadded_copies(
+    sequences: torch.Tensor, prompt_len: int, config: GenerationConfig, tokenizer: Any
+) -> list[tuple[list[int], str]]:
+    """Each row's new tokens and finish reason from HF's output, without the padding HF puts after a
+    copy that stopped before the longest one: cut after its first EOS, else trailing pad ids dropped (a
+    stop string or criterion stopped it; a row that really generated pad ids last reads the same in
+    HF's output). A copy that ends in EOS or a stop string, or was padded, stopped; the rest ran out."""
+    eos = config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    pad = config.pad_token_id
+    strings = config.stop_strings
+    stop_check = (
+        stop_string_check(tokenizer, [strings] if isinstance(strings, str) else list(strings))
+        if strings and tokenizer is not None
+        else None
+    )
+    copies = []
+    for row in sequences:
+        prompt, new = row[:prompt_len].tolist(), row[prompt_len:].tolist()
+        stopped = False
+        if any(t in eos_ids for t in new):
+            new, stopped = new[: next(k for k, t in enumerate(new) if t in eos_ids) + 1], True
+        elif pad is not None and new and new[-1] == pad:
+            while new and new[-1] == pad:
+                new.pop()
+            stopped = True
+        stopped = stopped or (stop_check is not None and bool(new) and stop_check(prompt, new))
+        copies.append((new, "stop" if stopped else "length"))
+    return copies
 
 
 def _targets(tpot_target_ms: float | None, ttft_target_ms: float | None, priority: int) -> dict[str, Any]:

@@ -147,3 +147,55 @@ def test_closing_a_stream_early_cancels_the_rest():
     engine = model._hfaccel.engine
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_a_prompt_that_falls_back_gets_what_hf_generate_gives_by_default():
+    # max_time is served by HF only: the call falls back with a warning. With no length given, HF's
+    # own default applies (the prepared config's max_length=20 passed on would have cut it to 20 total).
+    import copy
+
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    prompt = list(range(5, 20))
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([prompt]), max_time=100.0)[0, len(prompt) :].tolist()
+    hfaccel.patch(model)
+    with pytest.warns(UserWarning, match="falls back"):
+        (completion,) = hfaccel.generate(model, [prompt], max_time=100.0, progress=False)
+    assert completion.token_ids == expected and len(expected) == 20
+
+
+def test_fallen_back_copies_lose_hf_padding_and_say_they_stopped():
+    # HF pads copies that a stop string ended before the longest one: a completion holds no pad ids.
+    import copy
+    import warnings
+
+    from tests.helpers import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model("llama")
+    reference = copy.deepcopy(model)
+    kwargs = dict(
+        max_new_tokens=12, do_sample=True, num_return_sequences=4, stop_strings=["e", "a", "o", "i"]
+    )
+    ids = tokenizer("Hello world").input_ids
+    torch.manual_seed(1)
+    with torch.no_grad():
+        rows = reference.generate(torch.tensor([ids]), tokenizer=tokenizer, max_time=100.0, **kwargs)
+    hfaccel.patch(model)
+    torch.manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        completions = hfaccel.generate(
+            model, [ids], tokenizer=tokenizer, max_time=100.0, progress=False, **kwargs
+        )
+    longest = rows.shape[1] - len(ids)
+    padded = 0
+    for row, completion in zip(rows, completions):
+        new = row[len(ids) :].tolist()
+        while new and new[-1] == model.generation_config.pad_token_id:
+            new.pop()
+            padded += 1
+        assert completion.token_ids == new
+        assert completion.finish_reason == ("stop" if len(new) < longest else completion.finish_reason)
+    assert padded, "no copy stopped early: the case shows nothing"
