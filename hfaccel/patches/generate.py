@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable
-from contextlib import closing
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,22 @@ PER_ROW_ARGUMENTS = {
     "assistant_model": "assistant_model (assisted decoding)",
     "logits_processor": "custom logits_processor",
 }
+# A seed for the sampled rows of the `generate` calls made in this context (row i gets seed + i), set by
+# callers that run generate in worker threads and must not let the threads race for torch's global
+# generator (a pipeline over a list: `patches/pipeline.py`); None: each row draws its own seed.
+_call_seed: ContextVar[int | None] = ContextVar("hfaccel_call_seed", default=None)
+
+
+@contextmanager
+def seeded_calls(seed: int | None) -> Iterator[None]:
+    """Within this block (in this thread), patched ``generate`` seeds its sampled rows from `seed`."""
+    token = _call_seed.set(seed)
+    try:
+        yield
+    finally:
+        _call_seed.reset(token)
+
+
 _SERVED_MODEL_KWARGS = {"input_ids", "attention_mask", *extra_inputs.SERVED}
 
 
@@ -260,8 +277,15 @@ def patched_generate(
         masks = attention_mask.repeat_interleave(copies, dim=0)
         samplings = _per_padding(arguments, {**per_row, **lengths}, masks, sampling)
     adapters = [None] * len(rows) if names is None else [names[i // copies] for i in range(len(rows))]
+    base_seed = _call_seed.get()
     requests = [
-        loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, samplings[i], adapter=adapters[i])
+        loop.engine.make_request(
+            rows[i][keep[i]].tolist(),
+            stopping,
+            samplings[i],
+            seed=None if base_seed is None else base_seed + i,
+            adapter=adapters[i],
+        )
         for i in range(len(rows))
     ]
     if (sampling.processors or stopping.criteria is not None) and ids_given:  # the padded row, as in HF

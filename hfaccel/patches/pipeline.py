@@ -8,8 +8,10 @@ waits for the previous one, so with the default ``batch_size=1`` the engine only
 For a patched model, the forward stage is made concurrent: the loader items are still produced in the
 calling thread (preprocessing and tokenization stay sequential there; tokenizers are not thread-safe),
 each one's ``self.forward`` (so its ``model.generate``) runs in a worker thread, and the results come back
-in input order to the unchanged unbatching and postprocessing. Every ``generate`` call joins the model's
-one engine loop, so all of them share its steps. At most a window of loader items is in flight (twice
+in input order to the unchanged unbatching and postprocessing. Sampled items stay reproducible under
+``torch.manual_seed``: one base seed is drawn in the calling thread when the iteration starts, and item k
+samples from ``base + k * 2**20`` (`seeded_calls`), whichever worker runs first. Every ``generate`` call
+joins the model's one engine loop, so all of them share its steps. At most a window of loader items is in flight (twice
 what fits in one step), which bounds memory on datasets and generators.
 
 `TextGenerationPipeline.get_iterator` is wrapped once, class-wide; it delegates to the original for
@@ -24,7 +26,12 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from hfaccel.config import DEFAULT_MAX_NUM_SEQS
+from hfaccel.patches.generate import seeded_calls
+
+_ROWS_PER_ITEM = 2**20  # seeds apart between items: more than any item's rows (batch x return sequences)
 
 _MAX_WORKERS = 128
 _installed = False
@@ -93,9 +100,11 @@ class _ConcurrentForward:
     def __iter__(self) -> Iterator[Future]:
         pool = ThreadPoolExecutor(max_workers=self.window, thread_name_prefix="hfaccel-pipeline")
         in_flight: deque[Future] = deque()
+        base = int(torch.randint(0, 2**62, ()).item())  # here, in the calling thread, in order
         try:
-            for item in self.loader:
-                in_flight.append(pool.submit(self.forward, item, **self.params))
+            for index, item in enumerate(self.loader):
+                seed = (base + index * _ROWS_PER_ITEM) % 2**63
+                in_flight.append(pool.submit(self._forward, item, seed))
                 if len(in_flight) >= self.window:
                     yield in_flight.popleft()
             while in_flight:
@@ -104,3 +113,7 @@ class _ConcurrentForward:
             # Stopped early (an error, or a lazily consumed dataset abandoned): drop what has not started;
             # calls already generating finish in the background and their results are discarded.
             pool.shutdown(wait=False, cancel_futures=True)
+
+    def _forward(self, item: Any, seed: int) -> Any:
+        with seeded_calls(seed):
+            return self.forward(item, **self.params)
