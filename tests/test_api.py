@@ -97,9 +97,9 @@ BAD = [
     ([5] * 600, {}, r"max_model_len"),
     ([5, 6], {"max_new_tokens": -1}, "max_new_tokens"),
     ([5, 6], {"do_sample": True, "temperature": -0.5}, "temperature must be a strictly positive float"),
-    ([5, 6], {"do_sample": True, "top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+    ([5, 6], {"do_sample": True, "top_p": 1.5}, r"top_p must be in \[0, 1\]"),
     ([5, 6], {"do_sample": True, "top_k": -3}, "top_k must be >= 0"),
-    ([5, 6], {"do_sample": True, "num_return_sequences": 0}, "num_return_sequences must be >= 1"),
+    ([5, 6], {"do_sample": True, "num_return_sequences": -1}, "num_return_sequences must be >= 1"),
 ]
 
 

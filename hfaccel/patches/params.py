@@ -73,15 +73,16 @@ def prepare_config(
 
 def validate_values(config: GenerationConfig) -> None:
     """Raise ValueError naming the parameter for values HF would only reject late (or never)."""
-    if config.num_return_sequences is not None and config.num_return_sequences < 1:
+    if config.num_return_sequences is not None and config.num_return_sequences < 0:
+        # 0 is served as 1, as HF does
         raise ValueError(f"num_return_sequences must be >= 1, got {config.num_return_sequences}")
     if config.max_new_tokens is not None and config.max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {config.max_new_tokens}")
     if config.do_sample:
         if config.temperature is not None and not config.temperature > 0:
             raise ValueError(f"temperature must be a strictly positive float, got {config.temperature}")
-        if config.top_p is not None and not 0 < config.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {config.top_p}")
+        if config.top_p is not None and not 0 <= config.top_p <= 1:  # 0 keeps the top token, as in HF
+            raise ValueError(f"top_p must be in [0, 1], got {config.top_p}")
         if config.top_k is not None and config.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {config.top_k}")
         if config.min_p is not None and not 0 <= config.min_p <= 1:

@@ -596,3 +596,17 @@ def test_concurrent_callers_keep_their_own_options():
         t.join()
     for result, reference in zip(results, references):
         assert torch.equal(result, reference)
+
+
+def test_values_hf_accepts_at_the_edge_are_served_as_hf_serves_them():
+    # top_p=0 keeps the top token (HF's warper keeps at least one); num_return_sequences=0 is one copy.
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7]])
+    greedy = hf(model, inputs=ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(hf(model, inputs=ids, max_new_tokens=5, do_sample=True, top_p=0.0), greedy)
+    assert torch.equal(
+        hf(model, inputs=ids, max_new_tokens=5, do_sample=False, num_return_sequences=0), greedy
+    )
+    patch(model)
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=True, top_p=0.0), greedy)
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, num_return_sequences=0), greedy)
