@@ -180,6 +180,12 @@ def patched_generate(
             visible_ids, input_ids = embeds_in.visible_and_engine_ids(embeds, input_ids)
     if reason is None and (input_ids is None or input_ids.dim() != 2 or input_ids.dtype != torch.long):
         reason = "inputs other than a 2-D tensor of token ids"
+    if reason is None and 0 in input_ids.shape:  # HF fails on these too, deep inside
+        source = "inputs_embeds" if embeds is not None else "input_ids"
+        raise ValueError(
+            f"{source} has shape {tuple((embeds if embeds is not None else input_ids).shape)}: generate "
+            "needs at least one prompt of at least one token"
+        )
     cache = kwargs.get("past_key_values")  # a DynamicCache to continue from (patches/cache_in.py)
     if reason is None and cache is not None:
         reason = cache_in.type_reason(cache)

@@ -610,3 +610,10 @@ def test_values_hf_accepts_at_the_edge_are_served_as_hf_serves_them():
     patch(model)
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=True, top_p=0.0), greedy)
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False, num_return_sequences=0), greedy)
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (0, 4)])
+def test_an_empty_input_is_refused_naming_it(shape):
+    model = patch(tiny_model("llama"))
+    with pytest.raises(ValueError, match=r"input_ids has shape .*at least one prompt of at least one token"):
+        model.generate(torch.zeros(shape, dtype=torch.long), max_new_tokens=3)
