@@ -495,5 +495,14 @@ def _per_step(requests: list[Request], name: str, steps: int) -> tuple[torch.Ten
         return ()
     rows = [getattr(r, name) for r in requests]
     vocab = next(len(row[0]) for row in rows if row)
+    if any(len(row) < steps for row in rows):
+        # HF goes on computing a finished row from the pad tokens it feeds it; the engine stops it.
+        warnings.warn(
+            f"hfaccel: the {name} of a row after it finished are -inf (transformers computes them from the "
+            "pad tokens it keeps feeding the row); mask them by the sequences' padding, as "
+            "compute_transition_scores(normalize_logits=True) gives NaN there",
+            UserWarning,
+            stacklevel=4,
+        )
     filler = torch.full((vocab,), -float("inf"))
     return tuple(torch.stack([row[t] if t < len(row) else filler for row in rows]) for t in range(steps))

@@ -156,6 +156,34 @@ def test_scores_and_logits_match_hf(model):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
 
 
+def test_scores_after_a_row_finished_are_minus_inf_with_a_warning(model):
+    # HF keeps computing a finished row from the pad tokens it feeds it; the engine stops the row, so
+    # its later scores cannot be HF's: -inf, and the call says so.
+    prompts = torch.tensor([PROMPT, PROMPT[::-1]])
+    plain = type(model).generate(model, prompts, max_new_tokens=6, do_sample=False)
+    eos = int(plain[0, len(PROMPT) + 1])  # row 0 stops after 2 tokens; row 1 (likely) runs on
+    kwargs = {
+        "max_new_tokens": 6,
+        "return_dict_in_generate": True,
+        "output_scores": True,
+        "eos_token_id": eos,
+    }
+    ref = type(model).generate(model, prompts, **kwargs)
+    model = hfaccel.patch(model, kv_cache_memory=2_000_000)
+    try:
+        with pytest.warns(UserWarning, match="scores of a row after it finished are -inf"):
+            ours = model.generate(prompts, **kwargs)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(ours.sequences, ref.sequences) and len(ours.scores) > 2
+    for step, (mine, theirs) in enumerate(zip(ours.scores, ref.scores)):
+        torch.testing.assert_close(mine[1], theirs[1], atol=1e-4, rtol=1e-4)  # the running row: HF's
+        if step < 2:
+            torch.testing.assert_close(mine[0], theirs[0], atol=1e-4, rtol=1e-4)
+        else:
+            assert bool((mine[0] == -float("inf")).all())
+
+
 def test_logprobs_are_those_of_the_chosen_tokens(model):
     completion = hfaccel.generate(model, [PROMPT], max_new_tokens=5, logprobs=True, progress=False)[0]
     with torch.no_grad():
