@@ -105,7 +105,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(dim=-1)`` of a 2-D ``x``: by the C kernel for CPU float32 rows with unit stride (the
     logits of a step), by torch otherwise. Returns int64 ``[rows]`` on `x`'s device."""
     if (
-        x.device.type != "cpu"
+        type(x) is not torch.Tensor  # a subclass (a DTensor) keeps its values elsewhere than data_ptr()
+        or x.device.type != "cpu"
         or x.dtype != torch.float32
         or x.dim() != 2
         or x.shape[1] == 0

@@ -414,7 +414,9 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     writes a contiguous output, the layout the attention op's fake implementation promises for such a
     query)."""
     return (
-        query.device.type == "cpu"
+        type(query) is torch.Tensor  # not a subclass (a DTensor): the kernel reads data_ptr() directly
+        and type(k_cache) is torch.Tensor
+        and query.device.type == "cpu"
         and (query.dtype, k_cache.dtype) in _SERVED
         and query.is_contiguous()
         and query.shape[1] // k_cache.shape[2] * query.shape[2] <= 4096  # the kernel's MAX_ACC

@@ -76,3 +76,22 @@ def test_layouts_a_flush_to_zero_caller_and_the_switch(monkeypatch):
     finally:
         monkeypatch.delenv("HFACCEL_CPU_DECODE_KERNEL")
         cpu_argmax.load.cache_clear()
+
+
+def test_a_tensor_subclass_goes_to_torch(monkeypatch):
+    # A subclass such as a DTensor keeps its values elsewhere than data_ptr(): the kernel would read
+    # whatever lies there (a tensor-parallel step crashed with SIGSEGV).
+    class Wrapped(torch.Tensor):
+        pass
+
+    calls = []
+
+    class Library:
+        def hfaccel_argmax(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(cpu_argmax, "load", lambda: Library())
+    x = torch.randn(3, 50)
+    assert torch.equal(cpu_argmax.argmax_rows(x.as_subclass(Wrapped)), x.argmax(dim=-1)) and not calls
+    cpu_argmax.argmax_rows(x)
+    assert len(calls) == 1  # a plain tensor takes the kernel

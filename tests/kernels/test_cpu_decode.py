@@ -271,3 +271,15 @@ def test_cpu_decode_call_converts_index_dtypes_and_refuses_inconsistent_tensors(
     strided = torch.randn(len(lens), hq, 2 * d, generator=g)[..., ::2]
     with pytest.raises(ValueError, match="contiguous head rows"):
         call(strided, k_cache, v_cache, d**-0.5, out)
+
+
+def test_the_decode_kernel_refuses_a_tensor_subclass():
+    class Wrapped(torch.Tensor):
+        pass
+
+    query, cache = torch.randn(2, 4, 8), torch.zeros(4, 16, 2, 8)
+    if cpu_decode.load() is None:
+        pytest.skip("no C compiler: the kernel is off")
+    assert cpu_decode.supports(query, cache)
+    assert not cpu_decode.supports(query.as_subclass(Wrapped), cache)
+    assert not cpu_decode.supports(query, cache.as_subclass(Wrapped))
