@@ -76,8 +76,11 @@ def test_kv_heads_fewer_than_ranks_are_replicated():
     assert results[0]["heads"] == results[1]["heads"] == (2, 1)
 
 
-@full_only
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+# The DTensor runtime without sequence parallelism runs in `make test` (a C kernel fed a DTensor's
+# data_ptr() once crashed it, unseen there); with sequence parallelism in the full matrix.
+@pytest.mark.parametrize(
+    "sequence_parallel", [False, pytest.param(True, marks=full_only)], ids=["tp2", "tp2-sp"]
+)
 def test_dtensor_runtime_parity(sequence_parallel):
     check_parity_results(
         run_ranks("tests.distributed.workers:parity", runtime="dtensor", sequence_parallel=sequence_parallel),
