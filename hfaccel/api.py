@@ -627,7 +627,9 @@ class _StreamEvents:
         return StreamEvent(index, token, delta, done, reason, logprob, top, self.call.prompt_indexes[index])
 
 
-_temporary_patch_lock = threading.Lock()
+# Re-entrant: an abandoned stream's cleanup (a `_patched` block's `finally`) may run from the garbage
+# collector in a thread that already holds it, in the middle of another call's patch.
+_temporary_patch_lock = threading.RLock()
 
 
 @contextmanager

@@ -383,3 +383,98 @@ print("exiting")
     assert done.returncode == 0, done.stderr
     assert "exiting" in done.stdout
     assert "Fatal" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+class _CallsGenerate:
+    """A stopping criterion that runs `action` once, on the engine loop thread, then never stops."""
+
+    def __init__(self, action):
+        self.action, self.result = action, None
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.result is None:
+            try:
+                self.result = ("ok", self.action())
+            except BaseException as error:
+                self.result = ("raised", error)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def _joined(target, timeout=60):
+    """Run `target` in a thread; its (status, value), or ("hung", None) after `timeout` seconds."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = ("ok", target())
+        except BaseException as error:
+            box["value"] = ("raised", error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return box.get("value", ("hung", None))
+
+
+def test_generate_from_inside_the_models_own_step_is_refused_not_a_deadlock():
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    ids = torch.tensor([[5, 6, 7]])
+    inner = _CallsGenerate(lambda: model.generate(ids, max_new_tokens=2, do_sample=False))
+    status, _ = _joined(
+        lambda: model.generate(ids, max_new_tokens=4, do_sample=False, stopping_criteria=[inner])
+    )
+    assert status == "ok"
+    assert inner.result[0] == "raised" and "from inside its own engine step" in str(inner.result[1])
+    assert _joined(lambda: model.generate(ids, max_new_tokens=3, do_sample=False))[0] == "ok"
+
+
+def test_a_stream_closed_on_the_loop_thread_does_not_wait_for_the_loop():
+    # The garbage collector closes an abandoned stream (in a reference cycle) on whichever thread it
+    # collects, the engine loop's included: its cleanup must not wait for the loop, which is itself.
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    stream = hfaccel.stream(model, [[5] * 8], max_new_tokens=300, min_new_tokens=300)
+    next(stream)
+    closer = _CallsGenerate(stream.close)
+    ids = torch.tensor([[4, 4, 4]])
+    status, _ = _joined(
+        lambda: model.generate(ids, max_new_tokens=6, do_sample=False, stopping_criteria=[closer])
+    )
+    assert status == "ok" and closer.result[0] == "ok"
+    assert model._hfaccel.loop.wait_idle(10) and model._hfaccel.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit, asyncio.CancelledError])
+def test_a_base_exception_from_one_callers_criterion_fails_that_caller_alone(error):
+    # Off the main thread no Ctrl-C lands: a KeyboardInterrupt there is the callback's own doing.
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    prompts = varied_prompts(4)
+
+    def bad(input_ids, scores, **kwargs):
+        if input_ids.shape[1] > 6:
+            raise error("from a criterion")
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    results = {}
+    threads = [
+        threading.Thread(
+            target=lambda i=i, p=p: results.__setitem__(
+                i, _joined(lambda: model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False))
+            )
+        )
+        for i, p in enumerate(prompts)
+    ]
+    for thread in threads:
+        thread.start()
+    status, raised = _joined(
+        lambda: model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=MAX_NEW, stopping_criteria=[bad])
+    )
+    for thread in threads:
+        thread.join(60)
+    assert status == "raised" and isinstance(raised, error)
+    for i, prompt in enumerate(prompts):
+        got = results[i]
+        assert got[0] == "ok", got
+        assert_same_or_near_tie(
+            model, prompt, got[1][0, len(prompt) :].tolist(), hf_greedy(model, prompt, MAX_NEW)
+        )
+    assert model._hfaccel.loop.wait_idle(10) and model._hfaccel.engine.block_manager.num_used_blocks == 0

@@ -124,8 +124,13 @@ class Submission:
         finally:
             if not complete:
                 # Wait for the cancellation to take effect (its blocks freed when this returns), except
-                # on KeyboardInterrupt: an interrupted caller gets control back at once.
-                self.cancel(wait=not isinstance(sys.exc_info()[1], KeyboardInterrupt))
+                # on KeyboardInterrupt (an interrupted caller gets control back at once) and on the loop
+                # thread itself: an abandoned stream's cleanup may run there (the garbage collector
+                # closes it wherever it collects), and the loop cannot wait for itself.
+                self.cancel(
+                    wait=not isinstance(sys.exc_info()[1], KeyboardInterrupt)
+                    and threading.current_thread() is not self.loop._thread
+                )
 
     async def aupdates(self) -> AsyncIterator[Update]:
         """`updates` for a coroutine; cancelling the task cancels the requests."""
@@ -208,12 +213,22 @@ class EngineLoop:
 
         `stream=True` delivers every new token; otherwise only each request's end is reported.
         """
+        self._refuse_reentry()
         submission = Submission(self, requests, stream)
         self._post("submit", submission)
         return submission
 
+    def _refuse_reentry(self) -> None:
+        if self._thread is not None and threading.current_thread() is self._thread:
+            raise RuntimeError(
+                "generate was called on a model from inside its own engine step (a stopping criterion, "
+                "logits processor or stop check of one of its requests): it would wait for the step that "
+                "is waiting for it; call it from another thread, or after the outer call returns"
+            )
+
     def submit_async(self, requests: Sequence[Request], *, stream: bool = False) -> Submission:
         """`submit` for the running event loop: consume with ``Submission.aupdates``."""
+        self._refuse_reentry()
         submission = Submission(self, requests, stream, asyncio.get_running_loop())
         self._post("submit", submission)
         return submission

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -252,7 +253,9 @@ class Request:
                 continue
             try:
                 stop = check(*arguments)
-            except Exception as error:  # the request's own callback: it fails alone
+            except BaseException as error:  # the request's own callback: it fails alone
+                if not fails_alone(error):
+                    raise
                 self.fail(error)
                 return
             if stop:
@@ -272,3 +275,11 @@ class Request:
             return
         self.error = error
         self.finish("error")
+
+
+def fails_alone(error: BaseException) -> bool:
+    """Whether an exception from a request's own callback (a stop check, criterion or logits processor)
+    fails that request alone: any `Exception`, and off the main thread any other (a KeyboardInterrupt,
+    SystemExit or CancelledError raised there is the callback's doing: Ctrl-C lands on the main thread
+    only). On the main thread those stop the step, as a Ctrl-C should."""
+    return isinstance(error, Exception) or threading.current_thread() is not threading.main_thread()

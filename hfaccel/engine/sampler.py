@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import torch
 
-from hfaccel.engine.request import Request
+from hfaccel.engine.request import Request, fails_alone
 from hfaccel.kernels.cpu_argmax import argmax_index, argmax_rows
 
 
@@ -32,7 +32,11 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             ids = torch.tensor([request.processor_ids()], dtype=torch.long, device=scores.device)
             try:
                 scores[i : i + 1] = params.processors(ids, scores[i : i + 1])
-            except Exception as error:  # the request's own processors (a caller's custom one): it fails alone
+            except (
+                BaseException
+            ) as error:  # the request's own processors (a caller's custom one): it fails alone
+                if not fails_alone(error):
+                    raise
                 request.fail(error)
         if params.warpers:
             groups[id(params)].append(i)
