@@ -176,51 +176,56 @@ def patch(
     replicas (of world // D ranks each, TP, PP or EP inside); `generate` spreads its requests over them
     by load and returns every completion on every rank. See docs/parallelism.md.
     """
-    state: PatchState | None = getattr(model, "_hfaccel", None)
-    parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
-    if state is not None:
-        if pipeline_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_pp") is None:
-            raise ValueError("pipeline parallelism is set at a model's first patch: unpatch it first")
-        if expert_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_ep") is None:
-            raise ValueError("expert parallelism is set at a model's first patch: unpatch it first")
-        if data_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_dp") is None:
-            raise ValueError("data parallelism is set at a model's first patch: unpatch it first")
-        if any(p is not None for p in parallel):  # tensor parallelism is fixed at the first patch
-            if model.__dict__.get("_hfaccel_tp") is None:
-                raise ValueError("tensor parallelism is set at a model's first patch: unpatch it first")
-            setup_tensor_parallel(
-                model, *parallel, (config or state.config).with_overrides(**overrides).batching
-            )
-        if config is not None or overrides:
-            new_config = (config or state.config).with_overrides(**overrides)
-            _check_draft_model(model, new_config)
-            check_engine_config(model, new_config)
-            if new_config != state.config:
-                state.release("hfaccel.patch changed the engine config: its engine was rebuilt")
-                state.config = new_config
-        state.temporary = False  # patched on purpose now: it stays patched after temporary users end
-        state.strict = state.strict if strict is None else strict
-        state.progress = state.progress if progress is None else progress
+    # One patch of a model at a time (two threads patching it at once recorded the first one's
+    # patched generate as "the original"), and never during a temporary patch's setup or teardown.
+    with _temporary_patch_lock:
+        state: PatchState | None = getattr(model, "_hfaccel", None)
+        parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
+        if state is not None:
+            if pipeline_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_pp") is None:
+                raise ValueError("pipeline parallelism is set at a model's first patch: unpatch it first")
+            if expert_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_ep") is None:
+                raise ValueError("expert parallelism is set at a model's first patch: unpatch it first")
+            if data_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_dp") is None:
+                raise ValueError("data parallelism is set at a model's first patch: unpatch it first")
+            if any(p is not None for p in parallel):  # tensor parallelism is fixed at the first patch
+                if model.__dict__.get("_hfaccel_tp") is None:
+                    raise ValueError("tensor parallelism is set at a model's first patch: unpatch it first")
+                setup_tensor_parallel(
+                    model, *parallel, (config or state.config).with_overrides(**overrides).batching
+                )
+            if config is not None or overrides:
+                new_config = (config or state.config).with_overrides(**overrides)
+                _check_draft_model(model, new_config)
+                check_engine_config(model, new_config)
+                if new_config != state.config:
+                    # The new config first: a call that rebuilds the engine after the release (it joins the
+                    # loop thread) builds it from the new one.
+                    state.config = new_config
+                    state.release("hfaccel.patch changed the engine config: its engine was rebuilt")
+            state.temporary = False  # patched on purpose now: it stays patched after temporary users end
+            state.strict = state.strict if strict is None else strict
+            state.progress = state.progress if progress is None else progress
+            return model
+        check_model(model)
+        engine_config = (config or EngineConfig()).with_overrides(**overrides)
+        _check_draft_model(model, engine_config)
+        setup_tensor_parallel(model, *parallel, engine_config.batching)  # shards the model when N > 1
+        setup_pipeline_parallel(model, pipeline_parallel_size)  # splits the layers into stages when P > 1
+        setup_expert_parallel(model, expert_parallel_size)  # shards the experts when E > 1
+        setup_data_parallel(model, data_parallel_size)  # D engine replicas when D > 1
+        check_engine_config(model, engine_config)
+        register_attention()
+        model._hfaccel = PatchState(
+            config=engine_config,
+            original_generate=model.generate,
+            instance_generate=model.__dict__.get("generate"),
+            strict=bool(strict),
+            progress=bool(progress),
+        )
+        model.generate = types.MethodType(patched_generate, model)
+        install_pipeline_batching()
         return model
-    check_model(model)
-    engine_config = (config or EngineConfig()).with_overrides(**overrides)
-    _check_draft_model(model, engine_config)
-    setup_tensor_parallel(model, *parallel, engine_config.batching)  # shards the model when N > 1
-    setup_pipeline_parallel(model, pipeline_parallel_size)  # splits the layers into stages when P > 1
-    setup_expert_parallel(model, expert_parallel_size)  # shards the experts when E > 1
-    setup_data_parallel(model, data_parallel_size)  # D engine replicas when D > 1
-    check_engine_config(model, engine_config)
-    register_attention()
-    model._hfaccel = PatchState(
-        config=engine_config,
-        original_generate=model.generate,
-        instance_generate=model.__dict__.get("generate"),
-        strict=bool(strict),
-        progress=bool(progress),
-    )
-    model.generate = types.MethodType(patched_generate, model)
-    install_pipeline_batching()
-    return model
 
 
 def _check_draft_model(model: Any, config: EngineConfig) -> None:
@@ -243,13 +248,14 @@ def _check_draft_model(model: Any, config: EngineConfig) -> None:
 def unpatch(model: Any) -> Any:
     """Undo `patch`: the original `generate` comes back exactly, the engine loop stops and the KV cache
     is released (requests still in flight fail with `LoopClosed`)."""
-    state: PatchState | None = model.__dict__.pop("_hfaccel", None)
-    if state is None:
-        return model
-    if state.instance_generate is None:
-        del model.generate
-    else:
-        model.generate = state.instance_generate
+    with _temporary_patch_lock:
+        state: PatchState | None = model.__dict__.pop("_hfaccel", None)
+        if state is None:
+            return model
+        if state.instance_generate is None:
+            del model.generate
+        else:
+            model.generate = state.instance_generate
     state.release("hfaccel.unpatch released the engine")
     restore_attention(model)
     return model
@@ -506,7 +512,12 @@ def stream(
             seed=seed, targets=_targets(tpot_target_ms, ttft_target_ms, priority), adapter=adapter,
         )  # fmt: skip
         events = _StreamEvents(call, tokenizer)
-        yield from events.completed()
+        try:
+            yield from events.completed()  # prompts transformers served first
+        except BaseException:  # closed or interrupted meanwhile: the engine's prompts are cancelled too
+            if submission is not None:
+                submission.cancel()
+            raise
         if submission is None:
             return
         with closing(submission.updates()) as updates:  # closing this generator cancels what is left
@@ -539,8 +550,13 @@ async def astream(
             adapter=adapter,
         )  # fmt: skip
         events = _StreamEvents(call, tokenizer)
-        for event in events.completed():
-            yield event
+        try:
+            for event in events.completed():  # prompts transformers served first
+                yield event
+        except BaseException:  # closed or cancelled meanwhile: the engine's prompts are cancelled too
+            if submission is not None:
+                submission.cancel()
+            raise
         if submission is None:
             return
         async with aclosing(submission.aupdates()) as updates:

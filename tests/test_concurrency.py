@@ -478,3 +478,87 @@ def test_a_base_exception_from_one_callers_criterion_fails_that_caller_alone(err
             model, prompt, got[1][0, len(prompt) :].tolist(), hf_greedy(model, prompt, MAX_NEW)
         )
     assert model._hfaccel.loop.wait_idle(10) and model._hfaccel.engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("line", [0, 1, 2])
+def test_ctrl_c_before_the_wait_begins_cancels_the_submission(line):
+    # A KeyboardInterrupt between submitting and the first update (the bar, the counters) reached the
+    # caller while its request ran to the end, holding its blocks.
+    import sys
+
+    from hfaccel.engine.loop import Submission
+
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    code = getattr(Submission, "_wait", Submission.wait).__code__
+    target = code.co_firstlineno + 1 + line  # the body's first lines
+    fired = []
+
+    def tracer(frame, event, arg):
+        if frame.f_code is not code:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == target and not fired:
+                fired.append(target)
+                raise KeyboardInterrupt
+            return local
+
+        return local
+
+    engine = model._hfaccel.engine
+    before = engine.num_generated_tokens
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model.generate(torch.tensor([[7] * 10]), max_new_tokens=400, min_new_tokens=400, do_sample=False)
+    finally:
+        sys.settrace(None)
+    assert fired and model._hfaccel.loop.wait_idle(30)
+    assert engine.num_generated_tokens - before < 400 and engine.block_manager.num_used_blocks == 0
+
+
+def test_two_threads_patching_one_model_leave_hf_generate_behind_after_unpatch():
+    for _ in range(40):  # the race showed in about half the trials
+        model = tiny_model()
+        original = model.generate
+        barrier = threading.Barrier(2)
+
+        def patch_it(model=model, barrier=barrier):
+            barrier.wait()
+            hfaccel.patch(model)
+
+        threads = [threading.Thread(target=patch_it) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        hfaccel.unpatch(model)
+        assert (
+            "generate" not in model.__dict__
+            and model.generate == original
+            and "_hfaccel" not in model.__dict__
+        )
+        model.generate(torch.tensor([[5, 6]]), max_new_tokens=2, do_sample=False)
+
+
+def test_closing_a_stream_while_it_yields_fallen_back_prompts_cancels_the_engines():
+    import warnings
+
+    from transformers import GenerationConfig
+
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    configs = [
+        GenerationConfig(
+            max_new_tokens=5, max_time=30.0, do_sample=False
+        ),  # max_time: transformers serves it
+        GenerationConfig(max_new_tokens=400, min_new_tokens=400, do_sample=False),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        events = hfaccel.stream(model, [[5, 6, 7], [8] * 10], generation_config=configs)
+        assert next(events).index == 0  # the fallen-back prompt's events come first
+        events.close()
+    engine = model._hfaccel.engine
+    assert model._hfaccel.loop.wait_idle(30)
+    assert engine.num_generated_tokens < 400 and engine.block_manager.num_used_blocks == 0

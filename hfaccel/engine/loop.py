@@ -147,6 +147,15 @@ class Submission:
 
     def wait(self, progress: bool = False) -> None:
         """Block until every request has finished (see `updates`); `progress` shows a bar."""
+        try:
+            self._wait(progress)
+        except BaseException:
+            # A Ctrl-C before the updates began leaves them nothing to cancel: cancel here (after they
+            # began, they cancelled already and this is a no-op).
+            self.cancel()
+            raise
+
+    def _wait(self, progress: bool) -> None:
         engine = self.loop.engine
         bar = tqdm(total=len(self.requests), desc="hfaccel", unit="req", disable=not progress, leave=False)
         tokens_before = engine.num_generated_tokens
