@@ -203,7 +203,9 @@ def patch(
                     # loop thread) builds it from the new one.
                     state.config = new_config
                     state.release("hfaccel.patch changed the engine config: its engine was rebuilt")
-            state.temporary = False  # patched on purpose now: it stays patched after temporary users end
+            if state.temporary:  # patched on purpose now: it stays patched after temporary users end,
+                state.temporary = False  # and its generate runs on the engine from now on
+                model.generate = types.MethodType(patched_generate, model)
             state.strict = state.strict if strict is None else strict
             state.progress = state.progress if progress is None else progress
             return model
@@ -223,7 +225,8 @@ def patch(
             strict=bool(strict),
             progress=bool(progress),
         )
-        model.generate = types.MethodType(patched_generate, model)
+        if not _temporary.patching:  # a temporary patch leaves the model's own generate alone
+            model.generate = types.MethodType(patched_generate, model)
         install_pipeline_batching()
         return model
 
@@ -253,7 +256,7 @@ def unpatch(model: Any) -> Any:
         if state is None:
             return model
         if state.instance_generate is None:
-            del model.generate
+            model.__dict__.pop("generate", None)  # none bound by a temporary patch
         else:
             model.generate = state.instance_generate
     state.release("hfaccel.unpatch released the engine")
@@ -648,13 +651,27 @@ class _StreamEvents:
 _temporary_patch_lock = threading.RLock()
 
 
+class _TemporaryPatching(threading.local):
+    patching = False  # this thread's `patch` call makes a temporary patch (under the lock)
+
+
+_temporary = _TemporaryPatching()
+
+
 @contextmanager
 def _patched(model: Any) -> Iterator[PatchState]:
     """The model's patch state; an unpatched model is patched for the block and restored after the last
     of the calls that patched it this way ends (concurrent calls share one engine)."""
     with _temporary_patch_lock:
         if not is_patched(model):
-            patch(model)
+            # It serves the hfaccel calls that made it (they reach the engine through the state): the
+            # model's own generate stays transformers' for every other thread, whose plain calls a
+            # temporary engine ending under them would otherwise fail.
+            _temporary.patching = True
+            try:
+                patch(model)
+            finally:
+                _temporary.patching = False
             model._hfaccel.temporary = True
         state: PatchState = model._hfaccel
         temporary = state.temporary

@@ -562,3 +562,21 @@ def test_closing_a_stream_while_it_yields_fallen_back_prompts_cancels_the_engine
     engine = model._hfaccel.engine
     assert model._hfaccel.loop.wait_idle(30)
     assert engine.num_generated_tokens < 400 and engine.block_manager.num_used_blocks == 0
+
+
+def test_a_temporary_patch_leaves_the_models_own_generate_to_other_threads():
+    # hfaccel.generate on an unpatched model patches it for the call: a thread calling the model's
+    # plain generate meanwhile must get transformers' own, not an engine the call then closes under it.
+    model = tiny_model()
+    seen = []
+
+    def look(input_ids, scores, **kwargs):
+        seen.append((hfaccel.api.is_patched(model), "generate" in model.__dict__))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    prompt = [5, 6, 7]
+    (completion,) = hfaccel.generate(
+        model, [prompt], max_new_tokens=3, stopping_criteria=[look], progress=False
+    )
+    assert seen and all(seen_now == (True, False) for seen_now in seen)
+    assert completion.token_ids == hf_greedy(model, prompt, 3) and not hfaccel.api.is_patched(model)
