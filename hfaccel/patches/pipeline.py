@@ -60,8 +60,10 @@ def install_pipeline_batching() -> None:
         )
         state = getattr(self.model, "__dict__", {}).get("_hfaccel")
         model_iterator = getattr(final, "loader", None)
-        if state is None or getattr(model_iterator, "infer", None) != self.forward:
-            return final  # not patched, or a pipeline layout this wrapper does not know: leave it alone
+        if state is None or state.temporary or getattr(model_iterator, "infer", None) != self.forward:
+            # not patched (a temporary patch, serving another thread's hfaccel call, leaves this model's
+            # generate to transformers), or a pipeline layout this wrapper does not know: leave it alone
+            return final
         engine = state.engine
         max_num_seqs = (
             engine.config if engine is not None else state.config
