@@ -32,9 +32,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             ids = torch.tensor([request.processor_ids()], dtype=torch.long, device=scores.device)
             try:
                 scores[i : i + 1] = params.processors(ids, scores[i : i + 1])
-            except (
-                BaseException
-            ) as error:  # the request's own processors (a caller's custom one): it fails alone
+            except BaseException as error:  # the request's own processors (a caller's): it fails alone
                 if not fails_alone(error):
                     raise
                 request.fail(error)

@@ -181,10 +181,10 @@ def patched_generate(
     if reason is None and (input_ids is None or input_ids.dim() != 2 or input_ids.dtype != torch.long):
         reason = "inputs other than a 2-D tensor of token ids"
     if reason is None and 0 in input_ids.shape:  # HF fails on these too, deep inside
-        source = "inputs_embeds" if embeds is not None else "input_ids"
+        name, given_input = ("input_ids", input_ids) if embeds is None else ("inputs_embeds", embeds)
         raise ValueError(
-            f"{source} has shape {tuple((embeds if embeds is not None else input_ids).shape)}: generate "
-            "needs at least one prompt of at least one token"
+            f"{name} has shape {tuple(given_input.shape)}: generate needs at least one prompt of at least "
+            "one token"
         )
     cache = kwargs.get("past_key_values")  # a DynamicCache to continue from (patches/cache_in.py)
     if reason is None and cache is not None:
