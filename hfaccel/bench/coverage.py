@@ -351,13 +351,15 @@ class _Context:
         """A DynamicCache of the inputs' first 4 positions (a forward call), then the whole inputs."""
         from transformers import DynamicCache
 
+        from hfaccel.patches.cache_names import CACHE_NAME
+
         with torch.no_grad():
             out = self.model(
                 self.ids[:, :4],
                 attention_mask=self.mask[:, :4],
-                past_key_values=DynamicCache(config=self.model.config),
+                **{CACHE_NAME: DynamicCache(config=self.model.config)},
             )
-        return {"past_key_values": out.past_key_values}
+        return {CACHE_NAME: getattr(out, CACHE_NAME)}
 
     def criteria(self) -> Any:
         from transformers import StoppingCriteria, StoppingCriteriaList

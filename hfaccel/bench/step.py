@@ -81,18 +81,20 @@ def hf_decode_step(model: Any, batch_size: int, prompt_len: int) -> Callable[[],
     tokens) and takes the argmax of the logits to the host, as HF's decode loop does."""
     from transformers import DynamicCache
 
+    from hfaccel.patches.cache_names import CACHE_NAME
+
     vocab = model.get_input_embeddings().num_embeddings
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (batch_size, prompt_len), generator=g).to(next(model.parameters()).device)
     state = {}
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, use_cache=True, **{CACHE_NAME: cache})
         state["tokens"] = out.logits[:, -1].argmax(-1, keepdim=True)
 
     @torch.inference_mode()
     def step() -> None:
-        out = model(input_ids=state["tokens"], past_key_values=cache, use_cache=True)
+        out = model(input_ids=state["tokens"], use_cache=True, **{CACHE_NAME: cache})
         state["tokens"] = out.logits[:, -1].argmax(-1, keepdim=True)
         state["tokens"].tolist()  # the host needs the tokens every step, as generate does
 

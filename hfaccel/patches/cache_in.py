@@ -31,6 +31,7 @@ import torch
 
 from hfaccel.engine.prompt_inputs import attach_kv
 from hfaccel.engine.request import Request
+from hfaccel.patches.cache_names import CACHE_NAME
 
 
 def type_reason(cache: Any) -> str | None:
@@ -76,8 +77,8 @@ class CacheImport:
                 given = self.cache.layers[index].keys
                 keys, values = keys.to(given.device, given.dtype), values.to(given.device, given.dtype)
             self.cache.update(keys, values, index)
-        if hasattr(output, "past_key_values"):
-            output.past_key_values = self.cache
+        if hasattr(output, CACHE_NAME):  # a GenerateDecoderOnlyOutput (not the plain tensor)
+            setattr(output, CACHE_NAME, self.cache)
         return output
 
 

@@ -41,6 +41,7 @@ from hfaccel.patches import embeds as embeds_in
 from hfaccel.patches import model_kwargs as extra_inputs
 from hfaccel.patches.arguments import check_generate_kwargs
 from hfaccel.patches.beam import beam_unsupported_reason, generate_beams, is_beam_search
+from hfaccel.patches.cache_names import CACHE_NAME, normalize_cache_argument, output_cache
 from hfaccel.patches.models import window_reason
 from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
 
@@ -164,6 +165,7 @@ def patched_generate(
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """Drop-in replacement for `model.generate`, bound on a patched instance."""
     state: PatchState = self._hfaccel
+    kwargs = normalize_cache_argument(kwargs, "model.generate")
     # adapter_names is PEFT's (its generate pops it); checked against the model's LoRA layers below.
     checked = {k: v for k, v in kwargs.items() if k != "adapter_names"}
     check_generate_kwargs(self, checked, "model.generate", [generation_config])
@@ -186,7 +188,7 @@ def patched_generate(
             f"{name} has shape {tuple(given_input.shape)}: generate needs at least one prompt of at least "
             "one token"
         )
-    cache = kwargs.get("past_key_values")  # a DynamicCache to continue from (patches/cache_in.py)
+    cache = kwargs.get(CACHE_NAME)  # a DynamicCache to continue from (patches/cache_in.py)
     if reason is None and cache is not None:
         reason = cache_in.type_reason(cache)
     if reason is not None:
@@ -208,7 +210,7 @@ def patched_generate(
     call_kwargs = {k: v for k, v in kwargs.items() if k not in popped}
     has_default_max, has_default_min = has_default_lengths(self, generation_config, call_kwargs)
     config, model_kwargs = prepare_config(self, generation_config, call_kwargs)
-    served = _SERVED_MODEL_KWARGS | {"inputs_embeds", "past_key_values"}  # both checked above
+    served = _SERVED_MODEL_KWARGS | {"inputs_embeds", CACHE_NAME}  # both checked above
     extra = sorted(k for k, v in model_kwargs.items() if v is not None and v is not False and k not in served)
     copies = config.num_return_sequences or 1
     device = next(self.parameters()).device
@@ -316,7 +318,7 @@ def patched_generate(
     output = _output(config, prompts, requests, self, kv_width=input_ids.shape[1])
     if imported is None:
         return output
-    built = output.past_key_values if config.return_dict_in_generate else None
+    built = output_cache(output) if config.return_dict_in_generate else None
     if built is None:
         width = max(len(r.output_token_ids) for r in requests)
         built = _dynamic_cache(self, requests, input_ids.shape[1], width, input_ids.device)
@@ -457,7 +459,7 @@ def _output(
         sequences=sequences,
         scores=_per_step(requests, "scores", width) if config.output_scores else None,
         logits=_per_step(requests, "logits", width) if config.output_logits else None,
-        past_key_values=cache,
+        **{CACHE_NAME: cache},
     )
 
 

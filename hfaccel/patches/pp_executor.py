@@ -39,6 +39,7 @@ from hfaccel.distributed.pp import PPState
 from hfaccel.distributed.sync import StepSync
 from hfaccel.kernels.context import ForwardContext, forward_context
 from hfaccel.patches.attention import engine_attention
+from hfaccel.patches.cache_names import CACHE_NAME
 from hfaccel.patches.executor import HFExecutor
 
 
@@ -161,7 +162,7 @@ class PPExecutor(HFExecutor):
                     attention_mask=None,
                     position_embeddings=position_embeddings,
                     position_ids=positions,
-                    past_key_values=None,
+                    **{CACHE_NAME: None},
                     use_cache=False,
                 )
         return hidden
