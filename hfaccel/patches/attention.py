@@ -23,6 +23,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +48,9 @@ def paged_attention_forward(
     """HF attention-interface entry: ``query`` ``[1, Hq, T, D]``, ``key``/``value`` ``[1, Hkv, T, D]``
     (packed, not GQA-repeated) -> ``([1, T, Hq, D], None)``, through the ``hfaccel::paged_attention``
     op, which reads the step from the forward context the runner set."""
+    calls = getattr(_local, "recorded_calls", None)
+    if calls is not None:  # `recording_attention` (the patch-time check of what layers pass)
+        return _record_call(calls, module, query, key, value, scaling, kwargs)
     context = current_forward_context()
     if context is None:
         raise RuntimeError(
@@ -69,6 +73,63 @@ def paged_attention_forward(
     with torch.autocast(device, enabled=False):
         out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale))
     return out.unsqueeze(0).to(query.dtype), None
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What one attention layer handed the attention function: its index, Q/K/V shapes
+    (``[1, heads, T, D]``) and the keyword arguments beyond HF's common ones."""
+
+    layer_idx: Any
+    query_shape: tuple[int, ...]
+    key_shape: tuple[int, ...]
+    value_shape: tuple[int, ...]
+    kwargs: dict[str, Any]
+
+
+@contextmanager
+def recording_attention(model: torch.nn.Module) -> Iterator[list[AttentionCall]]:
+    """Inside this block, in this thread, the model's attention layers call the "hfaccel" function,
+    which records each call and answers with plain causal attention (one sequence, no cache)."""
+    register_attention()
+    calls: list[AttentionCall] = []
+    previous = getattr(_local, "recorded_calls", None)
+    _local.recorded_calls = calls
+    try:
+        with engine_attention(model):
+            yield calls
+    finally:
+        _local.recorded_calls = previous
+
+
+def _record_call(
+    calls: list[AttentionCall],
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    calls.append(
+        AttentionCall(
+            getattr(module, "layer_idx", None),
+            tuple(query.shape),
+            tuple(key.shape),
+            tuple(value.shape),
+            kwargs,
+        )
+    )
+    groups = query.shape[1] // max(1, key.shape[1])
+    if key.shape[1] * groups != query.shape[1] or key.shape[-1] != query.shape[-1]:
+        shape = (
+            *query.shape[:3],
+            value.shape[-1],
+        )  # shapes the engine refuses: only the output's shape matters
+        return query.new_zeros(shape).transpose(1, 2), None
+    k, v = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling)
+    return out.transpose(1, 2), None
 
 
 def register_attention() -> None:

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from hfaccel.patches.layer_support import unsupported_reason
+
 TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"})
 
 
@@ -25,6 +27,9 @@ def check_model(model: torch.nn.Module) -> None:
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
             "so hfaccel cannot serve it"
         )
+    reason = unsupported_reason(model, sliding_window(model))
+    if reason is not None:
+        raise ValueError(f"hfaccel cannot serve {type(model).__name__}: {reason}")
     model_type = getattr(config.get_text_config(decoder=True), "model_type", None)
     if model_type not in TESTED_MODEL_TYPES:
         warnings.warn(

@@ -1,0 +1,174 @@
+"""What of a model's layers the engine implements: the guard `patch` runs, from the model itself.
+
+An engine step runs every decoder layer once over a packed batch of many sequences, with attention
+replaced by paged causal attention over each sequence's own KV blocks (a sliding window is served up
+to the window's length: `models.max_model_len`). Anything else a layer does across tokens would mix
+the sequences of a batch or differ from HF, so a model with such a layer is refused at `patch`, with
+the reason, instead of giving wrong tokens. Three checks, none of them a list of families:
+
+1. the config's ``layer_types``: only ``full_attention`` and ``sliding_attention`` (``chunked_attention``,
+   ``linear_attention``, ``hybrid``, ``mamba``, ``conv``, ``moe`` without attention... are refused);
+2. the modules: no ``torch.nn.Conv1d``, the causal convolution over the sequence in recurrent and
+   convolutional mixers (Mamba, Mamba 2, Jamba, Bamba, Falcon-H1, Zamba, Qwen3-Next's gated delta net,
+   LFM2's short convolution). transformers' ``Conv1D`` (GPT-2's projection) is a linear layer, not one;
+3. one forward of a few tokens with the attention function recording what it is handed: every decoder
+   layer calls it exactly once, with K and V shapes one paged cache holds (every layer the same KV
+   heads and head dim; K, V and Q of one width, which multi-head latent attention breaks), and no
+   argument the kernels do not implement (attention sinks ``s_aux``, logit ``softcap``, a window
+   other than the model's own, a non-causal call). A layer that never calls it (RWKV, MiniMax's
+   lightning attention) mixes tokens some other way.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from typing import Any
+
+import torch
+
+from hfaccel.patches.attention import AttentionCall, recording_attention
+
+SERVED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+LAYER_TYPE_REASONS = {
+    "chunked_attention": "chunked attention layers (attention_chunk_size, as in Llama 4)",
+    "linear_attention": "linear-attention or recurrent layers (a per-sequence state)",
+    "mamba": "Mamba layers (a per-sequence recurrent state)",
+    "hybrid": "hybrid attention + recurrent layers (a per-sequence recurrent state)",
+}
+# Keyword arguments that carry nothing the kernels must implement, whatever their value.
+NEUTRAL_ARGUMENTS = frozenset(
+    {
+        "position_ids",
+        "use_cache",
+        "cache_position",
+        "output_attentions",
+        "output_router_logits",
+        "return_dict",
+    }
+)
+PROBE_TOKENS = 4
+
+_verdicts: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str | None]] = weakref.WeakKeyDictionary()
+
+
+def unsupported_reason(model: torch.nn.Module, window: int | None) -> str | None:
+    """Why the engine cannot serve this model's layers exactly (None: it can). `window` is the sliding
+    window the engine serves up to (None: none). Kept per model and config object: the probe runs one
+    forward of a few tokens."""
+    config = model.config
+    cached = _verdicts.get(model)
+    if cached is not None and cached[0] is config:
+        return cached[1]
+    text_config = config.get_text_config(decoder=True)
+    reason = (
+        layer_types_reason(text_config) or module_reason(model) or probe_reason(model, text_config, window)
+    )
+    _verdicts[model] = (config, reason)
+    return reason
+
+
+def layer_types_reason(text_config: Any) -> str | None:
+    """The first layer type in the config's ``layer_types`` the engine does not implement."""
+    for index, kind in enumerate(getattr(text_config, "layer_types", None) or ()):
+        if kind not in SERVED_LAYER_TYPES:
+            what = LAYER_TYPE_REASONS.get(kind, f"layers of type {kind!r}")
+            return f"{what} are not implemented by the engine (layer_types[{index}] = {kind!r})"
+    return None
+
+
+def module_reason(model: torch.nn.Module) -> str | None:
+    """A module that mixes tokens outside attention: a convolution over the sequence."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Conv1d):
+            return (
+                f"{name} ({type(module).__name__}) convolves over the sequence: a recurrent or convolutional "
+                "token mixer, which the engine does not implement (it keeps no per-sequence state)"
+            )
+    return None
+
+
+def probe_reason(model: torch.nn.Module, text_config: Any, window: int | None) -> str | None:
+    """Run the model on a few tokens with the attention function recording, and check what it saw."""
+    param = next(model.parameters())
+    vocab = model.get_input_embeddings()
+    vocab_size = getattr(vocab, "base_layer", vocab).num_embeddings
+    ids = (torch.arange(1, PROBE_TOKENS + 1) % vocab_size).unsqueeze(0).to(param.device)
+    positions = torch.arange(PROBE_TOKENS, device=param.device).unsqueeze(0)
+    try:
+        with torch.no_grad(), recording_attention(model) as calls:
+            model(input_ids=ids, position_ids=positions, use_cache=False)
+    except Exception as error:  # a model whose forward needs what the engine never gives it
+        failure = f"{type(error).__name__}: {error}"
+        return f"a forward of {PROBE_TOKENS} tokens with the engine's attention failed ({failure})"
+    return calls_reason(calls, text_config.num_hidden_layers, window)
+
+
+def calls_reason(calls: list[AttentionCall], num_layers: int, window: int | None) -> str | None:
+    """Why these recorded attention calls cannot run on the paged cache (None: they can)."""
+    if any(call.layer_idx is None for call in calls):
+        return "an attention module without a layer_idx (the engine keeps one KV cache per layer)"
+    counts = Counter(int(call.layer_idx) for call in calls)
+    missing = [layer for layer in range(num_layers) if counts[layer] == 0]
+    if missing:
+        return (
+            f"decoder layers {_spans(missing)} never call the attention function: they mix tokens some "
+            "other way (a recurrent or linear-attention layer), which the engine does not implement"
+        )
+    repeated = sorted(layer for layer, count in counts.items() if count > 1 or layer >= num_layers)
+    if repeated:
+        return f"layers {_spans(repeated)} call attention more than once a forward, or are past num_hidden_layers"
+    first = calls[0]
+    for call in calls:
+        if call.value_shape[-1] != call.key_shape[-1] or call.key_shape[-1] != call.query_shape[-1]:
+            return (
+                f"layer {call.layer_idx} has queries, keys and values of different head dims "
+                f"({call.query_shape[-1]}, {call.key_shape[-1]}, {call.value_shape[-1]}: multi-head latent "
+                "attention, as in DeepSeek-V2/V3), which the paged cache does not hold"
+            )
+        if call.key_shape[1] != first.key_shape[1] or call.key_shape[-1] != first.key_shape[-1]:
+            return (
+                f"layer {call.layer_idx} has {call.key_shape[1]} KV heads of {call.key_shape[-1]} dims, layer "
+                f"{first.layer_idx} {first.key_shape[1]} of {first.key_shape[-1]}: one paged cache holds one shape"
+            )
+        reason = arguments_reason(call, window)
+        if reason is not None:
+            return reason
+    return None
+
+
+def arguments_reason(call: AttentionCall, window: int | None) -> str | None:
+    """The first keyword argument of one call that the kernels do not implement."""
+    for name, value in call.kwargs.items():
+        if name in NEUTRAL_ARGUMENTS or value is None:
+            continue
+        if name == "s_aux":
+            return f"layer {call.layer_idx} passes attention sinks (s_aux, as in gpt-oss), which the kernels ignore"
+        if name == "softcap":
+            return f"layer {call.layer_idx} soft-caps attention logits (softcap={value}), which the kernels do not"
+        if name == "sliding_window":
+            if window is None or int(value) < window:
+                return (
+                    f"layer {call.layer_idx} attends within a window of {value} tokens, narrower than the "
+                    f"model's sliding_window ({window}) that the engine serves up to"
+                )
+            continue
+        if name == "is_causal":
+            if value is False:
+                return f"layer {call.layer_idx} asks for non-causal attention (is_causal=False)"
+            continue
+        if value is False:
+            continue
+        return f"layer {call.layer_idx} passes {name}={_short(value)} to attention, which the kernels do not implement"
+    return None
+
+
+def _spans(layers: list[int]) -> str:
+    return str(layers) if len(layers) <= 6 else f"{layers[:6]} (and {len(layers) - 6} more)"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

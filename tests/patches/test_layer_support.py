@@ -1,0 +1,148 @@
+"""The guard at `patch`: a layer kind, an attention argument or a module the engine does not implement
+is refused with the reason, never run with wrong tokens."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import transformers
+
+import hfaccel
+from hfaccel.patches.attention import AttentionCall
+from hfaccel.patches.layer_support import arguments_reason, calls_reason
+from tests.helpers import assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
+
+# Small values in the spirit of transformers' model testers (hidden sizes kept at multiples of 16: the
+# MoE kernels need aligned strides), two or four layers so a hybrid has both kinds.
+SMALL = {
+    "vocab_size": 99,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def family_model(model_type: str, **extra):
+    """A tiny random model of `model_type` from its default config with SMALL's values (where the config
+    has them and lets them be set) and `extra`."""
+    config = transformers.AutoConfig.for_model(model_type)
+    for key, value in {**SMALL, **extra}.items():
+        if key in extra or hasattr(config, key):
+            with contextlib.suppress(AttributeError):  # a derived property (Jamba's layer_types, for one)
+                setattr(config, key, value)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+REFUSED = {
+    "gpt_oss": ({"num_local_experts": 4, "head_dim": 16, "sliding_window": 8}, "attention sinks"),
+    "llama4_text": (
+        {"head_dim": 16, "num_local_experts": 2, "intermediate_size_mlp": 64},
+        "chunked attention",
+    ),
+    "jamba": ({"num_experts": 2, "attn_layer_period": 2, "attn_layer_offset": 1}, "recurrent"),
+    "mamba2": ({"num_heads": 4, "head_dim": 32, "n_groups": 1, "state_size": 16}, "recurrent"),
+    "qwen3_next": (
+        {"head_dim": 16, "num_experts": 4, "moe_intermediate_size": 32, "linear_num_value_heads": 4},
+        "linear-attention",
+    ),
+    "falcon_h1": ({"head_dim": 16, "mamba_d_head": 16, "mamba_n_heads": 8}, "recurrent"),
+    "lfm2": ({"layer_types": ["conv", "full_attention", "conv", "full_attention"]}, "'conv'"),
+    "deepseek_v3": (
+        {
+            "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8,
+            "head_dim": 8,
+            "v_head_dim": 16,
+            "kv_lora_rank": 16,
+            "q_lora_rank": None,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+        "multi-head latent attention",
+    ),
+    "gemma2": ({"head_dim": 16, "attn_logit_softcapping": 50.0}, "soft-caps attention logits"),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_families_the_engine_would_run_wrong_are_refused_at_patch(model_type):
+    extra, reason = REFUSED[model_type]
+    model = family_model(model_type, **extra)
+    original = model.generate
+    with pytest.raises(ValueError, match=f"hfaccel cannot serve .*{reason}"):
+        hfaccel.patch(model)
+    assert not hasattr(model, "_hfaccel") and model.generate == original  # nothing was patched
+
+
+def test_a_made_up_layer_type_is_refused():
+    model = tiny_model("llama", layers=2)
+    model.config.layer_types = ["full_attention", "telepathic_attention"]
+    with pytest.raises(ValueError, match=r"layers of type 'telepathic_attention' .*layer_types\[1\]"):
+        hfaccel.patch(model)
+
+
+def test_a_sequence_convolution_anywhere_is_refused():
+    model = tiny_model("llama", layers=2)
+    model.model.layers[1].mixer = torch.nn.Conv1d(64, 64, 4, groups=64)  # never called: it is there
+    with pytest.raises(ValueError, match=r"model.layers.1.mixer \(Conv1d\) convolves over the sequence"):
+        hfaccel.patch(model)
+
+
+def test_a_layer_that_skips_attention_is_refused():
+    model = tiny_model("llama", layers=3)
+    layer = model.model.layers[1]
+    layer.self_attn.forward = lambda hidden_states, *args, **kwargs: (hidden_states.cumsum(1), None)
+    with pytest.raises(ValueError, match=r"decoder layers \[1\] never call the attention function"):
+        hfaccel.patch(model)
+
+
+def call(layer=0, q=(1, 4, 4, 16), k=(1, 2, 4, 16), v=(1, 2, 4, 16), **kwargs):
+    return AttentionCall(layer, q, k, v, kwargs)
+
+
+def test_unknown_attention_arguments_are_refused_and_neutral_ones_pass():
+    assert arguments_reason(call(position_ids=torch.zeros(1, 4), use_cache=False, softcap=None), None) is None
+    assert "s_aux" in arguments_reason(call(s_aux=torch.zeros(4)), None)
+    assert "passes mystery_bias=1.5" in arguments_reason(call(mystery_bias=1.5), None)
+    assert arguments_reason(call(sliding_window=128), 128) is None
+    assert "narrower than the model's sliding_window (128)" in arguments_reason(call(sliding_window=64), 128)
+    assert "window of 64 tokens" in arguments_reason(call(sliding_window=64), None)
+    assert "is_causal=False" in arguments_reason(call(is_causal=False), None)
+
+
+def test_layer_shapes_one_paged_cache_cannot_hold_are_refused():
+    assert calls_reason([call(0), call(1)], 2, None) is None
+    assert "layers [1] (and" not in (calls_reason([call(0)], 2, None) or "")
+    assert "decoder layers [1] never call" in calls_reason([call(0)], 2, None)
+    assert "more than once" in calls_reason([call(0), call(0), call(1)], 2, None)
+    assert "without a layer_idx" in calls_reason([call(None)], 1, None)
+    mla = calls_reason([call(0, q=(1, 4, 4, 24), k=(1, 4, 4, 24), v=(1, 4, 4, 16))], 1, None)
+    assert "multi-head latent attention" in mla
+    mixed = calls_reason([call(0), call(1, k=(1, 4, 4, 16), v=(1, 4, 4, 16))], 2, None)
+    assert "one paged cache holds one shape" in mixed
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "cohere2"])
+def test_served_window_families_still_match_hf(model_type):
+    """Families mixing full and sliding layers pass the guard and give HF's tokens within the window."""
+    model = family_model(model_type, head_dim=16, sliding_window=64, vocab_size=256)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    prompts = varied_prompts(4, seed=3)
+    completions = hfaccel.generate(model, prompts, max_new_tokens=6, progress=False)
+    for prompt, completion in zip(prompts, completions):
+        assert_same_or_near_tie(model, prompt, completion.token_ids, hf_greedy(model, prompt, 6))
