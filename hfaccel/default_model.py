@@ -38,4 +38,8 @@ def load_default_model(dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF_FILE, dtype=dtype)
     finally:
         hf_logging.set_verbosity(verbosity)
+    if tokenizer.pad_token is None and model.config.pad_token_id is not None:
+        # transformers before 5.18 reads no pad token from the GGUF file: the model's own, for padding
+        # batches (pipelines, chat templates with padding=True).
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(model.config.pad_token_id)
     return model.eval(), tokenizer

@@ -1,6 +1,8 @@
 """Beam search in the engine: the search step against transformers' own helpers, whole runs against HF's
 beam search, and beam groups preempted, restarted and aborted without leaking a block."""
 
+import inspect
+
 import pytest
 import torch
 from transformers.generation.utils import GenerationMixin as GM
@@ -10,6 +12,8 @@ from hfaccel.engine.beam_search import BeamParams, BeamSearch
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.request import SamplingParams, StoppingParams
 from tests.helpers import EOS, PAD, check_consistent, tiny_model
+
+TOP_K_PARAMETERS = inspect.signature(GM._get_top_k_continuations).parameters
 
 
 class HFBeamSearch:
@@ -40,6 +44,9 @@ class HFBeamSearch:
         b, nb, cur = self.b, self.nb, self.cur_len
         log_probs = GM._unflatten_beam_dim(log_probs, b, nb) + self.running_scores[:, :, None]
         log_probs = torch.reshape(log_probs, (b, -1))
+        sizes = {"num_beams": nb, "batch_size": b}
+        if "vocab_size" in TOP_K_PARAMETERS:  # transformers before 5.18 took it too
+            sizes["vocab_size"] = log_probs.shape[-1] // nb
         topk_lp, topk_seqs, topk_indices = GM._get_top_k_continuations(
             GM,
             log_probs,
@@ -49,8 +56,7 @@ class HFBeamSearch:
             self.prompt_len,
             False,
             self.keep,
-            nb,
-            b,
+            **sizes,
         )
         last = topk_seqs[:, :, cur]
         hits = torch.isin(last, self.eos) | (cur + 1 >= self.max_length)
