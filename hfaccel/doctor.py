@@ -206,8 +206,7 @@ def auto_limits_line(device: torch.device) -> str:
     """What ``max_num_seqs`` / ``max_num_batched_tokens`` left as None (auto) resolve to here, for the
     default model (SmolLM2-135M: 30 layers, 3 KV heads of 64) with the default ``kv_cache_memory``."""
     from hfaccel.config import EngineConfig
-    from hfaccel.engine.engine import free_memory_bytes
-    from hfaccel.engine.limits import resolve_limits
+    from hfaccel.engine.limits import free_memory_bytes, resolve_limits
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     per_token = 2 * 30 * 3 * 64 * torch.empty((), dtype=dtype).element_size()

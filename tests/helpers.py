@@ -19,6 +19,7 @@ from transformers import (
 
 import hfaccel.engine.engine
 from hfaccel.engine.engine import Engine
+from hfaccel.engine.fault_repair import is_whole
 from hfaccel.engine.request import RequestStatus
 
 VOCAB = 256
@@ -240,7 +241,7 @@ def check_consistent(engine: Engine) -> None:
     assert {id(r) for r in queued} == set(scheduler.live), "live and the queues disagree"
     assert scheduler.scheduled == []
     for request in running:
-        assert request.status is RequestStatus.RUNNING and scheduler._is_whole(request)
+        assert request.status is RequestStatus.RUNNING and is_whole(manager.block_size, request)
     for request in waiting + forming:
         assert request.status is RequestStatus.WAITING and request.block_ids == []
         assert request.num_computed_tokens == 0

@@ -3,13 +3,14 @@ every completion, and the grouping of num_return_sequences copies."""
 
 import asyncio
 import math
+import warnings
 
 import pytest
 import torch
-from transformers import GenerationConfig, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 import hfaccel
-from tests.helpers import FAMILIES, hf_greedy, tiny_model, varied_prompts
+from tests.helpers import FAMILIES, assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
 
 METRIC_KEYS = {
     "queue_s",
@@ -176,23 +177,48 @@ def test_a_refused_prompt_gives_n_error_results_in_its_place(copies):
     assert [c.finish_reason == "error" for c in mixed] == [True] * copies + [False] * copies
 
 
-def test_hf_only_generate_arguments_fall_back_with_them():
+def test_generates_own_objects_run_on_the_engine_in_hfaccel_generate():
+    """Custom logits processors, stopping criteria and prompt lookup: served per prompt by hfaccel.generate
+    (as model.generate serves them per row), with HF's tokens and no fallback."""
+
     class BanFive:
         def __call__(self, input_ids, scores):
             scores[:, 5] = -float("inf")
             return scores
 
+    class StopAfterSeven(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == 7
+
+    model = tiny_model()
+    prompts = varied_prompts(3, seed=11)
+    processors = LogitsProcessorList([BanFive()])
+    criteria = StoppingCriteriaList([StopAfterSeven()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        banned = hfaccel.generate(
+            model, prompts, logits_processor=processors, max_new_tokens=8, progress=False
+        )
+        stopped = hfaccel.generate(
+            model, prompts, stopping_criteria=criteria, max_new_tokens=8, progress=False
+        )
+        looked_up = hfaccel.generate(
+            model, prompts, prompt_lookup_num_tokens=2, max_new_tokens=8, progress=False
+        )
+    for i, prompt in enumerate(prompts):
+        assert banned[i].token_ids == hf_greedy(model, prompt, 8, logits_processor=processors)
+        assert stopped[i].token_ids == hf_greedy(model, prompt, 8, stopping_criteria=criteria)
+        assert_same_or_near_tie(model, prompt, looked_up[i].token_ids, hf_greedy(model, prompt, 8))
+    assert sum(c.metrics.get("spec_drafted", 0) for c in looked_up) > 0  # prompt lookup drafted
+
+
+def test_hf_only_generate_arguments_fall_back_with_them():
     model = tiny_model()
     prompt = [7, 8, 9]
-    with pytest.warns(UserWarning, match="custom logits_processor"):
-        out = hfaccel.generate(
-            model,
-            [prompt],
-            logits_processor=LogitsProcessorList([BanFive()]),
-            max_new_tokens=5,
-            progress=False,
-        )
-    assert out[0].token_ids == hf_greedy(model, prompt, 5, logits_processor=LogitsProcessorList([BanFive()]))
+    other = tiny_model(seed=5)  # an assistant that is not the engine's draft model
+    with pytest.warns(UserWarning, match="assistant_model"):
+        out = hfaccel.generate(model, [prompt], assistant_model=other, max_new_tokens=5, progress=False)
+    assert out[0].token_ids == hf_greedy(model, prompt, 5)
 
 
 @pytest.mark.parametrize("family", FAMILIES[:2])

@@ -10,19 +10,16 @@ of the queue) always resume first.
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
 from hfaccel.engine.request import Request
-
-if TYPE_CHECKING:
-    from hfaccel.engine.scheduler import Scheduler
+from hfaccel.engine.scheduler_state import SchedulerState
 
 
 class AdmissionOrder:
     """The admission order of one scheduler's waiting requests, which it reads from the scheduler that
     holds it, and the prefix-cache keys of those requests (computed once per request)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: SchedulerState) -> None:
         self.scheduler = scheduler
         self._prefix_keys: dict[int, tuple[Request, list]] = {}  # id(request) -> (it, its prefix-cache keys)
 

@@ -18,14 +18,15 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from hfaccel.engine.beam_search import sample_tokens
-from hfaccel.engine.speculative.verify import sample_step
+import torch
+
+from hfaccel.engine.sampler import next_tokens
 
 
 def _forward_and_sample(runner: Any, packed: Any) -> tuple[Any, list, float]:
     logits = runner.run(packed)
     ran_at = time.perf_counter()
-    tokens = sample_tokens(logits, packed.sampled_requests, packed.rows_per_request, sample_step)
+    tokens = next_tokens(logits, packed.sampled_requests, packed.rows_per_request)
     return logits, tokens, ran_at
 
 
@@ -50,3 +51,10 @@ class AsyncStepper:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def resolve_async_scheduling(setting: bool | None, device: torch.device) -> bool:
+    """``None`` (auto): off. On a CPU the host's share of a step is about 1% and overlapping it measured no
+    gain (docs/benchmarks.md); on CUDA it is not measured yet, so it stays opt-in (``True``)."""
+    del device  # the choice will depend on it once a GPU measurement says where it pays
+    return bool(setting)

@@ -89,17 +89,47 @@ class PackedStep:
     prompt_embeds: list[tuple[int, Request, int, int]] | None = None
 
 
+class StepPacker:
+    """Sequences appended one after another into one packed ``[1, T]`` row: token ids, positions, KV
+    slots, and the lists of the step's `StepLayout` (`pack_step` and the draft model's passes)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        self.query_lens: list[int] = []
+        self.seq_lens: list[int] = []
+        self.tables: list[list[int]] = []
+        self.logits_indices: list[int] = []
+
+    def add(self, tokens: list[int], start: int, blocks: list[int]) -> None:
+        """One sequence's `tokens` at positions ``start..``, its K/V written into `blocks`."""
+        end = start + len(tokens)
+        size = self.block_size
+        self.input_ids.extend(tokens)
+        self.positions.extend(range(start, end))
+        self.slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
+        self.query_lens.append(len(tokens))
+        self.seq_lens.append(end)
+        self.tables.append(blocks)
+
+    def layout(self, decode_query_len: int) -> StepLayout:
+        return StepLayout(
+            query_lens=self.query_lens,
+            seq_lens=self.seq_lens,
+            block_tables=self.tables,
+            slot_mapping=self.slots,
+            num_decodes=num_leading_decodes(self.query_lens, decode_query_len),
+        )
+
+
 def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -> PackedStep:
     """Pack `step`; sequences the backend serves on its decode path (at most `decode_query_len` new
     tokens) go first, in the scheduler's order."""
     order = sorted(range(len(step)), key=lambda i: step.num_tokens[i] > decode_query_len)
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_lens: list[int] = []
-    seq_lens: list[int] = []
-    tables: list[list[int]] = []
-    logits_indices: list[int] = []
+    packer = StepPacker(block_size)
+    logits_indices = packer.logits_indices
     sampled: list[Request] = []
     rows: list[int] = []
     adapters: list[str | None] | None = [] if any(r.adapter is not None for r in step.requests) else None
@@ -110,36 +140,26 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
         end = start + count
         drafts = request.spec_token_ids
         if request.prompt_embeds is not None and start < len(request.prompt_embeds):
-            embedded.append((len(input_ids), request, start, min(end, len(request.prompt_embeds))))
+            embedded.append((len(packer.input_ids), request, start, min(end, len(request.prompt_embeds))))
         verifying = bool(drafts) and request.num_uncomputed_tokens == 1 and count == 1 + len(drafts)
         if count == 1:
-            input_ids.append(request.token_at(start))
+            tokens = [request.token_at(start)]
         elif verifying:  # the last token, then the drafts: logits at every one of them
-            input_ids.append(request.token_at(start))
-            input_ids.extend(drafts)
+            tokens = [request.token_at(start), *drafts]
         else:
-            input_ids.extend(request.all_token_ids[start:end])
-        positions.extend(range(start, end))
+            tokens = request.all_token_ids[start:end]
+        packer.add(tokens, start, request.block_ids)
         if adapters is not None:
             adapters.extend([request.adapter] * count)
-        blocks = request.block_ids
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, end))
-        query_lens.append(count)
-        seq_lens.append(end)
-        tables.append(blocks)
         if verifying:
-            logits_indices.extend(range(len(input_ids) - count, len(input_ids)))
+            logits_indices.extend(range(len(packer.input_ids) - count, len(packer.input_ids)))
             sampled.append(request)
             rows.append(count)
         elif end == request.num_tokens:  # the step reaches the sequence's end: its last logits are sampled
-            logits_indices.append(len(input_ids) - 1)
+            logits_indices.append(len(packer.input_ids) - 1)
             sampled.append(request)
             rows.append(1)
-    layout = StepLayout(
-        query_lens=query_lens,
-        seq_lens=seq_lens,
-        block_tables=tables,
-        slot_mapping=slots,
-        num_decodes=num_leading_decodes(query_lens, decode_query_len),
+    layout = packer.layout(decode_query_len)
+    return PackedStep(
+        packer.input_ids, packer.positions, logits_indices, sampled, layout, rows, adapters, embedded or None
     )
-    return PackedStep(input_ids, positions, logits_indices, sampled, layout, rows, adapters, embedded or None)

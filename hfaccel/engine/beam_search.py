@@ -24,7 +24,7 @@ one, and its blocks stay shared.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -304,42 +304,18 @@ def attach(request: Request) -> BeamGroup | None:
     return request.beam_group
 
 
-def sample_tokens(
-    logits: torch.Tensor,
-    requests: list[Request],
-    rows: list[int] | None,
-    sample_step: Callable[[torch.Tensor, list[Request], list[int] | None], Any],
-) -> list:
-    """A step's tokens (see `sample_step`), with the rows of beam groups taken out and given to their
-    search step: a beam slot's entry is the token its new beam gets (the group's `pending` choice says
-    which parent it continues)."""
-    beam_index = [i for i, r in enumerate(requests) if r.beam_group is not None]
-    if not beam_index:
-        return sample_step(logits, requests, rows)
-    counts = rows if rows is not None else [1] * len(requests)
-    offsets = [0]
-    for n in counts:
-        offsets.append(offsets[-1] + n)
-    result: list[Any] = [None] * len(requests)
-    beam_set = set(beam_index)
-    others = [i for i in range(len(requests)) if i not in beam_set]
-    if others:
-        index = torch.tensor([offsets[i] + k for i in others for k in range(counts[i])], device=logits.device)
-        sub_rows = [counts[i] for i in others]
-        tokens = sample_step(
-            logits.index_select(0, index),
-            [requests[i] for i in others],
-            None if rows is None else sub_rows,
-        )
-        for i, token in zip(others, tokens):
-            result[i] = token
-    nested = any(isinstance(t, list) for t in result if t is not None)
+def choose_group_tokens(
+    logits: torch.Tensor, requests: list[Request], offsets: list[int], result: list[Any], nested: bool
+) -> None:
+    """Each beam group's search step over its slots' rows (``logits[offsets[i]]`` for `requests[i]`):
+    a slot's entry of `result` becomes the token its new beam gets (the group's `pending` choice says
+    which parent it continues); a list of one token when `nested` (other requests verify drafts)."""
     groups: dict[int, BeamGroup] = {}
     where: dict[int, int] = {}  # id(slot) -> its position in `requests`
-    for i in beam_index:
-        group = requests[i].beam_group
-        groups[id(group)] = group
-        where[id(requests[i])] = i
+    for i, request in enumerate(requests):
+        if request.beam_group is not None:
+            groups[id(request.beam_group)] = request.beam_group
+            where[id(request)] = i
     for group in groups.values():
         # The scheduler runs a group's beams together: every slot has its row in this step.
         positions = [where[id(s)] for s in group.slots]
@@ -347,4 +323,3 @@ def sample_tokens(
         group.choose(logits.index_select(0, index))
         for i, token in zip(positions, group.pending[1]):
             result[i] = [token] if nested else token
-    return result

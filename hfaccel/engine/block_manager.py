@@ -276,13 +276,7 @@ class BlockManager:
             return
         tail = request.block_ids[keep:]
         request.block_ids = request.block_ids[:keep]
-        for block_id in reversed(tail):
-            count = self._ref_counts[block_id] - 1
-            if count < 0:
-                raise AssertionError(f"block {block_id} freed more often than allocated")
-            self._ref_counts[block_id] = count
-            if count == 0:
-                self._free[block_id] = None
+        self._release(tail)
 
     def repair(self, holders: Iterable[Request]) -> None:
         """Rebuild the reference counts, the free queue and the prefix-cache index from the block tables

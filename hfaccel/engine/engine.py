@@ -13,22 +13,22 @@ import torch
 from tqdm.auto import tqdm
 
 from hfaccel.config import EngineConfig, is_draft_model
-from hfaccel.engine.async_step import AsyncStepper
+from hfaccel.engine.async_step import AsyncStepper, resolve_async_scheduling
 from hfaccel.engine.batch import pack_step
 from hfaccel.engine.beam_search import attach as attach_beams
-from hfaccel.engine.beam_search import sample_tokens
 from hfaccel.engine.block_manager import BlockManager, blocks_for
 from hfaccel.engine.cost_model import StepCostModel
 from hfaccel.engine.executor import ModelExecutor, make_executor
-from hfaccel.engine.limits import Limits, resolve_limits
+from hfaccel.engine.limits import Limits, free_memory_bytes, resolve_limits
 from hfaccel.engine.metrics import StepStats
 from hfaccel.engine.prompt_inputs import write_imported_kv
 from hfaccel.engine.request import GREEDY, Request, SamplingParams, StoppingParams
 from hfaccel.engine.runner import ModelRunner, kv_bytes_per_token
+from hfaccel.engine.sampler import next_tokens
 from hfaccel.engine.scheduler import Scheduler
 from hfaccel.engine.speculative.draft_model import DraftModelProposer
+from hfaccel.engine.speculative.drafting import propose_drafts
 from hfaccel.engine.speculative.proposer import make_proposer, speculative_stats
-from hfaccel.engine.speculative.verify import sample_step
 from hfaccel.kernels import get_backend
 
 logger = logging.getLogger("hfaccel")
@@ -66,10 +66,10 @@ class Engine:
         backend = get_backend(self.config.backend, self.device, kv_dtype, self.executor.head_dim)
         # --- tensor parallel (hfaccel/distributed/sync.py): ranks agree on the block count and the limits,
         # check that each step is the same step on every rank, and take rank 0's sampled tokens.
-        self.step_sync = getattr(self.executor, "step_sync", None)
+        self.step_sync = self.executor.step_sync
         if self.step_sync is not None:
             self.step_sync.check_config(self.config)
-        token_padding = getattr(self.executor, "max_token_padding", 0)  # sequence-parallel prefill padding
+        token_padding = self.executor.max_token_padding  # sequence-parallel prefill padding
         # ---
         per_token = kv_bytes_per_token(self.executor, kv_dtype)
         draft = self._draft_executor()
@@ -83,6 +83,7 @@ class Engine:
         self.num_blocks = self._num_blocks(per_token * block_size, budget)
         self.block_manager = BlockManager(self.num_blocks, block_size, self.config.enable_prefix_caching)
         self._cost_model = StepCostModel()
+        self._cost_model_seen = 0  # the last step the model was fed (step 0 never is)
         self.scheduler = Scheduler(self.block_manager, self.config, self.max_model_len, self._cost_model)
         self.runner = ModelRunner(
             self.executor,
@@ -99,6 +100,8 @@ class Engine:
             num_microbatches=self.config.num_microbatches,
         )
         self.warmup_seconds: float | None = None
+        self._requests_bring_proposers = False  # some request has its own draft source: draft every step
+        self._imported_kv = False  # some request brought K/V to write into its blocks when admitted
         if draft is None:
             self.proposer = make_proposer(self.config)
         else:
@@ -194,7 +197,22 @@ class Engine:
     def cost_model(self) -> StepCostModel:
         """The step-time model learnt from this engine's steps: ``coefficients``, ``predict(decode_seqs,
         prefill_tokens, kv_tokens)``, ``num_samples``, ``fit()`` (with R2 and RMSE)."""
+        self._feed_cost_model()
         return self._cost_model
+
+    def _feed_cost_model(self) -> None:
+        """Give the step-time model the steps it has not seen yet: every step, while latency targets
+        need it live; otherwise when asked for (`cost_model`), from `step_stats`. The first step pays
+        one-time costs (allocation, lazy imports) and is never fed."""
+        new = []
+        for stats in reversed(self.step_stats):
+            if stats.step <= self._cost_model_seen:
+                break
+            new.append(stats)
+        for stats in reversed(new):
+            self._cost_model.observe_step(stats)
+        if new:
+            self._cost_model_seen = new[0].step
 
     def _num_blocks(self, bytes_per_block: int, budget: int) -> int:
         # More blocks than max_num_seqs full-length sequences can never be used.
@@ -232,7 +250,7 @@ class Engine:
         )
         if arrival_time is not None:
             request.metrics.arrival_time = arrival_time
-        self.scheduler.add(request)
+        self.add(request)
         return request
 
     def make_request(
@@ -275,10 +293,7 @@ class Engine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
         if adapter is not None:
-            check = getattr(self.executor, "check_adapter", None)
-            if check is None:
-                raise ValueError(f"adapter {adapter!r}: this model's executor serves no adapters")
-            check(adapter)
+            self.executor.check_adapter(adapter)
         if request_id is None:
             request_id = next(self._next_id)
         request = Request(request_id, ids, stopping, sampling=sampling, adapter=adapter, cache_salt=adapter)
@@ -311,6 +326,10 @@ class Engine:
     def add(self, request: Request) -> None:
         """Queue a request built by `make_request`."""
         self.scheduler.add(request)
+        if request.proposer is not None:  # its own draft source (prompt lookup of one generate call)
+            self._requests_bring_proposers = True
+        if request.imported_kv is not None:
+            self._imported_kv = True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -353,7 +372,8 @@ class Engine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = start
         scheduled = time.perf_counter()
-        write_imported_kv(self.runner, step.requests)  # K/V given with a prompt (engine/prompt_inputs.py)
+        if self._imported_kv:  # K/V given with a prompt (engine/prompt_inputs.py)
+            write_imported_kv(self.runner, step.requests)
         packed = pack_step(step, self.config.block_size, self.runner.backend.capabilities.decode_query_len)
         copies = self.block_manager.take_copies()
         if copies:  # copy on write of blocks that forked beams shared (engine/beam_search.py)
@@ -370,7 +390,8 @@ class Engine:
         for request in finished:  # freed just now, not reused yet: copy the KV out for the caller
             if id(request) in kept:
                 request.kv_snapshot = self.runner.gather_kv(kept[id(request)], request.num_computed_tokens)
-        self._propose()
+        if self.proposer is not None or self._requests_bring_proposers:
+            propose_drafts(self.scheduler.running, self.proposer, self.config, self.max_model_len)
         num_decode = sum(1 for n in step.num_tokens if n == 1)
         end = time.perf_counter()
         stats = StepStats(
@@ -393,8 +414,8 @@ class Engine:
             overlapped_s=overlapped,
         )
         self.step_stats.append(stats)
-        if self.num_steps > 0:  # the first step pays one-time costs (allocation, lazy imports)
-            self._cost_model.observe_step(stats)
+        if self.scheduler.latency.targets_used:  # latency targets read the step-time model live
+            self._feed_cost_model()
         self.num_steps += 1
         self.num_generated_tokens += sum(len(t) if isinstance(t, list) else 1 for t in tokens)
         self.scheduler.scheduled = []  # the step is done: nothing of it is left to fail
@@ -408,45 +429,16 @@ class Engine:
         if self._async is None:
             logits = self.runner.run(packed)
             ran_at = time.perf_counter()
-            tokens = sample_tokens(logits, packed.sampled_requests, packed.rows_per_request, sample_step)
+            tokens = next_tokens(logits, packed.sampled_requests, packed.rows_per_request)
             return logits, tokens, ran_at, 0.0
         return self._async.run(self, packed)
 
     def _prepare_ahead(self) -> None:
         """Host work for the next step that does not depend on this step's tokens; asynchronous
         scheduling runs it while the forward runs (`engine/async_step.py`)."""
-        self._cost_model.fit()
+        if self.scheduler.latency.targets_used:
+            self._cost_model.fit()
         self.scheduler.prepare_ahead()
-
-    def _propose(self) -> None:
-        """Draft the next step's tokens for every decoding request that speculates, with its own draft
-        source and length where it has one (`Request.proposer`, `Request.num_spec_tokens`), else the
-        engine's; a request whose acceptance stays below `speculative_min_acceptance` (after 16 drafts)
-        stops speculating."""
-        groups: dict[int, tuple[Any, list[Request], list[int]]] = {}
-        for request in self.scheduler.running:
-            proposer = request.proposer if request.proposer is not None else self.proposer
-            if proposer is None:
-                continue
-            if not request.speculate or request.is_finished or request.num_uncomputed_tokens != 1:
-                continue
-            k = request.num_spec_tokens or self.config.num_speculative_tokens
-            drafted = request.spec_drafted
-            if drafted >= 16 and request.spec_accepted < self.config.speculative_min_acceptance * drafted:
-                request.speculate = False
-                continue
-            # The step emits up to k + 1 tokens: never past max_new_tokens or the context.
-            room = min(
-                request.stopping.max_new_tokens - len(request.output_token_ids),
-                self.max_model_len - request.num_tokens,
-            )
-            if room - 1 > 0:
-                _, candidates, budgets = groups.setdefault(id(proposer), (proposer, [], []))
-                candidates.append(request)
-                budgets.append(min(k, room - 1))
-        for proposer, candidates, budgets in groups.values():
-            for request, drafts in zip(candidates, proposer.propose(candidates, budgets)):
-                request.spec_token_ids = list(drafts)
 
     def check_model_state(self) -> bool:
         """Forget the prefix cache and the captured CUDA graphs if `model_state` says the model changed
@@ -537,7 +529,7 @@ class Engine:
         self.check_model_state()
         try:
             for request in requests:  # inside the try: a refusal midway must not strand the ones queued
-                self.scheduler.add(request)
+                self.add(request)
                 if request.is_finished:  # rejected at once by admission control
                     remaining.discard(id(request))
                     bar.update(1)
@@ -594,24 +586,3 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
     if mode != "auto":
         return mode
     return "decode" if device.type == "cuda" else "off"
-
-
-def resolve_async_scheduling(setting: bool | None, device: torch.device) -> bool:
-    """``None`` (auto): off. On a CPU the host's share of a step is about 1% and overlapping it measured no
-    gain (docs/benchmarks.md); on CUDA it is not measured yet, so it stays opt-in (``True``)."""
-    del device  # the choice will depend on it once a GPU measurement says where it pays
-    return bool(setting)
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Free memory of `device`: CUDA's free memory, or the host's available memory."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 * 1024**3  # no way to ask: assume a modest 8 GiB

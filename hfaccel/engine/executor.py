@@ -2,7 +2,8 @@
 
 The engine never imports the Hugging Face adapter: `patches/` registers a factory here
 (`register_executor_factory`) when hfaccel is imported, and `make_executor` turns a model object into
-an executor with it. An object that already is a `ModelExecutor` is used as it is.
+an executor with it. An object that already is a `ModelExecutor` is used as it is (subclass
+`ExecutorBase` for the defaults of the optional parts: one process, no adapters, no pipeline).
 """
 
 from __future__ import annotations
@@ -43,18 +44,55 @@ class ModelExecutor(Protocol):
         through `compiled` (a function from `compile`) when given. The caller has set the forward
         context (metadata, KV caches) for the step. `token_adapters` (passed only when some request
         names an adapter, and then never with `compiled`): each packed token's LoRA adapter, None for
-        the model as it is. An executor that serves adapters also has ``check_adapter(name)``, which
-        raises ValueError for a name it cannot serve. `prompt_embeds` (passed only for a step with
-        embedded prompt tokens, and then never with `compiled`): the packed indices ``[n]`` of those
-        tokens and their embeddings ``[n, H]``, fed to the model instead of their ids. An executor that
-        takes them (and imported K/V, see `engine/prompt_inputs.py`) has ``prompt_inputs_reason()``
-        returning None."""
+        the model as it is (`check_adapter(name)` raises ValueError for a name the executor cannot
+        serve). `prompt_embeds` (passed only for a step with embedded prompt tokens, and then never with
+        `compiled`): the packed indices ``[n]`` of those tokens and their embeddings ``[n, H]``, fed to
+        the model instead of their ids (an executor that takes them, and imported K/V, see
+        `engine/prompt_inputs.py`, returns None from `prompt_inputs_reason`)."""
 
     def compile(self, dynamic: bool) -> Callable[..., torch.Tensor]:
         """A ``torch.compile``d model forward for `forward`'s `compiled` (dynamic token dimension or not)."""
 
     def state_token(self) -> Hashable:
         """A cheap fingerprint of everything that produced cached KV (weights, adapters)."""
+
+    # The parts below have defaults in `ExecutorBase` (one process, no adapters, no pipeline).
+    step_sync: Any
+    max_token_padding: int
+    pipelined: bool
+
+    def check_adapter(self, name: str) -> None:
+        """Raise ValueError unless the executor can apply LoRA adapter `name` per request."""
+
+    def prompt_inputs_reason(self) -> str | None:
+        """Why the executor cannot take prompt embeddings or imported K/V (None: it can)."""
+
+    def pad_tokens(self, layout: Any, tokens: int) -> int:
+        """The token count a step of `tokens` tokens runs at (at most `max_token_padding` more)."""
+
+    def run_pipeline(self, parts: list[Any], prepare: Callable[[Any], Any]) -> torch.Tensor:
+        """A pipeline stage's step over its microbatches (`pipelined` executors only)."""
+
+
+class ExecutorBase:
+    """The defaults of `ModelExecutor`'s optional parts, for an executor that runs the whole model in one
+    process: no collectives, no padding, no adapters, no prompt embeddings, no pipeline."""
+
+    step_sync: Any = None  # the collectives that keep ranks in lock step (`distributed/sync.py`)
+    max_token_padding: int = 0  # the most tokens `pad_tokens` adds to a step
+    pipelined: bool = False  # a pipeline stage: steps go through `run_pipeline`, not `forward`
+
+    def check_adapter(self, name: str) -> None:
+        raise ValueError(f"adapter {name!r}: this model's executor serves no adapters")
+
+    def prompt_inputs_reason(self) -> str | None:
+        return f"a model run by {type(self).__name__}"
+
+    def pad_tokens(self, layout: Any, tokens: int) -> int:
+        return tokens
+
+    def run_pipeline(self, parts: list[Any], prepare: Callable[[Any], Any]) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} is not a pipeline stage")
 
 
 _factory: Callable[[Any], ModelExecutor] | None = None

@@ -18,13 +18,11 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hfaccel.engine.cost_model import RatioCalibration
 from hfaccel.engine.request import Request
-
-if TYPE_CHECKING:
-    from hfaccel.engine.scheduler import Scheduler
+from hfaccel.engine.scheduler_state import SchedulerState
 
 logger = logging.getLogger("hfaccel")
 # Aim below the target: the step-time model is a fit, and a shared machine is noisy.
@@ -40,7 +38,7 @@ class LatencyPolicy:
     """The latency-target decisions of one scheduler, which holds it and whose queues, clock and
     step-time model it reads (both are read live: a test may swap the clock or the model)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: SchedulerState) -> None:
         self.scheduler = scheduler
         self.targets_used = scheduler.config.has_latency_targets  # some request may carry a latency target
         self.num_rejected = self.num_warned = 0

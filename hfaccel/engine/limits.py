@@ -73,3 +73,17 @@ def resolve_limits(
         max_num_batched_tokens = max(GPU_TOKENS if gpu else CPU_TOKENS, block_size, max_num_seqs)
         auto.append("max_num_batched_tokens")
     return Limits(max_num_seqs, max_num_batched_tokens, tuple(auto), reason)
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of `device`: CUDA's free memory, or the host's available memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 * 1024**3  # no way to ask: assume a modest 8 GiB

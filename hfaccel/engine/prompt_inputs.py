@@ -38,10 +38,7 @@ def isolate(request: Request) -> None:
 
 def prompt_inputs_reason(engine: Any) -> str | None:
     """Why `engine`'s model cannot take prompt embeddings or imported K/V (None: it can)."""
-    check = getattr(engine.executor, "prompt_inputs_reason", None)
-    if check is None:
-        return f"a model run by {type(engine.executor).__name__}"
-    return check()
+    return engine.executor.prompt_inputs_reason()
 
 
 def attach_prompt_embeds(engine: Any, request: Request, embeds: Any, hide_prompt: bool = False) -> None:

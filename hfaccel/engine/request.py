@@ -9,6 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -283,3 +285,19 @@ def fails_alone(error: BaseException) -> bool:
     SystemExit or CancelledError raised there is the callback's doing: Ctrl-C lands on the main thread
     only). On the main thread those stop the step, as a Ctrl-C should."""
     return isinstance(error, Exception) or threading.current_thread() is not threading.main_thread()
+
+
+def priority_key(request: Request) -> int:
+    """A running request's scheduling priority (the order it first started in; -1 before it starts):
+    blocks go to the lowest first, and preemption takes the highest."""
+    return -1 if request.priority is None else request.priority
+
+
+def request_generator(request: Request, device: torch.device) -> torch.Generator:
+    """The request's own generator on `device`, made from its seed at first use."""
+    generator = request.generator
+    if generator is None or generator.device != device:
+        seed = request.seed if request.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        request.seed = seed
+        generator = request.generator = torch.Generator(device=device).manual_seed(seed)
+    return generator

@@ -20,8 +20,8 @@ from hfaccel.engine.batch import PackedStep
 from hfaccel.engine.decode_buckets import CapturedDecodeGraphs, GraphKey, choose_bucket, warmup_layout
 from hfaccel.engine.executor import ModelExecutor
 from hfaccel.engine.microbatch import split_microbatches
-from hfaccel.kernels.context import ForwardContext, forward_context
 from hfaccel.kernels.metadata import AttentionBackend
+from hfaccel.kernels.op import ForwardContext, forward_context
 
 logger = logging.getLogger("hfaccel")
 
@@ -92,9 +92,12 @@ class ModelRunner:
                 cuda_graph_batch_sizes=self.decode_buckets if cuda_graphs else (),
             )
         pin = self.device.type == "cuda"
+        # One column more than a step uses: a step's [1, T] view then always has T below its row stride, so
+        # a compiled forward never specialises on T == stride (transformers 5.17's rotary made dynamo
+        # guard on it, and the full bucket recompiled).
         self._host = {
-            "input_ids": torch.zeros((1, max_num_tokens), dtype=torch.long, pin_memory=pin),
-            "positions": torch.zeros((1, max_num_tokens), dtype=torch.long, pin_memory=pin),
+            "input_ids": torch.zeros((1, max_num_tokens + 1), dtype=torch.long, pin_memory=pin),
+            "positions": torch.zeros((1, max_num_tokens + 1), dtype=torch.long, pin_memory=pin),
             # Sampled rows: one per sequence, or 1 + k for a sequence verifying k drafts.
             "logits_indices": torch.zeros((max_num_tokens,), dtype=torch.long, pin_memory=pin),
         }
@@ -140,8 +143,7 @@ class ModelRunner:
         replayed graph); any other step runs eager, or compiled with a dynamic token count under
         ``compile="all"``. `bucket` forces the padding (warm-up).
         """
-        run_pipeline = getattr(self.executor, "run_pipeline", None)
-        if run_pipeline is not None:  # pipeline parallel: the stage streams the microbatches itself
+        if self.executor.pipelined:  # pipeline parallel: the stage streams the microbatches itself
             parts = [packed]
             if self.num_microbatches > 1 and packed.layout.num_seqs > 1:
                 parts = split_microbatches(
@@ -149,7 +151,7 @@ class ModelRunner:
                 )
                 if len(parts) > 1:
                     self.microbatch_log.append([len(p.layout.query_lens) for p in parts])
-            return run_pipeline(parts, self._prepare)[: len(packed.logits_indices)]
+            return self.executor.run_pipeline(parts, self._prepare)[: len(packed.logits_indices)]
         # A step that feeds prompt embeddings runs whole (microbatches carry token ids only).
         if (
             self.num_microbatches > 1
@@ -189,9 +191,8 @@ class ModelRunner:
         tokens = bucket or max(len(packed.input_ids), floor)
         # Sequence parallel (hfaccel/patches/tp_executor.py): a step with prefill tokens is padded to a
         # multiple of the TP size; padded tokens have slot -1 and belong to no sequence.
-        pad_tokens = getattr(self.executor, "pad_tokens", None)
-        if pad_tokens is not None and bucket is None:
-            tokens = pad_tokens(packed.layout, tokens)
+        if bucket is None and self.executor.max_token_padding:
+            tokens = self.executor.pad_tokens(packed.layout, tokens)
         input_ids = self._stage("input_ids", packed.input_ids, tokens)
         positions = self._stage("positions", packed.positions, tokens)
         logits_indices = self._stage(

@@ -1,13 +1,73 @@
-"""Turns each sequence's last logits into its next token: greedy or sampled, per request, in one batch."""
+"""The next-tokens stage of a step: the logits of the sampled rows -> each request's new tokens.
+
+Plain decoding samples one token per request, greedy or sampled, in one batch (`sample`). A request
+that verifies drafts (``rows[i] = 1 + k`` rows) gets the tokens its verification keeps
+(`speculative/verify.py`), and then every entry is a list. The slots of a beam group get the group's
+search step (`beam_search.py`). Speculation and beam search run only in steps that hold such requests.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 import torch
 
-from hfaccel.engine.request import Request, fails_alone
+from hfaccel.engine.beam_search import choose_group_tokens
+from hfaccel.engine.request import Request, fails_alone, request_generator
+from hfaccel.engine.speculative.verify import verify_drafts
 from hfaccel.kernels.cpu_argmax import argmax_index, argmax_rows
+
+
+def next_tokens(logits: torch.Tensor, requests: list[Request], rows: list[int] | None) -> list[Any]:
+    """One entry per request: its token, or (when some request verifies drafts) its list of tokens."""
+    beams = [i for i, request in enumerate(requests) if request.beam_group is not None]
+    if not beams:
+        return _sampled(logits, requests, rows)
+    counts = rows if rows is not None else [1] * len(requests)
+    offsets = [0]
+    for count in counts:
+        offsets.append(offsets[-1] + count)
+    result: list[Any] = [None] * len(requests)
+    in_beams = set(beams)
+    others = [i for i in range(len(requests)) if i not in in_beams]
+    if others:
+        index = torch.tensor([offsets[i] + k for i in others for k in range(counts[i])], device=logits.device)
+        tokens = _sampled(
+            logits.index_select(0, index),
+            [requests[i] for i in others],
+            None if rows is None else [counts[i] for i in others],
+        )
+        for i, token in zip(others, tokens):
+            result[i] = token
+    nested = any(isinstance(t, list) for t in result if t is not None)
+    choose_group_tokens(logits, requests, offsets, result, nested)
+    return result
+
+
+def _sampled(
+    logits: torch.Tensor, requests: list[Request], rows: list[int] | None
+) -> list[int] | list[list[int]]:
+    """Plain sampling, batched; when some requests verify drafts (``rows[i] > 1``), a list per request:
+    the verified ones' emitted tokens, ``[token]`` for the rest."""
+    if rows is None or all(n == 1 for n in rows):
+        return sample(logits, requests)
+    results: list[list[int]] = [[] for _ in requests]
+    single_rows, single_requests = [], []
+    offset = 0
+    for i, (request, count) in enumerate(zip(requests, rows)):
+        if count == 1:
+            single_rows.append(offset)
+            single_requests.append(i)
+        else:
+            results[i] = verify_drafts(logits[offset : offset + count], request, request.spec_token_ids)
+        offset += count
+    if single_rows:
+        index = torch.tensor(single_rows, device=logits.device)
+        tokens = sample(logits.index_select(0, index), [requests[i] for i in single_requests])
+        for i, token in zip(single_requests, tokens):
+            results[i] = [token]
+    return results
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
@@ -85,16 +145,6 @@ def _greedy(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             row[[eos for eos in stopping.eos_token_ids if 0 <= eos < vocab]] = -float("inf")
             chosen[i] = argmax_index(row)
     return chosen
-
-
-def request_generator(request: Request, device: torch.device) -> torch.Generator:
-    """The request's own generator on `device`, made from its seed at first use."""
-    generator = request.generator
-    if generator is None or generator.device != device:
-        seed = request.seed if request.seed is not None else int(torch.randint(0, 2**62, ()).item())
-        request.seed = seed
-        generator = request.generator = torch.Generator(device=device).manual_seed(seed)
-    return generator
 
 
 def _mask_eos_below_min_tokens(scores: torch.Tensor, requests: list[Request]) -> None:

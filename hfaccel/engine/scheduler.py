@@ -30,13 +30,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from hfaccel.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, EngineConfig
+from hfaccel.engine import fault_repair
 from hfaccel.engine.admission_order import AdmissionOrder, count_passed_over, num_resuming
 from hfaccel.engine.batch import Batch, ScheduledStep
 from hfaccel.engine.beam_search import attach as attach_beams
 from hfaccel.engine.block_manager import BlockManager, blocks_for
 from hfaccel.engine.cost_model import RatioCalibration
 from hfaccel.engine.latency import LatencyPolicy, TimeBudget
-from hfaccel.engine.request import Request, RequestStatus
+from hfaccel.engine.request import Request, RequestStatus, priority_key
 
 
 class Scheduler:
@@ -78,7 +79,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request; raise ValueError (queueing nothing) if it could never be served."""
-        attach_beams(request)
+        if request.sampling.beam is not None:
+            attach_beams(request)
         self.check(request)
         if request.arrival_seq < 0:
             request.arrival_seq = self._next_arrival
@@ -87,8 +89,12 @@ class Scheduler:
             self.latency.targets_used = True
         if request.user_priority:
             self._priorities_used = True
-        if self.latency.ttft_target(request) is not None and not self.latency.admission_check(request):
-            self.admission_order.forget(request)
+        if (
+            self.latency.targets_used
+            and self.latency.ttft_target(request) is not None
+            and not self.latency.admission_check(request)
+        ):
+            self._forget(request, estimate=False)
             return
         request.status = RequestStatus.WAITING
         self.live[id(request)] = request
@@ -150,8 +156,7 @@ class Scheduler:
         if not request.is_finished:
             request.finish("abort")
         self.live.pop(id(request), None)
-        self.admission_order.forget(request)
-        self.latency.forget(request)
+        self._forget(request)
 
     # ----------------------------------------------------------------- one step
 
@@ -179,8 +184,10 @@ class Scheduler:
     def _fill(self, kinds: set[str], draining: bool) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         chosen = self.scheduled = []
-        self.latency.reject_late()
-        self._time = self.latency.time_budget()
+        self._time = None
+        if self.latency.targets_used:  # latency targets: the policy's file runs only when they are on
+            self.latency.reject_late()
+            self._time = self.latency.time_budget()
         budget, preempted = self._schedule_running(kinds, budget, chosen)
         # Admitting while preempting would only thrash: freed blocks go to the running requests first.
         if "prefill" in kinds and not preempted:
@@ -233,23 +240,24 @@ class Scheduler:
                 self.live[id(beam)] = beam
             if created:
                 self.running.merge(created)
-                self.running.requests.sort(key=_priority)  # next to their request (stable)
+                self.running.requests.sort(key=priority_key)  # next to their request (stable)
             group.advance(self.block_manager, created, now)
-        self.latency.observe_first_tokens(sampled)
+        if self.latency.targets_used:
+            self.latency.observe_first_tokens(sampled)
         finished = self.running.filter(lambda r: not r.is_finished)
         for request in finished:
             self.block_manager.free(request)
             self.live.pop(id(request), None)
-            self.latency.forget(request)
+            self._forget(request, keys=False)
         # A beam group's other sequences are internal: the caller holds (and hears of) the request.
         return [r for r in finished if r.beam_group is None or r.beam_group.handle is r]
 
     def _drop(self, request: Request) -> None:
         """Take a request out of every queue and free its blocks (a beam leaving its group)."""
-        self._unqueue(request)
+        self.unqueue(request)
         self.block_manager.free(request)
 
-    def _unqueue(self, request: Request) -> None:
+    def unqueue(self, request: Request) -> None:
         """Take a request out of the running batch, the queues and the live set."""
         if request in self.running:
             self.running.remove(request)
@@ -300,7 +308,7 @@ class Scheduler:
         preempted = False
         granted: set[int] = set()
         slot = {id(r): i for i, (r, _) in enumerate(planned)}
-        for request, count in sorted(planned, key=lambda pair: _priority(pair[0])):
+        for request, count in sorted(planned, key=lambda pair: priority_key(pair[0])):
             if request.status is not RequestStatus.RUNNING:  # preempted for an older request
                 continue
             while not self.block_manager.allocate(request, count):
@@ -413,14 +421,14 @@ class Scheduler:
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = cached
             del queue[index]
-            self.admission_order.forget(request)
+            self._forget(request, estimate=False)
             if request.priority is None:
                 request.priority = self._next_priority
                 self._next_priority += 1
             request.status = RequestStatus.RUNNING
             self.running.merge([request])
-            if len(self.running) > 1 and _priority(self.running.requests[-2]) > _priority(request):
-                self.running.requests.sort(key=_priority)  # a resumed request: back to its place
+            if len(self.running) > 1 and priority_key(self.running.requests[-2]) > priority_key(request):
+                self.running.requests.sort(key=priority_key)  # a resumed request: back to its place
             chosen.append((request, count))
             admitted.append(request)
             budget -= count
@@ -479,20 +487,31 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._requeue(request)
+        self.requeue(request)
 
-    def _requeue(self, request: Request) -> None:
+    def requeue(self, request: Request) -> None:
+        """Queue a preempted request again: ahead of those not started, behind older preempted ones."""
         queue = self.waiting if self.config.batching == "continuous" else self.forming
         position = 0
         while (
             position < len(queue)
             and queue[position].num_preemptions
-            and _priority(queue[position]) < _priority(request)
+            and priority_key(queue[position]) < priority_key(request)
         ):
             position += 1
         queue.insert(position, request)
 
     # ----------------------------------------------------------------- adaptive scheduling
+
+    def _forget(self, request: Request, keys: bool = True, estimate: bool = True) -> None:
+        """`request` left the queue (`keys`: its prefix keys go) or the scheduler (`estimate`: its TTFT
+        estimate goes too). The policies keep either only under adaptive admission, which once on stays on."""
+        if not self._adaptive_admission():
+            return
+        if keys:
+            self.admission_order.forget(request)
+        if estimate:
+            self.latency.forget(request)
 
     def _adaptive_admission(self) -> bool:
         return self.latency.targets_used or self._priorities_used or self.config.prefix_aware_admission
@@ -517,7 +536,7 @@ class Scheduler:
     def retire_rejected(self, request: Request) -> None:
         """A queued request that was just rejected (finished) leaves the scheduler; the caller has taken
         it out of its queue. The engine hears of it from `take_rejected`."""
-        self.admission_order.forget(request)
+        self._forget(request, estimate=False)
         self.live.pop(id(request), None)
         self.rejected.append(request)
 
@@ -532,137 +551,14 @@ class Scheduler:
 
     def repair(self, failed: Iterable[Request] = (), error: BaseException | None = None) -> None:
         """Make the queues and the block manager consistent again after an exception interrupted the
-        scheduler (or anything it called) at any point.
-
-        `failed` (the interrupted step's requests) finish with ``finish_reason="error"`` and `error`.
-        Running requests whose state is whole stay running, in arrival order; any other request still
-        held (also one caught between two queues) waits, and one that had started computing is queued for
-        recomputation like a preempted one. Then every block count is recomputed from the block tables of
-        the requests that remain.
-        """
-        failed = self._repair_beams(list(failed), error)
-        for request in failed:
-            request.fail(error if error is not None else RuntimeError("the step failed"))
-        held: dict[int, Request] = {}
-        for request in (*self.live.values(), *self.running, *self.waiting, *self.forming, *failed):
-            held.setdefault(id(request), request)
-        in_queue = {id(r) for r in (*self.waiting, *self.forming)}
-        running: list[Request] = []
-        for request in self.running:
-            if (
-                id(request) in held
-                and not request.is_finished
-                and request.status is RequestStatus.RUNNING
-                and id(request) not in in_queue
-                and self._is_whole(request)
-            ):
-                running.append(request)
-                held.pop(id(request))
-        running.sort(key=_priority)
-        self.running = Batch(running)
-        waiting = [r for r in self.waiting if id(r) in held and not r.is_finished]
-        forming = [r for r in self.forming if id(r) in held and not r.is_finished]
-        placed = {id(r) for r in (*waiting, *forming)}
-        self.waiting = deque(dict.fromkeys(waiting))  # ordered and without duplicates
-        self.forming = deque(dict.fromkeys(forming))
-        self.live = {id(r): r for r in (*running, *self.waiting, *self.forming)}
-        resuming = []
-        for request in reversed(held.values()):  # newest arrival first: the oldest ends up in front
-            if request.is_finished:
-                request.block_ids = []  # retired or failed: holds nothing
-                continue
-            self.live[id(request)] = request
-            if request.status is RequestStatus.RUNNING or request.output_token_ids:
-                request.num_preemptions = max(request.num_preemptions, 1)  # recomputed, like a preempted one
-            request.block_ids = []
-            request.num_computed_tokens = 0
-            request.num_hashed_blocks, request.prefix_hash = 0, 0
-            request.draft_computed = 0
-            request.spec_token_ids, request.spec_draft_probs = [], None
-            request.status = RequestStatus.WAITING
-            if id(request) in placed:
-                continue
-            if request.num_preemptions:
-                resuming.append(request)
-            else:
-                (self.waiting if self.config.batching == "continuous" else self.forming).appendleft(request)
-        for request in resuming:  # ahead of the requests that have not started
-            self._requeue(request)
-        self.scheduled = []
-        self.admission_order.clear()
-        self.latency.clear()
-        self.block_manager.repair(self.live.values())
-
-    def _repair_beams(self, failed: list[Request], error: BaseException | None) -> list[Request]:
-        """`repair` for beam groups, which stay whole: a group with a failed beam fails entirely (its
-        request carries the error); a group whose beams are not all running and whole restarts from its
-        prompt (`BeamGroup.reset`: the request is queued again, its other beams forgotten). Returns
-        `failed` with the failed groups' beams added."""
-        groups = {}
-        for request in (*failed, *self.live.values(), *self.running, *self.waiting, *self.forming):
-            group = request.beam_group
-            if group is None:
-                continue
-            groups.setdefault(id(group), group)
-            if not any(s is request for s in group.slots):  # a beam its group never took in (or let go)
-                self._forget_beam(request)
-        failing = {id(r) for r in failed}
-        for group in groups.values():
-            slots = group.slots
-            if any(id(s) in failing for s in slots) or group.handle.is_finished:
-                for slot in slots:
-                    if id(slot) not in failing and not slot.is_finished:
-                        failed.append(slot)
-                        failing.add(id(slot))
-                continue
-            queued = {id(r) for r in (*self.waiting, *self.forming)}
-            # A copy on write the interrupted step queued but never ran: that beam's block is not filled.
-            copied = {dst for _, dst in self.block_manager.pending_copies}
-            whole = all(
-                not copied.intersection(slot.block_ids)
-                and slot in self.running
-                and slot.status is RequestStatus.RUNNING
-                and not slot.is_finished
-                and id(slot) not in queued
-                and self._is_whole(slot)
-                for slot in slots
-            )
-            if whole and (not group.forked or len(slots) == group.params.num_beams):
-                continue
-            for slot in slots[1:]:
-                self._forget_beam(slot)
-            if group.handle in self.running and group.forked:
-                self.running.remove(group.handle)  # queued again below, like a preempted request
-            group.reset()
-        return failed
-
-    def _forget_beam(self, beam: Request) -> None:
-        """`repair`: a beam leaves every queue and holds nothing (the block counts are rebuilt after)."""
-        self._unqueue(beam)
-        beam.block_ids = []
-        if not beam.is_finished:
-            beam.finish("preempted")
-
-    def _is_whole(self, request: Request) -> bool:
-        """A running request's state is consistent: KV blocks for what it computed, something to compute."""
-        computed = request.num_computed_tokens
-        blocks = request.block_ids
-        return (
-            0 <= computed < request.num_tokens
-            and len(blocks) >= blocks_for(computed, self.block_manager.block_size)
-            and len(set(blocks)) == len(blocks)
-            and request.num_hashed_blocks <= min(len(blocks), computed // self.block_manager.block_size)
-        )
+        scheduler at any point (`engine/fault_repair.py`); `failed` finish with `error`."""
+        fault_repair.repair(self, failed, error)
 
     def requests(self) -> Iterable[Request]:
         """Every request the scheduler holds, running first."""
         yield from self.running
         yield from self.forming
         yield from self.waiting
-
-
-def _priority(request: Request) -> int:
-    return -1 if request.priority is None else request.priority
 
 
 def _seats(request: Request) -> int:

@@ -30,7 +30,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedConfig
 
 import hfaccel.kernels.op  # noqa: F401  (registers torch.ops.hfaccel.paged_attention)
-from hfaccel.kernels.context import current_forward_context
+from hfaccel.kernels.op import current_forward_context
 
 ATTENTION_NAME = "hfaccel"
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from hfaccel.engine.executor import register_executor_factory
+from hfaccel.engine.executor import ExecutorBase
 from hfaccel.patches import lora
 from hfaccel.patches.attention import engine_attention, register_attention
 from hfaccel.patches.compiled_forward import CompiledForward, own_code
@@ -17,7 +17,7 @@ from hfaccel.patches.model_state import ModelStateTracker
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
 
 
-class HFExecutor:
+class HFExecutor(ExecutorBase):
     """Runs a transformers causal LM on a packed ``[1, T]`` step with the "hfaccel" attention."""
 
     def __init__(self, model: Any) -> None:
@@ -148,27 +148,3 @@ def _attention_scale(model: Any, head_dim: int) -> float:
         if isinstance(scaling, float) and hasattr(module, "layer_idx"):
             return scaling
     return head_dim**-0.5
-
-
-def make_hf_executor(model: Any) -> HFExecutor:
-    """The executor of an HF model: a `TPExecutor` when the model is tensor-parallel (sharded by
-    ``hfaccel.patch(..., tensor_parallel_size=N)`` or by transformers at load)."""
-    ep = model.__dict__.get("_hfaccel_ep")
-    if ep is not None:
-        from hfaccel.patches.ep_executor import EPExecutor
-
-        return EPExecutor(model, ep)
-    pp = model.__dict__.get("_hfaccel_pp")
-    if pp is not None:
-        from hfaccel.patches.pp_executor import PPExecutor
-
-        return PPExecutor(model, pp)
-    tp = model.__dict__.get("_hfaccel_tp")
-    if tp is not None:
-        from hfaccel.patches.tp_executor import TPExecutor
-
-        return TPExecutor(model, tp)
-    return HFExecutor(model)
-
-
-register_executor_factory(make_hf_executor)

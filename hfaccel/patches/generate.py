@@ -43,7 +43,13 @@ from hfaccel.patches.arguments import check_generate_kwargs
 from hfaccel.patches.beam import beam_unsupported_reason, generate_beams, is_beam_search
 from hfaccel.patches.cache_names import CACHE_NAME, normalize_cache_argument, output_cache
 from hfaccel.patches.models import window_reason
-from hfaccel.patches.params import has_default_lengths, prepare_config, request_params, unsupported_reason
+from hfaccel.patches.params import (
+    has_default_lengths,
+    prepare_config,
+    prepare_special_tokens,
+    request_params,
+    unsupported_reason,
+)
 
 # Arguments of HF generate that the engine does not serve, with the reason shown to the user.
 UNSUPPORTED_ARGUMENTS = {
@@ -54,8 +60,8 @@ UNSUPPORTED_ARGUMENTS = {
     "synced_gpus": "synced_gpus",
     "assistant_tokenizer": "assistant_tokenizer",
 }
-# Served by `model.generate` (per row on the engine) but not by `hfaccel.generate` and its siblings yet,
-# which fall back for them.
+# generate's own per-call objects, served on the engine by both front-ends (run per row / per prompt);
+# the text names them in fallback reasons.
 PER_ROW_ARGUMENTS = {
     "stopping_criteria": "custom stopping_criteria",
     "assistant_model": "assistant_model (assisted decoding)",
@@ -214,7 +220,7 @@ def patched_generate(
     extra = sorted(k for k, v in model_kwargs.items() if v is not None and v is not False and k not in served)
     copies = config.num_return_sequences or 1
     device = next(self.parameters()).device
-    beams = is_beam_search(config)  # served by patches/beam.py, with its own refusals
+    beams = (config.num_beams or 1) > 1 and is_beam_search(config)  # patches/beam.py, with its own refusals
     if beams:
         reason = beam_unsupported_reason(self, config, extra, streamer, names, device)
         custom_given = [name for name, value in custom.items() if given(value)]
@@ -231,7 +237,7 @@ def patched_generate(
         return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
 
     attention_mask = model_kwargs.get("attention_mask")
-    self._prepare_special_tokens(config, attention_mask is not None, device=input_ids.device)
+    prepare_special_tokens(self, config, attention_mask is not None, input_ids.device)
     if attention_mask is None:  # HF infers padding from ids, never from embeddings
         source = input_ids if ids_given else embeds
         attention_mask = self._prepare_attention_mask_for_generation(source, config, model_kwargs)
@@ -239,7 +245,7 @@ def patched_generate(
         raise ValueError(
             f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
         )
-    reason = _options_reason(self, state, config, custom, input_ids, attention_mask, model_kwargs)
+    reason = options_reason(self, state, config, custom, input_ids, attention_mask, model_kwargs)
     if reason is not None:
         fall_back(state, reason)
         return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
@@ -299,9 +305,7 @@ def patched_generate(
     if (sampling.processors or stopping.criteria is not None) and ids_given:  # the padded row, as in HF
         for request, row, kept in zip(requests, rows, keep):
             request.processor_prefix = row[~kept].tolist()
-    proposer, num_spec_tokens = assisted.request_speculation(config)
-    for request in requests:  # prompt lookup: this call's own draft source (None: the engine's)
-        request.proposer, request.num_spec_tokens = proposer, num_spec_tokens
+    attach_prompt_lookup(requests, config)
     # HF returns the cache with return_dict_in_generate and use_cache (which it sets for inputs_embeds).
     keep_kv = bool(config.return_dict_in_generate and (config.use_cache is not False or embeds is not None))
     for request in requests:
@@ -342,7 +346,17 @@ def _per_padding(
     return samplings
 
 
-def _options_reason(
+def attach_prompt_lookup(requests: list[Request], config: GenerationConfig) -> None:
+    """Prompt lookup (``prompt_lookup_num_tokens``): the call's own draft source and length on each of its
+    requests (the engine's speculative path verifies them); nothing for other calls."""
+    if config.prompt_lookup_num_tokens is None:
+        return
+    proposer, num_spec_tokens = assisted.request_speculation(config)
+    for request in requests:
+        request.proposer, request.num_spec_tokens = proposer, num_spec_tokens
+
+
+def options_reason(
     model: torch.nn.Module,
     state: PatchState,
     config: GenerationConfig,
@@ -356,13 +370,19 @@ def _options_reason(
     rows = input_ids.shape[0] * (config.num_return_sequences or 1)
     stopping_criteria = custom["stopping_criteria"]
     stops = bool(config.stop_strings) or given(stopping_criteria)
-    return (
-        criteria.unsupported_reason(model, config, stopping_criteria, rows)
-        or assisted.unsupported_reason(
-            model, config, custom["assistant_model"], state.config.speculative, input_ids.shape[0], stops
+    # Each feature's module is asked only when the call uses the feature.
+    if stops and (reason := criteria.unsupported_reason(model, config, stopping_criteria, rows)):
+        return reason
+    assistant = custom["assistant_model"]
+    if assistant is not None or config.prompt_lookup_num_tokens is not None:
+        reason = assisted.unsupported_reason(
+            model, config, assistant, state.config.speculative, input_ids.shape[0], stops
         )
-        or extra_inputs.unsupported_reason(model_kwargs, input_ids, attention_mask)
-    )
+        if reason is not None:
+            return reason
+    if any(model_kwargs.get(name) is not None for name in ("position_ids", "logits_to_keep")):
+        return extra_inputs.unsupported_reason(model_kwargs, input_ids, attention_mask)
+    return None
 
 
 def warn_past_context(requests: list[Request], max_model_len: int, names: list[str] | None = None) -> None:

@@ -88,7 +88,7 @@ def check_engine_config(model: torch.nn.Module, config: Any) -> None:
     """Raise ValueError, at patch time, for an `EngineConfig` that cannot serve this model: what can be
     known without building the engine (context length, a named backend's availability, and whether the
     KV cache holds one request of ``max_model_len`` tokens)."""
-    from hfaccel.engine.engine import free_memory_bytes
+    from hfaccel.engine.limits import free_memory_bytes
     from hfaccel.kernels.selection import unavailable_reason
 
     context = max_model_len(model, config.max_model_len)

@@ -71,6 +71,13 @@ def prepare_config(
     return generation_config, model_kwargs
 
 
+def prepare_special_tokens(
+    model: torch.nn.Module, config: GenerationConfig, has_attention_mask: bool, device: Any
+) -> None:
+    """HF's own filling-in of the config's special-token tensors (EOS, pad, BOS) for a call."""
+    model._prepare_special_tokens(config, has_attention_mask, device=device)
+
+
 def validate_values(config: GenerationConfig) -> None:
     """Raise ValueError naming the parameter for values HF would only reject late (or never)."""
     if config.num_return_sequences is not None and config.num_return_sequences < 0:

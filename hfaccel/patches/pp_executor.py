@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from hfaccel.distributed.pp import PPState
 from hfaccel.distributed.sync import StepSync
-from hfaccel.kernels.context import ForwardContext, forward_context
+from hfaccel.kernels.op import ForwardContext, forward_context
 from hfaccel.patches.attention import engine_attention
 from hfaccel.patches.cache_names import CACHE_NAME
 from hfaccel.patches.executor import HFExecutor
@@ -61,6 +61,8 @@ class StageCaches(Sequence):
 
 class PPExecutor(HFExecutor):
     """Runs one pipeline stage of a transformers causal LM."""
+
+    pipelined = True
 
     def __init__(self, model: Any, pp: PPState) -> None:
         super().__init__(model)

@@ -17,8 +17,8 @@ import torch
 
 from hfaccel.distributed.sync import StepSync
 from hfaccel.distributed.tp import TPState, sequence_parallel_step
-from hfaccel.kernels.context import current_forward_context
 from hfaccel.kernels.metadata import StepLayout
+from hfaccel.kernels.op import current_forward_context
 from hfaccel.patches.executor import HFExecutor
 from hfaccel.patches.tp_plan import local_heads
 

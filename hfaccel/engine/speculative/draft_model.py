@@ -31,15 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hfaccel.engine.batch import PackedStep
+from hfaccel.engine.batch import PackedStep, StepPacker
 from hfaccel.engine.block_manager import BlockManager
-from hfaccel.engine.request import Request
+from hfaccel.engine.request import Request, request_generator
 from hfaccel.engine.runner import ModelRunner
-from hfaccel.engine.sampler import request_generator
 from hfaccel.engine.speculative.rejection import _draw
 from hfaccel.engine.speculative.verify import process_row
 from hfaccel.kernels.cpu_argmax import argmax_index
-from hfaccel.kernels.metadata import StepLayout, num_leading_decodes
 
 
 @dataclass
@@ -159,32 +157,14 @@ class DraftModelProposer:
     def _pack(self, rows: list[_Row]) -> tuple[PackedStep, list[int]]:
         """`rows` as one packed step, sequences the backend decodes first (as `pack_step` orders them)."""
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].tokens) > self.decode_query_len)
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        logits_indices: list[int] = []
-        size = self.block_size
+        packer = StepPacker(self.block_size)
         for i in order:
             row = rows[i]
-            end = row.start + len(row.tokens)
-            blocks = row.request.block_ids
-            input_ids.extend(row.tokens)
-            positions.extend(range(row.start, end))
-            slots.extend(blocks[p // size] * size + p % size for p in range(row.start, end))
-            query_lens.append(len(row.tokens))
-            seq_lens.append(end)
-            tables.append(blocks)
+            packer.add(row.tokens, row.start, row.request.block_ids)
             if row.logits:
-                logits_indices.append(len(input_ids) - 1)
-        layout = StepLayout(
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_tables=tables,
-            slot_mapping=slots,
-            num_decodes=num_leading_decodes(query_lens, self.decode_query_len),
+                packer.logits_indices.append(len(packer.input_ids) - 1)
+        layout = packer.layout(self.decode_query_len)
+        packed = PackedStep(
+            packer.input_ids, packer.positions, packer.logits_indices, [r.request for r in rows], layout
         )
-        packed = PackedStep(input_ids, positions, logits_indices, [r.request for r in rows], layout)
         return packed, order

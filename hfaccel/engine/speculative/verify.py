@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hfaccel.engine.request import Request
-from hfaccel.engine.sampler import request_generator, sample
+from hfaccel.engine.request import Request, request_generator
 from hfaccel.engine.speculative.rejection import accept_greedy, accept_sampled
 from hfaccel.kernels.cpu_argmax import argmax_index
 
@@ -56,29 +55,3 @@ def verify_drafts(logits: torch.Tensor, request: Request, drafts: list[int]) -> 
     if draft_probs is not None:
         draft_probs = draft_probs[: len(drafts)].to(device=probs.device, dtype=probs.dtype)
     return accept_sampled(probs, drafts, request_generator(request, scores.device), draft_probs)
-
-
-def sample_step(
-    logits: torch.Tensor, requests: list[Request], rows: list[int] | None
-) -> list[int] | list[list[int]]:
-    """The tokens of a step: one per request (plain sampling, batched), or, when some requests verify
-    drafts (``rows[i] > 1``), a list per request: the verified ones' emitted tokens, ``[token]`` for the
-    rest."""
-    if rows is None or all(n == 1 for n in rows):
-        return sample(logits, requests)
-    results: list[list[int]] = [[] for _ in requests]
-    single_rows, single_requests = [], []
-    offset = 0
-    for i, (request, count) in enumerate(zip(requests, rows)):
-        if count == 1:
-            single_rows.append(offset)
-            single_requests.append(i)
-        else:
-            results[i] = verify_drafts(logits[offset : offset + count], request, request.spec_token_ids)
-        offset += count
-    if single_rows:
-        index = torch.tensor(single_rows, device=logits.device)
-        tokens = sample(logits.index_select(0, index), [requests[i] for i in single_requests])
-        for i, token in zip(single_requests, tokens):
-            results[i] = [token]
-    return results

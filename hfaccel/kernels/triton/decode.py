@@ -23,6 +23,7 @@ from hfaccel.kernels.triton.common import (
     dot_precision,
     last_dim_contiguous,
 )
+from hfaccel.kernels.triton.tile import load_kv_tile, online_softmax_update
 
 # Splitting below this many context tokens per split costs more in the merge than it gains in parallelism.
 MIN_TOKENS_PER_SPLIT = 256
@@ -101,25 +102,13 @@ def _decode_split_kernel(
     for tile in range(tile_start, tile_end):
         pos = tile * TILE_N + cols
         valid = pos < seq_len
-        # Per-token block lookup: a tile may span several cache blocks, so any block size works.
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        k_rows = block * stride_kc_blk + offset * stride_kc_off + kv_head * stride_kc_head
-        v_rows = block * stride_vc_blk + offset * stride_vc_off + kv_head * stride_vc_head
-        k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        k = k.to(tl.float32)
-        v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        v = v.to(tl.float32)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_PAD, TILE_N]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        # Every tile in range holds a valid position, so m_new is finite and nothing below is NaN.
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k, v = load_kv_tile(
+            table, k_cache_ptr, v_cache_ptr, pos, valid, dims, kv_head,
+            stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
+            BLOCK_SIZE,
+        )  # fmt: skip
+        # Every tile in range holds a valid position, so the max is finite and nothing is NaN.
+        m_i, l_i, acc = online_softmax_update(q, k, v, valid[None, :], m_i, l_i, acc, DOT_PRECISION)
 
     has_any = l_i > 0.0  # False for an empty split (and for every split of a seq_len-0 padded row)
     out = acc / tl.where(has_any, l_i, 1.0)[:, None]

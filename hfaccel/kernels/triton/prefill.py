@@ -23,6 +23,7 @@ from hfaccel.kernels.triton.common import (
     dot_precision,
     last_dim_contiguous,
 )
+from hfaccel.kernels.triton.tile import load_kv_tile, online_softmax_update
 
 TILE_N = 32  # KV positions per inner step (independent of the cache block size)
 
@@ -93,27 +94,13 @@ def _prefill_kernel(
     for tile in range(0, tl.cdiv(kv_end, TILE)):
         pos = tile * TILE + cols
         valid = pos < kv_end
-        # Per-token block lookup: a tile may span several cache blocks, so any block size works.
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        offset = pos % BLOCK_SIZE
-        k_rows = block * stride_kc_blk + offset * stride_kc_off + kv_head * stride_kc_head
-        v_rows = block * stride_vc_blk + offset * stride_vc_off + kv_head * stride_vc_head
-        k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        k = k.to(tl.float32)
-        v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-        v = v.to(tl.float32)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE]
+        k, v = load_kv_tile(
+            table, k_cache_ptr, v_cache_ptr, pos, valid, dims, kv_head,
+            stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
+            BLOCK_SIZE,
+        )  # fmt: skip
         allowed = row_ok[:, None] & valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # Rows with nothing allowed yet (masked rows) keep m = -inf; shift them by 0 to avoid inf - inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_update(q, k, v, allowed, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # rows with no context (padding) come out 0
     tl.store(

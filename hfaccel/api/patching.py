@@ -1,0 +1,237 @@
+"""A model's patch lifecycle: `patch`, `unpatch`, `release`, `reset_prefix_cache`, and the temporary
+patch an unpatched model gets for one `hfaccel.generate` call."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from hfaccel.config import EngineConfig, is_draft_model
+from hfaccel.distributed.dp import setup_data_parallel
+from hfaccel.distributed.ep import setup_expert_parallel
+from hfaccel.distributed.pp import setup_pipeline_parallel
+from hfaccel.patches.attention import register_attention, restore_attention
+from hfaccel.patches.generate import (
+    PatchState,
+    patched_generate,
+)
+from hfaccel.patches.models import check_engine_config, check_model
+from hfaccel.patches.pipeline import install_pipeline_batching
+from hfaccel.patches.tp_plan import setup_tensor_parallel
+
+
+def patch(
+    model: Any,
+    config: EngineConfig | None = None,
+    *,
+    strict: bool | None = None,
+    progress: bool | None = None,
+    tensor_parallel_size: int | None = None,
+    device_mesh: Any = None,
+    sequence_parallel: bool | None = None,
+    pipeline_parallel_size: int | None = None,
+    data_parallel_size: int | None = None,
+    expert_parallel_size: int | None = None,
+    **overrides: Any,
+) -> Any:
+    """Make `model.generate` run on the hfaccel engine; returns the same model object.
+
+    Registers the "hfaccel" attention function with transformers' ``AttentionInterface`` and binds a
+    drop-in ``generate`` on this instance (other instances of the class are untouched). Ordinary
+    ``model(...)`` forward calls keep the model's own attention. Options the engine does not serve fall
+    back to the original ``generate`` with one warning, or raise ValueError with ``strict=True``.
+    ``progress=True`` shows a progress bar inside ``model.generate``.
+
+    Calling it again on a patched model changes only what is given: keyword overrides change only the
+    fields they name (``patch(model, max_num_seqs=8)`` keeps an earlier ``block_size``), an
+    `EngineConfig` replaces the whole config, and ``strict`` / ``progress`` stay as they were unless
+    given. The engine is rebuilt only if the config actually changed.
+
+    Unknown or invalid config values raise ValueError here, as do configs that cannot serve this model:
+    a ``max_model_len`` beyond the model's context, a named ``backend`` that cannot run here, or a
+    ``kv_cache_memory`` too small for one request of ``max_model_len`` tokens (the message says how
+    much is needed, or which ``max_model_len`` fits).
+
+    Parallelism (docs/parallelism.md): ``tensor_parallel_size=N`` (or ``device_mesh=`` a 1-D
+    ``DeviceMesh``) shards the model in place over N processes from its transformers TP plan; every rank
+    runs the same script and makes the same calls. ``sequence_parallel=True`` also shards the tokens of
+    steps that hold prefill tokens. A model transformers sharded at load (``tp_plan="auto"``) is served
+    as it is. Refusals (sizes that do not divide the heads, no process group) raise ValueError before
+    anything is sharded.
+
+    Pipeline parallelism: ``pipeline_parallel_size=P`` splits the decoder layers into P stages over P
+    processes (``EngineConfig.num_microbatches`` microbatches pipelined through them in prefill).
+    Expert parallelism: ``expert_parallel_size=E`` shards a MoE model's experts over E processes
+    (tokens dispatched to them by all-to-all). Data parallelism: ``data_parallel_size=D`` makes D engine
+    replicas (of world // D ranks each, TP, PP or EP inside); `generate` spreads its requests over them
+    by load and returns every completion on every rank. See docs/parallelism.md.
+    """
+    # One patch of a model at a time (two threads patching it at once recorded the first one's
+    # patched generate as "the original"), and never during a temporary patch's setup or teardown.
+    with _temporary_patch_lock:
+        state: PatchState | None = getattr(model, "_hfaccel", None)
+        parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
+        if state is not None:
+            if pipeline_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_pp") is None:
+                raise ValueError("pipeline parallelism is set at a model's first patch: unpatch it first")
+            if expert_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_ep") is None:
+                raise ValueError("expert parallelism is set at a model's first patch: unpatch it first")
+            if data_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_dp") is None:
+                raise ValueError("data parallelism is set at a model's first patch: unpatch it first")
+            if any(p is not None for p in parallel):  # tensor parallelism is fixed at the first patch
+                if model.__dict__.get("_hfaccel_tp") is None:
+                    raise ValueError("tensor parallelism is set at a model's first patch: unpatch it first")
+                setup_tensor_parallel(
+                    model, *parallel, (config or state.config).with_overrides(**overrides).batching
+                )
+            if config is not None or overrides:
+                new_config = (config or state.config).with_overrides(**overrides)
+                _check_draft_model(model, new_config)
+                check_engine_config(model, new_config)
+                if new_config != state.config:
+                    # The new config first: a call that rebuilds the engine after the release (it joins the
+                    # loop thread) builds it from the new one.
+                    state.config = new_config
+                    state.release("hfaccel.patch changed the engine config: its engine was rebuilt")
+            if state.temporary:  # patched on purpose now: it stays patched after temporary users end,
+                state.temporary = False  # and its generate runs on the engine from now on
+                model.generate = types.MethodType(patched_generate, model)
+            state.strict = state.strict if strict is None else strict
+            state.progress = state.progress if progress is None else progress
+            return model
+        check_model(model)
+        engine_config = (config or EngineConfig()).with_overrides(**overrides)
+        _check_draft_model(model, engine_config)
+        setup_tensor_parallel(model, *parallel, engine_config.batching)  # shards the model when N > 1
+        setup_pipeline_parallel(model, pipeline_parallel_size)  # splits the layers into stages when P > 1
+        setup_expert_parallel(model, expert_parallel_size)  # shards the experts when E > 1
+        setup_data_parallel(model, data_parallel_size)  # D engine replicas when D > 1
+        check_engine_config(model, engine_config)
+        register_attention()
+        model._hfaccel = PatchState(
+            config=engine_config,
+            original_generate=model.generate,
+            instance_generate=model.__dict__.get("generate"),
+            strict=bool(strict),
+            progress=bool(progress),
+        )
+        if not _temporary.patching:  # a temporary patch leaves the model's own generate alone
+            model.generate = types.MethodType(patched_generate, model)
+        install_pipeline_batching()
+        return model
+
+
+def _check_draft_model(model: Any, config: EngineConfig) -> None:
+    """Refuse a ``speculative`` draft model whose vocabulary differs from `model`'s at `patch` time, not
+    at the first ``generate`` (the engine checks again, with the device, when it is built)."""
+    draft = config.speculative
+    if not is_draft_model(draft) or draft is model:
+        return
+    try:
+        ours, theirs = (m.get_input_embeddings().num_embeddings for m in (model, draft))
+    except (AttributeError, NotImplementedError):
+        return  # not a transformers model: the engine's executor decides
+    if ours != theirs:
+        raise ValueError(
+            f"speculative: the draft model's vocabulary has {theirs} tokens, the model's {ours}; a draft "
+            "model must share the model's tokenizer and vocabulary"
+        )
+
+
+def unpatch(model: Any) -> Any:
+    """Undo `patch`: the original `generate` comes back exactly, the engine loop stops and the KV cache
+    is released (requests still in flight fail with `LoopClosed`)."""
+    with _temporary_patch_lock:
+        state: PatchState | None = model.__dict__.pop("_hfaccel", None)
+        if state is None:
+            return model
+        if state.instance_generate is None:
+            model.__dict__.pop("generate", None)  # none bound by a temporary patch
+        else:
+            model.generate = state.instance_generate
+    state.release("hfaccel.unpatch released the engine")
+    restore_attention(model)
+    return model
+
+
+def reset_prefix_cache(model: Any) -> None:
+    """Forget every KV block the prefix cache holds for `model`, so the next requests recompute them,
+    and every captured CUDA graph, so the next decode steps capture the model as it is now.
+
+    Weight updates, ``load_state_dict``, dtype or device moves and PEFT adapter switches are detected
+    by themselves; call this after a change the engine cannot see (an edit through ``.data`` that
+    touches few elements, a custom layer's own state). Requests running at the time finish on the KV
+    they hold but never share it. A no-op on an unpatched model or one whose engine is not built yet.
+    """
+    state: PatchState | None = getattr(model, "__dict__", {}).get("_hfaccel")
+    if state is not None and state.engine is not None:
+        state.engine.forget_model_outputs()
+
+
+def release(model: Any) -> None:
+    """Free `model`'s KV cache (and prefix cache) now; the model stays patched.
+
+    Drops the engine, collects garbage and, on CUDA, returns cached blocks to the driver
+    (``torch.cuda.empty_cache``). The next ``generate`` builds a new engine. A stream still being read
+    fails with `LoopClosed`, as do requests still in flight. A no-op on an unpatched model or one with no engine yet.
+    """
+    state: PatchState | None = getattr(model, "__dict__", {}).get("_hfaccel")
+    if state is None or state.engine is None:
+        return
+    on_cuda = state.engine.device.type == "cuda"
+    state.release("hfaccel.release freed the engine")  # stops its loop: nothing may step a freed cache
+    gc.collect()
+    if on_cuda and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def is_patched(model: Any) -> bool:
+    """Whether `patch` has been applied to this model instance."""
+    return "_hfaccel" in getattr(model, "__dict__", {})
+
+
+# Re-entrant: an abandoned stream's cleanup (a `patched_for_call` block's `finally`) may run from the garbage
+# collector in a thread that already holds it, in the middle of another call's patch.
+_temporary_patch_lock = threading.RLock()
+
+
+class _TemporaryPatching(threading.local):
+    patching = False  # this thread's `patch` call makes a temporary patch (under the lock)
+
+
+_temporary = _TemporaryPatching()
+
+
+@contextmanager
+def patched_for_call(model: Any) -> Iterator[PatchState]:
+    """The model's patch state; an unpatched model is patched for the block and restored after the last
+    of the calls that patched it this way ends (concurrent calls share one engine)."""
+    with _temporary_patch_lock:
+        if not is_patched(model):
+            # It serves the hfaccel calls that made it (they reach the engine through the state): the
+            # model's own generate stays transformers' for every other thread, whose plain calls a
+            # temporary engine ending under them would otherwise fail.
+            _temporary.patching = True
+            try:
+                patch(model)
+            finally:
+                _temporary.patching = False
+            model._hfaccel.temporary = True
+        state: PatchState = model._hfaccel
+        temporary = state.temporary
+        if temporary:
+            state.temporary_users += 1
+    try:
+        yield state
+    finally:
+        if temporary:
+            with _temporary_patch_lock:
+                state.temporary_users -= 1
+                if state.temporary and state.temporary_users == 0 and model.__dict__.get("_hfaccel") is state:
+                    unpatch(model)

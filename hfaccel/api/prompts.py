@@ -1,0 +1,110 @@
+"""Prompts as the offline entry points take them: strings, token-id lists or chat message lists (one
+prompt or many), encoded to token ids, with one generation config and one adapter per prompt."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from hfaccel.patches.lora import check_adapter_names
+from hfaccel.patches.lora import unsupported_reason as lora_unsupported_reason
+
+Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
+
+
+def per_prompt_configs(
+    generation_config: GenerationConfig | Sequence[GenerationConfig] | None, count: int
+) -> list[GenerationConfig | None]:
+    if generation_config is None or isinstance(generation_config, GenerationConfig):
+        return [generation_config] * count
+    configs = list(generation_config)
+    if len(configs) != count:
+        raise ValueError(
+            f"generation_config has {len(configs)} entries for {count} prompts; give one per prompt"
+        )
+    return configs
+
+
+DICT_PROMPT = (
+    "pass prompts=enc['input_ids'] (token-id lists: tokenize without padding and without "
+    "return_tensors) or the strings themselves with tokenizer="
+)
+
+
+def prompt_list(prompts: Any) -> list[Any]:
+    """The prompts as a list; a single prompt (a string, a token-id list, one conversation) is a batch
+    of one. A tokenizer's output (dict / BatchEncoding) and 2-D tensors are refused, saying what to pass."""
+    if isinstance(prompts, Mapping):
+        raise ValueError(f"prompts is a dict (a tokenizer's output?), not a list of prompts: {DICT_PROMPT}")
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() == 1:
+            return [prompts.tolist()]
+        raise ValueError(
+            f"prompts is a {prompts.dim()}-D tensor: pass a list of token-id lists (the pad tokens of a "
+            "padded batch would become part of the prompts), or call model.generate(input_ids=..., "
+            "attention_mask=...)"
+        )
+    if prompts is None:
+        raise ValueError("prompts is None: pass a list of strings, token-id lists or chat message lists")
+    items = list(prompts)
+    if items and all(isinstance(t, numbers.Integral) for t in items):
+        return [items]  # one token-id list
+    if items and isinstance(items[0], Mapping) and "role" in items[0]:
+        return [items]  # one conversation
+    return items
+
+
+def per_prompt_adapters(adapter: str | Sequence[str | None] | None, count: int) -> list[str | None]:
+    if adapter is None or isinstance(adapter, str):
+        return [adapter] * count
+    adapters = list(adapter)
+    if len(adapters) != count:
+        raise ValueError(f"adapter has {len(adapters)} entries for {count} prompts; give one per prompt")
+    return adapters
+
+
+def adapter_checks(model: Any, adapters: list[str | None]) -> dict[str, ValueError | str | None]:
+    """Each adapter named in a call, checked once (a check walks every module): a ValueError (no LoRA
+    layer holds it), a reason the engine cannot batch it (PEFT's generate then serves it), or None."""
+    checks: dict[str, ValueError | str | None] = {}
+    for name in {a for a in adapters if a is not None}:
+        try:
+            check_adapter_names(model, [name])
+        except ValueError as error:
+            checks[name] = error
+            continue
+        checks[name] = lora_unsupported_reason(model, [name])
+    return checks
+
+
+def encode_prompt(prompt: Prompt, tokenizer: Any) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a string prompt needs tokenizer= to encode it")
+        return list(tokenizer(prompt)["input_ids"])
+    if isinstance(prompt, Mapping):
+        raise ValueError(f"a prompt is a dict (a tokenizer's output?): {DICT_PROMPT}")
+    if isinstance(prompt, torch.Tensor):
+        prompt = prompt.flatten().tolist() if prompt.dim() <= 1 else prompt
+    if isinstance(prompt, numbers.Integral):
+        raise ValueError(
+            "a prompt must be a string, a list of token ids or a list of chat messages, got an int"
+        )
+    items = list(prompt)
+    if items and isinstance(items[0], dict):
+        if tokenizer is None:
+            raise ValueError("a chat prompt needs tokenizer= to apply its chat template")
+        rendered = tokenizer.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
+        ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+        return [int(t) for t in ids]
+    if not all(isinstance(t, int) or (isinstance(t, torch.Tensor) and t.numel() == 1) for t in items):
+        raise ValueError("a prompt must be a string, a list of token ids or a list of chat messages")
+    if not items:
+        raise ValueError("the prompt is empty: a prompt needs at least one token")
+    return [int(t) for t in items]

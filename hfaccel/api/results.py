@@ -1,0 +1,230 @@
+"""What `hfaccel.generate` and `hfaccel.stream` give back: `Completion`, `StreamEvent`, `RequestError`,
+the grouping of copies per prompt, and prompt log-probabilities."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hfaccel.engine.request import Request
+from hfaccel.engine.sampler import top_logprobs
+from hfaccel.engine.speculative.proposer import speculative_stats
+
+
+@dataclass
+class Completion:
+    """One sequence's result from `hfaccel.generate`.
+
+    Attributes:
+        prompt_token_ids: the prompt as token ids.
+        token_ids: generated token ids only (an EOS that ended it included, as HF returns it).
+        text: the generated text (special tokens skipped), when a tokenizer is known.
+        finish_reason: ``"stop"`` (EOS or a stop string), ``"length"`` (max_new_tokens / max_length /
+            context), or ``"error"`` (the request was refused; see `error`).
+        metrics: seconds: ``queue_s`` (arrival to first scheduled), ``ttft_s`` (time to first token),
+            ``tpot_s`` (mean time per output token after the first), ``itl_max_s`` (longest gap between
+            two tokens), ``e2e_s`` (arrival to finish); and ``num_cached_prompt_tokens`` (prefix-cache
+            hits), ``num_preemptions``.
+            Every completion has every key; what is not known is None (a refused request has no
+            times; one served by transformers' own generate has ``e2e_s`` only).
+        logprobs: log-probability of each generated token under the processed distribution (after
+            the logits processors and sampling warpers, which is what the token was drawn from), when
+            ``logprobs`` was asked.
+        error: why the request was refused, for ``finish_reason == "error"``.
+        top_logprobs: with ``logprobs=k``: per generated token, ``{token id: log-probability}`` of the
+            k most likely tokens and the chosen one (vLLM's layout).
+        prompt_logprobs: with ``prompt_logprobs=k``: per prompt token, ``None`` for the first, then
+            ``{token id: log-probability}`` with that prompt token and the k most likely ones, under the
+            model's raw distribution (one extra forward of the model per prompt, after generation).
+        prompt_index: the position of its prompt in the prompts given; the ``num_return_sequences``
+            copies of one prompt share it (see `group_by_prompt`).
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    logprobs: list[float] | None = None
+    error: str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_index: int = 0
+
+
+def group_by_prompt(completions: Sequence[Completion]) -> list[list[Completion]]:
+    """The flat result of `generate` grouped per prompt: ``groups[i]`` holds the
+    ``num_return_sequences`` completions of ``prompts[i]``, in order."""
+    groups: dict[int, list[Completion]] = {}
+    for completion in completions:
+        groups.setdefault(completion.prompt_index, []).append(completion)
+    return [groups[i] for i in sorted(groups)]
+
+
+class RequestError(ValueError):
+    """Some requests of an `hfaccel.generate` call were refused; the others completed.
+
+    `completions` holds every result in prompt order; refused ones have ``finish_reason == "error"``.
+    """
+
+    def __init__(self, message: str, completions: list[Completion]) -> None:
+        super().__init__(message)
+        self.completions = completions
+
+
+@dataclass
+class StreamEvent:
+    """A new token of one request in `hfaccel.stream`."""
+
+    index: int  # the request's position in the prompts given (times num_return_sequences)
+    token_id: int
+    text: str | None  # the text this token adds, when a tokenizer is known
+    finished: bool
+    finish_reason: str | None
+    logprob: float | None = None  # with logprobs=: the token's log-probability (processed distribution)
+    top_logprobs: dict[int, float] | None = None  # with logprobs=k: the k most likely tokens and this one
+    prompt_index: int = 0  # the position of its prompt in the prompts given
+
+
+def no_metrics(e2e_s: float | None = None) -> dict[str, float | None]:
+    """The metric keys every `Completion` has, for one the engine did not run."""
+    return {
+        "queue_s": None,
+        "ttft_s": None,
+        "tpot_s": None,
+        "itl_max_s": None,
+        "e2e_s": e2e_s,
+        "num_cached_prompt_tokens": None,
+        "num_preemptions": None,
+    }
+
+
+@dataclass
+class Done:
+    """A prompt completed without the engine: refused, given no room to generate, or run by HF."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    error: str | None = None
+    metrics: dict[str, float | None] = field(default_factory=no_metrics)
+
+
+@dataclass
+class Call:
+    """One call's plan: per result, an engine `Request` or a `Done`, and the index of its prompt."""
+
+    plans: list[Request | Done]
+    prompt_indexes: list[int]
+
+    @property
+    def runnable(self) -> list[Request]:
+        return [plan for plan in self.plans if isinstance(plan, Request)]
+
+
+def build_completions(call: Call, tokenizer: Any) -> list[Completion]:
+    return [build_completion(plan, tokenizer, index) for plan, index in zip(call.plans, call.prompt_indexes)]
+
+
+def build_completion(plan: Request | Done, tokenizer: Any, prompt_index: int) -> Completion:
+    if isinstance(plan, Done):
+        text = tokenizer.decode(plan.token_ids, skip_special_tokens=True) if tokenizer is not None else None
+        return Completion(
+            plan.prompt_token_ids,
+            plan.token_ids,
+            text,
+            plan.finish_reason,
+            dict(plan.metrics),
+            error=plan.error,
+            prompt_index=prompt_index,
+        )
+    metrics = {
+        **plan.metrics.as_dict(),
+        "num_cached_prompt_tokens": plan.num_cached_prompt_tokens,
+        "num_preemptions": plan.num_preemptions,
+    }
+    if plan.spec_drafted:
+        metrics.update(speculative_stats(plan))
+    if plan.warnings:
+        metrics["warnings"] = list(plan.warnings)
+    tokens = list(plan.output_token_ids)
+    text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
+    sampling = plan.sampling
+    logprobs = list(plan.logprobs) if sampling.output_logprobs else None
+    top = list(plan.top_logprobs) if sampling.top_logprobs is not None else None
+    error = (
+        plan.rejected_reason if plan.rejected_reason else (None if plan.error is None else str(plan.error))
+    )
+    return Completion(
+        list(plan.prompt_token_ids),
+        tokens,
+        text,
+        plan.finish_reason or "length",
+        metrics,
+        logprobs,
+        error=error,
+        top_logprobs=top,
+        prompt_index=prompt_index,
+    )
+
+
+def raise_or_return(completions: list[Completion], errors: str) -> list[Completion]:
+    refused = [c for c in completions if c.finish_reason == "error"]
+    if not refused or errors == "return":
+        return completions
+    raise RequestError(
+        f"{len(refused)} of {len(completions)} requests refused"
+        + (", the others completed" if len(refused) < len(completions) else "")
+        + f" (see .completions): {describe_refusals(refused)}",
+        completions,
+    )
+
+
+def describe_refusals(refused: Sequence[Completion | tuple[int, str]]) -> str:
+    """``prompts[i]: why`` per refused prompt (its copies once), prompts refused for the same reason together."""
+    reasons: dict[str, list[int]] = {}
+    for item in refused:
+        index, error = (item.prompt_index, item.error) if isinstance(item, Completion) else item
+        indexes = reasons.setdefault(str(error), [])
+        if index not in indexes:
+            indexes.append(index)
+    parts = []
+    for error, indexes in list(reasons.items())[:5]:
+        names = ", ".join(f"prompts[{i}]" for i in indexes[:3])
+        if len(indexes) > 3:
+            names += f" (and {len(indexes) - 3} more)"
+        parts.append(f"{names}: {error}")
+    if len(reasons) > 5:
+        parts.append(f"and {len(reasons) - 5} more reasons")
+    return "; ".join(parts)
+
+
+def prompt_logprobs_of(model: Any, ids: list[int], k: int) -> list[dict[int, float] | None]:
+    """Per prompt token: None for the first, then ``{token id: log-probability}`` of that token and the
+    `k` most likely ones, from one plain forward of `model` (its own attention, the raw distribution)."""
+    device = next(model.parameters()).device
+    result: list[dict[int, float] | None] = [None]
+    if len(ids) < 2:
+        return result
+    with torch.no_grad():
+        logits = model(torch.tensor([ids], device=device)).logits[0, :-1]
+        for start in range(0, logits.shape[0], 512):  # log-softmax in slices: one [L, V] float copy at most
+            rows = torch.log_softmax(logits[start : start + 512].float(), dim=-1).cpu()
+            for j, row in enumerate(rows):
+                result.append(top_logprobs(row, ids[start + j + 1], k))
+    return result
+
+
+def add_prompt_logprobs(model: Any, completions: list[Completion], k: int) -> None:
+    """`Completion.prompt_logprobs` for every completion with a prompt; one forward per prompt (the
+    copies of a prompt share it)."""
+    done: dict[int, list[dict[int, float] | None]] = {}
+    for completion in completions:
+        if not completion.prompt_token_ids:
+            continue
+        if completion.prompt_index not in done:
+            done[completion.prompt_index] = prompt_logprobs_of(model, completion.prompt_token_ids, k)
+        completion.prompt_logprobs = done[completion.prompt_index]
