@@ -10,7 +10,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 import hfaccel
-from tests.helpers import FAMILIES, assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
+from tests.helpers import EOS, FAMILIES, assert_same_or_near_tie, hf, hf_greedy, tiny_model, varied_prompts
 
 METRIC_KEYS = {
     "queue_s",
@@ -129,10 +129,16 @@ def test_every_completion_has_metrics_fallbacks_and_refusals_included():
     assert all(set(c.metrics) == METRIC_KEYS for c in completions)
     assert served.metrics["e2e_s"] > 0 and served.metrics["num_preemptions"] == 0
     assert all(v is None for v in refused.metrics.values())
-    with pytest.warns(UserWarning, match="beam_search"):
-        beams = hfaccel.generate(model, [[5, 6, 7]], num_beams=2, max_new_tokens=3, progress=False)
-    assert set(beams[0].metrics) == METRIC_KEYS and beams[0].metrics["e2e_s"] > 0
-    assert beams[0].metrics["ttft_s"] is None, "transformers' generate does not say"
+    with pytest.warns(UserWarning, match="beam_sample"):
+        sampled_beams = hfaccel.generate(
+            model, [[5, 6, 7]], num_beams=2, do_sample=True, max_new_tokens=3, progress=False
+        )
+    assert set(sampled_beams[0].metrics) == METRIC_KEYS and sampled_beams[0].metrics["e2e_s"] > 0
+    assert sampled_beams[0].metrics["ttft_s"] is None, "transformers' generate does not say"
+    beams = hfaccel.generate(
+        model, [[5, 6, 7]], num_beams=2, max_new_tokens=3, progress=False
+    )  # the engine's
+    assert set(beams[0].metrics) == METRIC_KEYS and beams[0].metrics["ttft_s"] is not None
 
 
 def test_group_by_prompt_groups_the_copies_in_order():
@@ -225,9 +231,45 @@ def test_hf_only_generate_arguments_fall_back_with_them():
 def test_fallback_copies_are_cut_at_their_eos(family):
     model = tiny_model(family)
     prompt = [5, 6, 7]
-    with pytest.warns(UserWarning):
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="beam_sample"):  # beam sampling goes to transformers' generate
         out = hfaccel.generate(
-            model, [prompt], num_beams=3, num_return_sequences=3, max_new_tokens=12, progress=False
+            model,
+            [prompt],
+            num_beams=3,
+            do_sample=True,
+            num_return_sequences=3,
+            max_new_tokens=12,
+            progress=False,
         )
     for c in out:
         assert 2 not in c.token_ids[:-1], "nothing after EOS"
+
+
+def test_beam_search_runs_on_the_engine_in_hfaccel_generate():
+    """Each prompt's hypotheses, best first, are its completions: HF's beam search sequences."""
+    model = tiny_model()
+    prompts = varied_prompts(3, seed=13)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        out = hfaccel.generate(
+            model, prompts, num_beams=3, num_return_sequences=2, max_new_tokens=10, progress=False
+        )
+    assert [c.prompt_index for c in out] == [0, 0, 1, 1, 2, 2]
+    for i, prompt in enumerate(prompts):
+        expected = hf(
+            model,
+            input_ids=torch.tensor([prompt]),
+            num_beams=3,
+            num_return_sequences=2,
+            max_new_tokens=10,
+            do_sample=False,
+        )
+        for rank in range(2):
+            row, ours = expected[rank, len(prompt) :].tolist(), out[2 * i + rank]
+            assert row[: len(ours.token_ids)] == ours.token_ids
+            assert all(t == EOS for t in row[len(ours.token_ids) :])  # HF's fill after a shorter one
+            assert ours.finish_reason == ("stop" if ours.token_ids[-1] == EOS else "length")
+    with pytest.warns(UserWarning, match="beam search in a stream"):
+        events = list(hfaccel.stream(model, prompts[:1], num_beams=3, max_new_tokens=4))
+    assert events[-1].finished

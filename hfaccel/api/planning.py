@@ -4,6 +4,7 @@ no room to generate, or served by transformers' own generate)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,9 +19,11 @@ from hfaccel.api.prompts import (
     per_prompt_configs,
     prompt_list,
 )
-from hfaccel.api.results import Call, Done, no_metrics
+from hfaccel.api.results import Call, Done, Hypothesis, no_metrics
+from hfaccel.engine.beam_search import BeamParams
 from hfaccel.engine.request import Request
 from hfaccel.patches.arguments import check_generate_kwargs
+from hfaccel.patches.beam import beam_limits_reason, beam_unsupported_reason, is_beam_search
 from hfaccel.patches.generate import (
     PER_ROW_ARGUMENTS,
     UNSUPPORTED_ARGUMENTS,
@@ -76,11 +79,13 @@ def plan_call(
     seed: int | None = None,
     targets: dict[str, Any] | None = None,
     adapter: str | Sequence[str | None] | None = None,
+    beams: bool = True,
 ) -> Call:
     """Every prompt turned into engine requests (n per prompt for num_return_sequences) or `Done`s (a
     refused prompt gives n error results, in its place); with `seed`, the i-th request's random stream
-    is seeded with ``seed + i``. Call-level mistakes (unknown arguments, prompts of the wrong shape)
-    raise ValueError before anything is planned."""
+    is seeded with ``seed + i``. A beam-search prompt is one request whose hypotheses are its results
+    (`beams`; False, for the streams: it falls back). Call-level mistakes (unknown arguments, prompts
+    of the wrong shape) raise ValueError before anything is planned."""
     prompts = prompt_list(prompts)
     configs = per_prompt_configs(generation_config, len(prompts))
     for name, hint in NOT_FOR_PROMPT_LISTS.items():
@@ -91,7 +96,7 @@ def plan_call(
     top = None if isinstance(logprobs, bool) else int(logprobs)
     adapters = per_prompt_adapters(adapter, len(prompts))
     checks = adapter_checks(model, adapters)
-    plans: list[Request | Done] = []
+    plans: list[Request | Hypothesis | Done] = []
     indexes: list[int] = []
     for index, (prompt, config, name) in enumerate(zip(prompts, configs, adapters)):
         try:
@@ -102,7 +107,7 @@ def plan_call(
             ids = encode_prompt(prompt, tokenizer)
             planned = plan_prompt(
                 model, state, ids, config, kwargs, tokenizer, bool(logprobs is not False), top, first,
-                targets, name, check,
+                targets, name, check, beams,
             )  # fmt: skip
         except ValueError as error:
             copies = refused_copies(model, config, kwargs)
@@ -138,7 +143,8 @@ def plan_prompt(
     targets: dict[str, Any] | None = None,
     adapter: str | None = None,
     adapter_fallback: str | None = None,
-) -> list[Request | Done]:
+    beams: bool = True,
+) -> list[Request | Hypothesis | Done]:
     has_default_max, has_default_min = has_default_lengths(model, config, kwargs)
     prepared, _ = prepare_config(model, config, dict(kwargs))
     copies = prepared.num_return_sequences or 1
@@ -148,16 +154,25 @@ def plan_prompt(
     # arguments in UNSUPPORTED_ARGUMENTS send the prompt to transformers' generate.
     custom = {name: kwargs.get(name) for name in PER_ROW_ARGUMENTS}
     hf_only = {name: kwargs[name] for name in UNSUPPORTED_ARGUMENTS if given(kwargs.get(name))}
-    reason = unsupported_reason(prepared, True, device) or next(
-        (UNSUPPORTED_ARGUMENTS[name] for name in hf_only), None
-    )
+    beam = (prepared.num_beams or 1) > 1 and is_beam_search(prepared)  # one request, its hypotheses
+    if beam and not beams:
+        reason = "beam search in a stream"
+    elif beam:
+        given_custom = [name for name, value in custom.items() if given(value)]
+        reason = beam_unsupported_reason(model, prepared, [], None, None, device) or (
+            f"beam search with {given_custom[0]}" if given_custom else None
+        )
+    else:
+        reason = unsupported_reason(prepared, True, device)
+    reason = reason or next((UNSUPPORTED_ARGUMENTS[name] for name in hf_only), None)
     if adapter is not None:
         reason = reason or adapter_fallback
         hf_only["adapter_names"] = [adapter]  # for PEFT's own generate, if it falls back
     if reason is None:
         prepare_special_tokens(model, prepared, True, device)  # one unpadded row: no mask needed
         mask = torch.ones_like(input_ids)
-        reason = options_reason(model, state, prepared, custom, input_ids, mask, {})
+        if not beam:
+            reason = options_reason(model, state, prepared, custom, input_ids, mask, {})
     if reason is None:
         stopping, sampling = request_params(
             model,
@@ -172,6 +187,8 @@ def plan_prompt(
             stopping_criteria=custom["stopping_criteria"],
         )
         reason = window_reason(model, len(ids) + stopping.max_new_tokens)
+        if reason is None and beam:
+            reason = beam_limits_reason(state.get_engine(model), prepared.num_beams, len(ids), stopping)
     if reason is not None:
         fall_back(state, reason)
         start = time.perf_counter()
@@ -190,6 +207,16 @@ def plan_prompt(
     if stopping.max_new_tokens <= 0:
         return [Done(ids, metrics=no_metrics(0.0)) for _ in range(copies)]
     engine = state.get_engine(model)
+    if beam:
+        params = BeamParams(
+            num_beams=prepared.num_beams,
+            length_penalty=prepared.length_penalty,
+            early_stopping=prepared.early_stopping,
+            num_return_sequences=copies,
+        )
+        sampling = dataclasses.replace(sampling, beam=params)
+        request = engine.make_request(ids, stopping, sampling, **(targets or {}))
+        return [Hypothesis(request, rank) for rank in range(copies)]
     seeds = [None if seed is None else seed + i for i in range(copies)]
     requests = [
         engine.make_request(ids, stopping, sampling, seed=s, adapter=adapter, **(targets or {}))

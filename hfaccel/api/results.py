@@ -3,6 +3,7 @@ the grouping of copies per prompt, and prompt log-probabilities."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,22 +115,38 @@ class Done:
 
 
 @dataclass
-class Call:
-    """One call's plan: per result, an engine `Request` or a `Done`, and the index of its prompt."""
+class Hypothesis:
+    """The `rank`-th hypothesis (best first) of a beam-search request: one result of `generate`."""
 
-    plans: list[Request | Done]
+    request: Request
+    rank: int
+
+
+@dataclass
+class Call:
+    """One call's plan: per result, an engine `Request`, a beam `Hypothesis` or a `Done`, and the index
+    of its prompt."""
+
+    plans: list[Request | Hypothesis | Done]
     prompt_indexes: list[int]
 
     @property
     def runnable(self) -> list[Request]:
-        return [plan for plan in self.plans if isinstance(plan, Request)]
+        """The requests to run: the plain ones and each beam request once."""
+        return [
+            plan if isinstance(plan, Request) else plan.request
+            for plan in self.plans
+            if isinstance(plan, Request) or (isinstance(plan, Hypothesis) and plan.rank == 0)
+        ]
 
 
 def build_completions(call: Call, tokenizer: Any) -> list[Completion]:
     return [build_completion(plan, tokenizer, index) for plan, index in zip(call.plans, call.prompt_indexes)]
 
 
-def build_completion(plan: Request | Done, tokenizer: Any, prompt_index: int) -> Completion:
+def build_completion(plan: Request | Hypothesis | Done, tokenizer: Any, prompt_index: int) -> Completion:
+    if isinstance(plan, Hypothesis):
+        return _hypothesis_completion(plan, tokenizer, prompt_index)
     if isinstance(plan, Done):
         text = tokenizer.decode(plan.token_ids, skip_special_tokens=True) if tokenizer is not None else None
         return Completion(
@@ -200,6 +217,21 @@ def describe_refusals(refused: Sequence[Completion | tuple[int, str]]) -> str:
     if len(reasons) > 5:
         parts.append(f"and {len(reasons) - 5} more reasons")
     return "; ".join(parts)
+
+
+def _hypothesis_completion(plan: Hypothesis, tokenizer: Any, prompt_index: int) -> Completion:
+    """A beam hypothesis as a `Completion`: its tokens (the EOS that ended it included, as HF returns
+    them), ``"stop"`` when it ends in EOS; the request's metrics. A failed search gives its error."""
+    completion = build_completion(plan.request, tokenizer, prompt_index)
+    results = plan.request.beam_group.results if plan.request.beam_group is not None else None
+    if results is None or plan.request.error is not None:
+        return completion
+    tokens = list(results[plan.rank][0])
+    stopped = bool(tokens) and tokens[-1] in plan.request.stopping.eos_token_ids
+    text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
+    return dataclasses.replace(
+        completion, token_ids=tokens, text=text, finish_reason="stop" if stopped else "length", logprobs=None
+    )
 
 
 def prompt_logprobs_of(model: Any, ids: list[int], k: int) -> list[dict[int, float] | None]:

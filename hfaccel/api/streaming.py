@@ -116,8 +116,9 @@ def start_stream(
 ) -> tuple[Call, Submission | None]:
     """Plan the prompts (raising for a refused one) and submit the runnable ones as one stream."""
     call = plan_call(
-        model, state, prompts, tokenizer, generation_config, kwargs, where, logprobs, seed, targets, adapter
-    )
+        model, state, prompts, tokenizer, generation_config, kwargs, where, logprobs, seed, targets, adapter,
+        beams=False,
+    )  # fmt: skip
     refused = [
         (index, plan.error)
         for plan, index in zip(call.plans, call.prompt_indexes)

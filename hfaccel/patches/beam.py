@@ -65,6 +65,17 @@ def beam_unsupported_reason(
     return unsupported_reason(greedy, device=device)
 
 
+def beam_limits_reason(
+    engine: Any, num_beams: int, longest_prompt: int, stopping: StoppingParams
+) -> str | None:
+    """Why the engine cannot run this beam search (its context, or its batch limits), or None."""
+    if longest_prompt + stopping.max_new_tokens > engine.max_model_len:
+        return "beam search past the model's context"
+    if num_beams > min(engine.config.max_num_seqs, engine.config.max_num_batched_tokens):
+        return "num_beams above the engine's max_num_seqs (or max_num_batched_tokens)"
+    return None
+
+
 def generate_beams(
     model: torch.nn.Module,
     state: Any,
@@ -82,10 +93,9 @@ def generate_beams(
     `generate` instead (with its warning)."""
     loop = state.get_loop(model)
     nb = config.num_beams
-    if int(attention_mask.sum(dim=1).max()) + stopping.max_new_tokens > loop.engine.max_model_len:
-        return fall_back("beam search past the model's context")
-    if nb > min(loop.engine.config.max_num_seqs, loop.engine.config.max_num_batched_tokens):
-        return fall_back("num_beams above the engine's max_num_seqs (or max_num_batched_tokens)")
+    reason = beam_limits_reason(loop.engine, nb, int(attention_mask.sum(dim=1).max()), stopping)
+    if reason is not None:
+        return fall_back(reason)
     params = BeamParams(
         num_beams=nb,
         length_penalty=config.length_penalty,

@@ -166,13 +166,14 @@ def test_a_beam_search_past_the_context_falls_back():
     assert torch.equal(out, reference)
 
 
-def test_hfaccel_generate_hands_beam_search_to_hf():
-    """`hfaccel.generate` plans one request per returned sequence: beam search goes to HF's generate
-    there (one warning), with HF's hypotheses as its completions."""
+def test_hfaccel_generate_runs_beam_search_on_the_engine():
+    """`hfaccel.generate` plans a beam-search prompt as one engine request whose hypotheses, best first,
+    are its completions: HF's hypotheses, no fallback."""
     model = tiny_model()
     kwargs = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 5}
     with torch.no_grad():
         reference = type(model).generate(model, torch.tensor([[5, 6, 7]]), do_sample=False, **kwargs)
-    with pytest.warns(UserWarning, match="beam_search"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
         completions = hfaccel.generate(model, [[5, 6, 7]], progress=False, **kwargs)
     assert [c.token_ids for c in completions] == [row[3:].tolist() for row in reference]
