@@ -4,9 +4,11 @@ import asyncio
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import hfaccel
 from hfaccel.config import EngineConfig
+from hfaccel.patches.cache_names import CACHE_NAME
 from tests.helpers import hf_greedy, tiny_model, tiny_tokenizer
 
 
@@ -122,6 +124,8 @@ def test_model_inputs_are_refused_by_the_list_api():
     model = tiny_model()
     with pytest.raises(ValueError, match=r"takes prompts as lists, not model inputs: \['attention_mask'\]"):
         _generate(model, [[5, 6]], attention_mask=torch.ones(1, 2))
+    with pytest.raises(ValueError, match=rf"not model inputs: \['{CACHE_NAME}'\]"):  # either of its names
+        _generate(model, [[5, 6]], past_key_values=DynamicCache(config=model.config))
     with pytest.raises(ValueError, match="hfaccel.generate does not take inputs=: pass the prompts"):
         _generate(model, [[5, 6]], inputs=torch.tensor([[5, 6]]))
     with pytest.raises(ValueError, match="hfaccel.stream does not take streamer=: iterate hfaccel.stream"):

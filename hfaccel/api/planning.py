@@ -24,6 +24,7 @@ from hfaccel.engine.beam_search import BeamParams
 from hfaccel.engine.request import Request
 from hfaccel.patches.arguments import check_generate_kwargs
 from hfaccel.patches.beam import beam_limits_reason, beam_unsupported_reason, is_beam_search
+from hfaccel.patches.cache_names import normalize_cache_argument
 from hfaccel.patches.generate import (
     PER_ROW_ARGUMENTS,
     UNSUPPORTED_ARGUMENTS,
@@ -91,6 +92,7 @@ def plan_call(
     for name, hint in NOT_FOR_PROMPT_LISTS.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"{where} does not take {name}=: {hint}")
+    kwargs = normalize_cache_argument(kwargs, where)  # past_key_values: a model input, refused as such
     check_generate_kwargs(model, kwargs, where, configs, model_inputs=False, own=OWN_PARAMETERS)
     check_top_k("logprobs", logprobs)
     top = None if isinstance(logprobs, bool) else int(logprobs)
