@@ -1,4 +1,10 @@
-"""EngineConfig: every knob of the engine, validated when it is built."""
+"""EngineConfig: every knob of the engine, in parts (cache, scheduler, compilation, speculation, latency,
+parallel), each validating itself.
+
+Every knob is also a flat keyword and attribute, as it always was: ``EngineConfig(max_num_seqs=8)`` sets
+``config.scheduler.max_num_seqs`` and ``config.max_num_seqs`` reads it; ``EngineConfig(scheduler=
+SchedulerConfig(max_num_seqs=8))`` is the same config.
+"""
 
 from __future__ import annotations
 
@@ -23,10 +29,202 @@ _DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bf
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Configuration of the paged-KV continuous-batching engine.
+class CacheConfig:
+    """The paged KV cache: block size, memory, dtype, the longest sequence, prefix caching."""
 
-    Attributes:
+    block_size: int = 16
+    kv_cache_memory: int | float = 0.1
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require_positive_int("block_size", self.block_size)
+        memory = self.kv_cache_memory
+        if isinstance(memory, bool) or not isinstance(memory, (int, float)):
+            raise ValueError(f"kv_cache_memory must be bytes (int) or a fraction (float), got {memory!r}")
+        if isinstance(memory, float) and not 0.0 < memory <= 1.0:
+            raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {memory}")
+        if isinstance(memory, int) and memory <= 1:
+            raise ValueError(f"kv_cache_memory in bytes must be positive, got {memory}")
+        if isinstance(self.dtype, torch.dtype):
+            if not self.dtype.is_floating_point or self.dtype.itemsize < 2:
+                raise ValueError(
+                    f"dtype {self.dtype} cannot hold a KV cache: integer and float8 caches would need "
+                    "quantisation scales the engine does not keep; use torch.float32, torch.float16, "
+                    "torch.bfloat16 or 'auto'"
+                )
+        elif self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be a torch.dtype or one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None:
+            _require_positive_int("max_model_len", self.max_model_len)
+        _require_bool("enable_prefix_caching", self.enable_prefix_caching)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What a step holds and which requests are admitted: batch limits, chunking, policies, batching."""
+
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None
+    scheduling_policy: str = "mixed"
+    batching: str = "continuous"
+    max_batch_size: int | None = None
+    max_delay_ms: float = 50.0
+    group_by_length: bool = False
+    prefix_aware_admission: bool = False
+    max_passed_over: int = 8
+    async_scheduling: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs is not None:
+            _require_positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_num_batched_tokens is not None:
+            _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.long_prefill_token_threshold is not None:
+            _require_positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold)
+        if self.max_batch_size is not None:
+            _require_positive_int("max_batch_size", self.max_batch_size)
+            if self.max_num_seqs is not None and self.max_batch_size > self.max_num_seqs:
+                raise ValueError(
+                    f"max_batch_size ({self.max_batch_size}) cannot exceed max_num_seqs ({self.max_num_seqs})"
+                )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
+        if self.batching not in BATCHING_STRATEGIES:
+            raise ValueError(f"batching must be one of {BATCHING_STRATEGIES}, got {self.batching!r}")
+        delay = self.max_delay_ms
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)) or delay < 0:
+            raise ValueError(f"max_delay_ms must be a number >= 0, got {delay!r}")
+        _require_positive_int("max_passed_over", self.max_passed_over)
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
+        for name in ("chunked_prefill", "group_by_length", "prefix_aware_admission"):
+            _require_bool(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """How a step runs: the attention backend, torch.compile, CUDA graphs and their decode buckets."""
+
+    backend: str = "auto"
+    compile: str = "auto"
+    cuda_graphs: bool | None = None
+    cuda_graph_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
+        sizes = self.cuda_graph_sizes
+        if sizes is not None:
+            if not isinstance(sizes, (tuple, list)) or not sizes:
+                raise ValueError(f"cuda_graph_sizes must be a non-empty tuple of batch sizes, got {sizes!r}")
+            for size in sizes:
+                _require_positive_int("cuda_graph_sizes entries", size)
+            object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: the draft source (a method name or a draft model) and how much it drafts."""
+
+    speculative: str | Any | None = None
+    num_speculative_tokens: int = 4
+    speculative_min_acceptance: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not is_draft_model(self.speculative) and (
+            not isinstance(self.speculative, (str, type(None))) or self.speculative not in SPECULATIVE_METHODS
+        ):
+            raise ValueError(
+                "speculative must be None, 'ngram' or a draft model (a causal LM with .config and .forward), "
+                f"got {_short(self.speculative)}"
+            )
+        _require_positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        minimum = self.speculative_min_acceptance
+        if isinstance(minimum, bool) or not isinstance(minimum, (int, float)) or not 0 <= minimum <= 1:
+            raise ValueError(f"speculative_min_acceptance must be in [0, 1], got {minimum!r}")
+
+    def __repr__(self) -> str:  # a draft model is named by its class, not printed whole
+        return f"SpeculativeConfig({_flat_repr(self)})"
+
+
+@dataclass(frozen=True)
+class LatencyConfig:
+    """Latency targets (TPOT, TTFT) and what happens to a request whose target cannot be met."""
+
+    tpot_target_ms: float | None = None
+    ttft_target_ms: float | None = None
+    admission: str = "warn"
+
+    def __post_init__(self) -> None:
+        for name in ("tpot_target_ms", "ttft_target_ms"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
+            ):
+                raise ValueError(f"{name} must be a positive number of milliseconds or None, got {value!r}")
+        if self.admission not in ADMISSION_MODES:
+            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Parallelism: microbatches per step, and the sizes `hfaccel.patch` set the model up with (tensor,
+    sequence, pipeline, expert and data parallel; None: not parallel). The sizes are fixed at a model's
+    first patch (`patch(model, tensor_parallel_size=N)` records them here)."""
+
+    num_microbatches: int = 1
+    tensor_parallel_size: int | None = None
+    sequence_parallel: bool | None = None
+    pipeline_parallel_size: int | None = None
+    expert_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _require_positive_int("num_microbatches", self.num_microbatches)
+        for name in SIZES:
+            value = getattr(self, name)
+            if value is not None:
+                _require_positive_int(name, value)
+        if self.sequence_parallel is not None:
+            _require_bool("sequence_parallel", self.sequence_parallel)
+
+    @property
+    def sizes(self) -> dict[str, Any]:
+        """The parallel layout (every field but `num_microbatches`)."""
+        return {name: getattr(self, name) for name in (*SIZES, "sequence_parallel")}
+
+
+SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size", "data_parallel_size")
+PARTS: dict[str, type] = {
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "compilation": CompilationConfig,
+    "speculation": SpeculativeConfig,
+    "latency": LatencyConfig,
+    "parallel": ParallelConfig,
+}
+# Every flat knob and the part that holds it.
+FIELD_PART = {f.name: part for part, cls in PARTS.items() for f in dataclasses.fields(cls)}
+
+
+class EngineConfig:
+    """Configuration of the paged-KV continuous-batching engine, in parts: `cache` (`CacheConfig`),
+    `scheduler` (`SchedulerConfig`), `compilation` (`CompilationConfig`), `speculation`
+    (`SpeculativeConfig`), `latency` (`LatencyConfig`) and `parallel` (`ParallelConfig`). Give a part, or
+    its knobs as flat keywords (a flat keyword overrides the same knob of a given part); every knob
+    reads as a flat attribute too. Immutable: `with_overrides` makes a changed copy.
+
+    Attributes (flat names):
         block_size: tokens per KV-cache block.
         max_num_seqs: most sequences in one running batch; ``None`` (auto): chosen when the engine is
             built from the KV memory, the model and the device (`engine/limits.py`; shown in the engine's
@@ -97,156 +295,93 @@ class EngineConfig:
             (prefix lookups of the waiting queue, the step-time model's refit) on this thread while the
             forward runs on a worker thread. ``None`` (auto): off (on a CPU the host's share of a step is
             about 1% and the measured gain nil, docs/benchmarks.md; not yet measured on CUDA).
+        tensor_parallel_size, sequence_parallel, pipeline_parallel_size, expert_parallel_size,
+            data_parallel_size: the parallel layout the model was set up with at its first `patch`.
     """
 
-    block_size: int = 16
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    kv_cache_memory: int | float = 0.1
-    backend: str = "auto"
-    dtype: str | torch.dtype = "auto"
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    chunked_prefill: bool = True
-    long_prefill_token_threshold: int | None = None
-    scheduling_policy: str = "mixed"
-    batching: str = "continuous"
-    max_batch_size: int | None = None
-    max_delay_ms: float = 50.0
-    group_by_length: bool = False
-    compile: str = "auto"
-    speculative: str | Any | None = None
-    num_speculative_tokens: int = 4
-    speculative_min_acceptance: float = 0.25
-    num_microbatches: int = 1
-    cuda_graphs: bool | None = None
-    cuda_graph_sizes: tuple[int, ...] | None = None
-    tpot_target_ms: float | None = None
-    ttft_target_ms: float | None = None
-    admission: str = "warn"
-    prefix_aware_admission: bool = False
-    max_passed_over: int = 8
-    async_scheduling: bool | None = None
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    compilation: CompilationConfig
+    speculation: SpeculativeConfig
+    latency: LatencyConfig
+    parallel: ParallelConfig
 
-    def __post_init__(self) -> None:
-        _require_positive_int("block_size", self.block_size)
-        if self.max_num_seqs is not None:
-            _require_positive_int("max_num_seqs", self.max_num_seqs)
-        if self.max_num_batched_tokens is not None:
-            _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.block_size:
+    def __init__(
+        self,
+        cache: CacheConfig | None = None,
+        scheduler: SchedulerConfig | None = None,
+        compilation: CompilationConfig | None = None,
+        speculation: SpeculativeConfig | None = None,
+        latency: LatencyConfig | None = None,
+        parallel: ParallelConfig | None = None,
+        **fields: Any,
+    ) -> None:
+        given = {
+            "cache": cache,
+            "scheduler": scheduler,
+            "compilation": compilation,
+            "speculation": speculation,
+            "latency": latency,
+            "parallel": parallel,
+        }
+        unknown = sorted(set(fields) - set(FIELD_PART))
+        if unknown:
+            raise ValueError(_unknown_message(unknown))
+        for name, cls in PARTS.items():
+            part = given[name]
+            if part is not None and not isinstance(part, cls):
+                raise ValueError(f"{name} must be a {cls.__name__}, got {type(part).__name__}")
+            mine = {key: value for key, value in fields.items() if FIELD_PART[key] == name}
+            part = part if part is not None else cls()
+            part = dataclasses.replace(part, **mine) if mine else part
+            object.__setattr__(self, name, part)
+            for f in dataclasses.fields(part):  # flat reads are plain attributes (read every step)
+                object.__setattr__(self, f.name, getattr(part, f.name))
+        self._check_across_parts()
+
+    def _check_across_parts(self) -> None:
+        tokens = self.max_num_batched_tokens
+        if tokens is not None and tokens < self.block_size:
             raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least block_size "
-                f"({self.block_size})"
+                f"max_num_batched_tokens ({tokens}) must be at least block_size ({self.block_size})"
             )
-        memory = self.kv_cache_memory
-        if isinstance(memory, bool) or not isinstance(memory, (int, float)):
-            raise ValueError(f"kv_cache_memory must be bytes (int) or a fraction (float), got {memory!r}")
-        if isinstance(memory, float) and not 0.0 < memory <= 1.0:
-            raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {memory}")
-        if isinstance(memory, int) and memory <= 1:
-            raise ValueError(f"kv_cache_memory in bytes must be positive, got {memory}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
-        if isinstance(self.dtype, torch.dtype):
-            if not self.dtype.is_floating_point or self.dtype.itemsize < 2:
-                raise ValueError(
-                    f"dtype {self.dtype} cannot hold a KV cache: integer and float8 caches would need "
-                    "quantisation scales the engine does not keep; use torch.float32, torch.float16, "
-                    "torch.bfloat16 or 'auto'"
-                )
-        elif self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be a torch.dtype or one of {tuple(_DTYPES)}, got {self.dtype!r}")
-        if self.max_model_len is not None:
-            _require_positive_int("max_model_len", self.max_model_len)
-        if self.long_prefill_token_threshold is not None:
-            _require_positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold)
-        if self.max_batch_size is not None:
-            _require_positive_int("max_batch_size", self.max_batch_size)
-            if self.max_num_seqs is not None and self.max_batch_size > self.max_num_seqs:
-                raise ValueError(
-                    f"max_batch_size ({self.max_batch_size}) cannot exceed max_num_seqs ({self.max_num_seqs})"
-                )
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
+        sizes = self.cuda_graph_sizes
+        if sizes is not None and self.max_num_seqs is not None and max(sizes) > self.max_num_seqs:
             raise ValueError(
-                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+                f"cuda_graph_sizes {tuple(sizes)} has sizes above max_num_seqs ({self.max_num_seqs})"
             )
-        if self.batching not in BATCHING_STRATEGIES:
-            raise ValueError(f"batching must be one of {BATCHING_STRATEGIES}, got {self.batching!r}")
-        if (
-            isinstance(self.max_delay_ms, bool)
-            or not isinstance(self.max_delay_ms, (int, float))
-            or (self.max_delay_ms < 0)
-        ):
-            raise ValueError(f"max_delay_ms must be a number >= 0, got {self.max_delay_ms!r}")
-        if not is_draft_model(self.speculative) and (
-            not isinstance(self.speculative, (str, type(None))) or self.speculative not in SPECULATIVE_METHODS
-        ):
-            raise ValueError(
-                "speculative must be None, 'ngram' or a draft model (a causal LM with .config and .forward), "
-                f"got {_short(self.speculative)}"
-            )
-        _require_positive_int("num_speculative_tokens", self.num_speculative_tokens)
-        _require_positive_int("num_microbatches", self.num_microbatches)
-        minimum = self.speculative_min_acceptance
-        if isinstance(minimum, bool) or not isinstance(minimum, (int, float)) or not 0 <= minimum <= 1:
-            raise ValueError(f"speculative_min_acceptance must be in [0, 1], got {minimum!r}")
-        if self.compile not in COMPILE_MODES:
-            raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
-        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
-        if self.cuda_graph_sizes is not None:
-            sizes = self.cuda_graph_sizes
-            if not isinstance(sizes, (tuple, list)) or not sizes:
-                raise ValueError(f"cuda_graph_sizes must be a non-empty tuple of batch sizes, got {sizes!r}")
-            for size in sizes:
-                _require_positive_int("cuda_graph_sizes entries", size)
-            if self.max_num_seqs is not None and max(sizes) > self.max_num_seqs:
-                raise ValueError(
-                    f"cuda_graph_sizes {tuple(sizes)} has sizes above max_num_seqs ({self.max_num_seqs})"
-                )
-            object.__setattr__(self, "cuda_graph_sizes", tuple(sorted(set(sizes))))
-        for name in ("tpot_target_ms", "ttft_target_ms"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
-            ):
-                raise ValueError(f"{name} must be a positive number of milliseconds or None, got {value!r}")
-        if self.admission not in ADMISSION_MODES:
-            raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
-        _require_positive_int("max_passed_over", self.max_passed_over)
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
-        for name in ("enable_prefix_caching", "chunked_prefill", "group_by_length", "prefix_aware_admission"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}: use with_overrides")
+
+    def __delattr__(self, name: str) -> None:
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
+    def _parts(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in PARTS)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EngineConfig) and self._parts() == other._parts()
+
+    def __hash__(self) -> int:
+        return hash(self._parts())
 
     def __repr__(self) -> str:
-        # A draft model is named by its class, not printed whole (a model's repr is its full module tree).
-        parts = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            text = (
-                f"<{type(value).__name__}>"
-                if f.name == "speculative" and is_draft_model(value)
-                else repr(value)
-            )
-            parts.append(f"{f.name}={text}")
-        return f"EngineConfig({', '.join(parts)})"
+        return f"EngineConfig({', '.join(_flat_repr(part) for part in self._parts())})"
+
+    @staticmethod
+    def field_names() -> tuple[str, ...]:
+        """Every flat knob's name."""
+        return tuple(FIELD_PART)
 
     def with_overrides(self, **overrides: Any) -> EngineConfig:
-        """Return a copy with some fields replaced (validated again); unknown names raise ValueError."""
-        known = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - known)
+        """A copy with some knobs (flat names) or whole parts replaced, validated again; unknown names
+        raise ValueError."""
+        unknown = sorted(set(overrides) - set(FIELD_PART) - set(PARTS))
         if unknown:
-            hints = [
-                f"{name!r} -> {close[0]!r}"
-                for name in unknown
-                if (close := difflib.get_close_matches(name, known, n=1, cutoff=0.75))
-            ]
-            hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
-            raise ValueError(f"unknown EngineConfig field(s) {unknown}{hint}; known fields: {sorted(known)}")
-        return dataclasses.replace(self, **overrides)
+            raise ValueError(_unknown_message(unknown))
+        parts = {name: overrides.pop(name, getattr(self, name)) for name in PARTS}
+        return EngineConfig(**parts, **overrides)
 
     @property
     def decode_buckets(self) -> tuple[int, ...]:
@@ -276,6 +411,29 @@ class EngineConfig:
         return _DTYPES[self.dtype] or model_dtype
 
 
+def _unknown_message(unknown: list[str]) -> str:
+    known = sorted(FIELD_PART)
+    hints = [
+        f"{name!r} -> {close[0]!r}"
+        for name in unknown
+        if (close := difflib.get_close_matches(name, known, n=1, cutoff=0.75))
+    ]
+    hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+    return f"unknown EngineConfig field(s) {unknown}{hint}; known fields: {known}"
+
+
+def _flat_repr(part: Any) -> str:
+    """``name=value`` for every knob of a part; a draft model is named by its class."""
+    items = []
+    for f in dataclasses.fields(part):
+        value = getattr(part, f.name)
+        text = (
+            f"<{type(value).__name__}>" if f.name == "speculative" and is_draft_model(value) else repr(value)
+        )
+        items.append(f"{f.name}={text}")
+    return ", ".join(items)
+
+
 def is_draft_model(value: Any) -> bool:
     """Whether `value` is a draft model for ``speculative`` (an object with ``.config`` and a callable
     ``.forward``: a transformers causal LM), as opposed to a method name."""
@@ -287,6 +445,11 @@ def is_draft_model(value: Any) -> bool:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else f"{type(value).__name__} object"
+
+
+def _require_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _require_positive_int(name: str, value: Any) -> None:

@@ -90,8 +90,14 @@ def patch(
                 setup_tensor_parallel(
                     model, *parallel, (config or state.config).with_overrides(**overrides).batching
                 )
+                again = {"tensor_parallel_size": tensor_parallel_size, "sequence_parallel": sequence_parallel}
+                state.config = state.config.with_overrides(
+                    **{k: v for k, v in again.items() if v is not None}
+                )
             if config is not None or overrides:
-                new_config = (config or state.config).with_overrides(**overrides)
+                new_config = _keep_parallel_layout(
+                    state.config, (config or state.config).with_overrides(**overrides)
+                )
                 _check_draft_model(model, new_config)
                 check_engine_config(model, new_config)
                 if new_config != state.config:
@@ -107,11 +113,27 @@ def patch(
             return model
         check_model(model)
         engine_config = (config or EngineConfig()).with_overrides(**overrides)
+        # The parallel layout: the arguments given here, else the config's; recorded in the config.
+        given = {
+            "tensor_parallel_size": tensor_parallel_size,
+            "sequence_parallel": sequence_parallel,
+            "pipeline_parallel_size": pipeline_parallel_size,
+            "expert_parallel_size": expert_parallel_size,
+            "data_parallel_size": data_parallel_size,
+        }
+        layout = {
+            name: given[name] if given[name] is not None else value
+            for name, value in engine_config.parallel.sizes.items()
+        }
+        engine_config = engine_config.with_overrides(**layout)
         _check_draft_model(model, engine_config)
-        setup_tensor_parallel(model, *parallel, engine_config.batching)  # shards the model when N > 1
-        setup_pipeline_parallel(model, pipeline_parallel_size)  # splits the layers into stages when P > 1
-        setup_expert_parallel(model, expert_parallel_size)  # shards the experts when E > 1
-        setup_data_parallel(model, data_parallel_size)  # D engine replicas when D > 1
+        tp_args = (layout["tensor_parallel_size"], device_mesh, layout["sequence_parallel"])
+        setup_tensor_parallel(model, *tp_args, engine_config.batching)  # shards the model when N > 1
+        setup_pipeline_parallel(
+            model, layout["pipeline_parallel_size"]
+        )  # splits the layers into stages (P > 1)
+        setup_expert_parallel(model, layout["expert_parallel_size"])  # shards the experts when E > 1
+        setup_data_parallel(model, layout["data_parallel_size"])  # D engine replicas when D > 1
         check_engine_config(model, engine_config)
         register_attention()
         model._hfaccel = PatchState(
@@ -125,6 +147,19 @@ def patch(
             model.generate = types.MethodType(patched_generate, model)
         install_pipeline_batching()
         return model
+
+
+def _keep_parallel_layout(first: EngineConfig, new: EngineConfig) -> EngineConfig:
+    """`new` with the parallel layout of the model's first patch (only `num_microbatches` may change);
+    a config that asks for another layout raises ValueError."""
+    changed = sorted(
+        name
+        for name, value in new.parallel.sizes.items()
+        if value is not None and value != first.parallel.sizes[name]
+    )
+    if changed:
+        raise ValueError(f"{', '.join(changed)} is set at a model's first patch: unpatch it first")
+    return new.with_overrides(**first.parallel.sizes)
 
 
 def _check_draft_model(model: Any, config: EngineConfig) -> None:

@@ -19,7 +19,7 @@ from tests.helpers import EOS, hf_greedy, tiny_model, varied_prompts
 
 
 def run(model, prompts, draft, **kwargs):
-    config = {k: kwargs.pop(k) for k in list(kwargs) if k in EngineConfig.__dataclass_fields__}
+    config = {k: kwargs.pop(k) for k in list(kwargs) if k in EngineConfig.field_names()}
     hfaccel.patch(model, speculative=draft, **config)
     try:
         out = hfaccel.generate(model, prompts, progress=False, **kwargs)
