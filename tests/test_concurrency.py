@@ -5,6 +5,7 @@ import random
 import signal
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -12,7 +13,15 @@ from transformers import TextIteratorStreamer
 
 import hfaccel
 from hfaccel.engine.loop import LoopClosed
-from tests.helpers import PAD, assert_same_or_near_tie, hf_greedy, tiny_model, tiny_tokenizer, varied_prompts
+from tests.helpers import (
+    PAD,
+    assert_same_or_near_tie,
+    hf,
+    hf_greedy,
+    tiny_model,
+    tiny_tokenizer,
+    varied_prompts,
+)
 
 MAX_NEW = 12
 
@@ -580,3 +589,30 @@ def test_a_temporary_patch_leaves_the_models_own_generate_to_other_threads():
     )
     assert seen and all(seen_now == (True, False) for seen_now in seen)
     assert completion.token_ids == hf_greedy(model, prompt, 3) and not hfaccel.api.is_patched(model)
+
+
+def test_a_fallback_that_reenters_the_same_models_generate_completes():
+    """HF's assisted decoding with the model as its own assistant calls the model's generate from inside
+    the fallback (in the same thread): it completes, with HF's tokens, instead of waiting on itself."""
+    model = tiny_model()
+    model.set_attn_implementation("eager")  # output_attentions: the call falls back
+    hfaccel.patch(model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    kwargs = {"assistant_model": model, "output_attentions": True, "return_dict_in_generate": True}
+    kwargs |= {"max_new_tokens": 5, "do_sample": False}
+    outputs = {}
+
+    def call():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            outputs["ours"] = model.generate(ids, **kwargs).sequences
+
+    worker = threading.Thread(target=call, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert "ours" in outputs, "the re-entrant fallback hung"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = hf(model, input_ids=ids, **kwargs).sequences
+    assert outputs["ours"].tolist() == expected.tolist()
+    hfaccel.unpatch(model)

@@ -102,7 +102,9 @@ class PatchState:
     temporary: bool = False  # patched by hfaccel.generate/stream for their own duration only
     temporary_users: int = 0  # such calls still running (the last one unpatches)
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
-    fallback_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # Re-entrant: a fallback may call the same model's generate again in its own thread (HF's assisted
+    # decoding with the model as its own assistant, a processor or criterion that generates).
+    fallback_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def get_engine(self, model: torch.nn.Module) -> Engine:
         """The model's engine, (re)built if absent or if the model moved to another device or dtype.
