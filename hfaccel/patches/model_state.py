@@ -6,8 +6,9 @@ whenever any of these does, and the engine forgets its prefix cache when it sees
 
 What the token covers:
 
-- every parameter and buffer, by identity (``id``), storage (``data_ptr``), dtype, device, shape and
-  ``_version`` counter: replaced tensors (``load_state_dict(assign=True)``, ``p.data = t``,
+- every parameter and buffer (a tensor subclass by the plain tensors it holds: a DTensor's local shard,
+  a quantized weight's data and scales), by identity (``id``), storage (``data_ptr``), dtype, device,
+  shape and ``_version`` counter: replaced tensors (``load_state_dict(assign=True)``, ``p.data = t``,
   ``.to(dtype)``, new ``Parameter`` objects, added or removed modules) and in-place updates through the
   tensor itself (SGD, foreach AdamW, ``load_state_dict`` copy) all change it;
 - a process-wide count of optimizer steps (a global ``register_optimizer_step_post_hook``): a fused
@@ -114,8 +115,7 @@ class ModelStateTracker:
                 if child is not None and id(child) not in seen:
                     seen.add(id(child))
                     modules.append(child)
-        # A DTensor (a tensor-parallel shard) is fingerprinted by its local tensor: the rank's own data.
-        present = [getattr(t, "_local_tensor", t) for t in tensors if t is not None]
+        present = [leaf for t in tensors if t is not None for leaf in _plain_tensors(t)]
         layout = tuple((id(t), t.data_ptr(), t.dtype, t.device, t.shape) for t in present)
         if layout != self._layout:
             self._plan = _sampling_plan(present, self.samples)
@@ -128,6 +128,22 @@ class ModelStateTracker:
             tuple(adapters),
             _checksum(present, self._plan),
         )
+
+
+def _plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `tensor`'s values, fingerprinted in its place: itself, a DTensor's
+    local shard (a tensor-parallel rank's own data), or the inner tensors of a wrapper subclass that
+    flattens (torchao's quantized weights: ``__tensor_flatten__``), recursively. Only ops every plain
+    tensor has are then called on them (a subclass need not implement ``as_strided``). A subclass that
+    does not flatten is left out (its changes are not seen: ``reset_prefix_cache`` after one)."""
+    tensor = getattr(tensor, "_local_tensor", tensor)
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter):
+        return [tensor]
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return []
+    names, _ = flatten()
+    return [leaf for name in names for leaf in _plain_tensors(getattr(tensor, name))]
 
 
 def _sampling_plan(tensors: list[torch.Tensor], samples: int) -> list[list[tuple[int, int, int, int]]]:

@@ -294,3 +294,46 @@ def test_tracker_keeps_no_replaced_weight_alive(llama):
     gc.collect()
     assert old() is None, "the tracker must not pin a replaced weight between calls"
     assert tracker.token() != first
+
+
+class Wrapped(torch.Tensor):
+    """A wrapper tensor subclass in the style of torchao's quantized weights: its values live in an inner
+    tensor (`__tensor_flatten__`) and it implements few ops (no ``as_strided``)."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.as_strided.default:
+            raise NotImplementedError("Wrapped implements no as_strided")
+        unwrap = torch.utils._pytree.tree_map_only
+        args, kwargs = unwrap(Wrapped, lambda w: w.inner, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def test_tracker_fingerprints_a_tensor_subclass_by_its_inner_tensors():
+    module = torch.nn.Linear(8, 8)
+    module.register_buffer("quantized", Wrapped(torch.randn(8, 8)))
+    tracker = ModelStateTracker(module)
+    first = tracker.token()  # no op the subclass lacks is called
+    assert tracker.token() == first
+    with torch.no_grad():
+        module.quantized.inner.mul_(2.0)  # its values change in place
+    assert tracker.token() != first
+
+
+def test_a_torchao_int8_weight_only_model_gives_hfs_tokens_on_the_engine():
+    quantization = pytest.importorskip("torchao.quantization")
+    model = tiny_model("llama", layers=2)
+    quantization.quantize_(model, quantization.Int8WeightOnlyConfig())
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    completions = hfaccel.generate(model, prompts, max_new_tokens=8, progress=False)
+    assert [c.token_ids for c in completions] == [hf_greedy(model, p, 8) for p in prompts]
