@@ -308,6 +308,7 @@ class EngineConfig:
 
     def __init__(
         self,
+        *,
         cache: CacheConfig | None = None,
         scheduler: SchedulerConfig | None = None,
         compilation: CompilationConfig | None = None,
