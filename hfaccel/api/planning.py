@@ -161,7 +161,8 @@ def plan_prompt(
         reason = "beam search in a stream"
     elif beam:
         given_custom = [name for name, value in custom.items() if given(value)]
-        reason = beam_unsupported_reason(model, prepared, [], None, None, device) or (
+        names = None if adapter is None else [adapter]  # the engine's beams take no adapter
+        reason = beam_unsupported_reason(model, prepared, [], None, names, device) or (
             f"beam search with {given_custom[0]}" if given_custom else None
         )
     else:

@@ -279,3 +279,21 @@ def test_lora_bias_is_served():
         input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, adapter_names=names
     )
     assert [row[ids.shape[1] :].tolist() for row in out] == ref
+
+
+def test_beam_search_with_an_adapter_goes_to_peft_with_the_adapter():
+    """The engine's beams take no adapter: a beam prompt naming one falls back (PEFT applies it)."""
+    model = lora_model()
+    prompt = prompts(1, seed=3)[0]
+    with pytest.warns(UserWarning, match="adapter_names with beam search"):
+        done = hfaccel.generate(
+            model, [prompt], adapter="chat", num_beams=2, max_new_tokens=NEW_TOKENS, progress=False
+        )
+    model.set_adapter("chat")
+    with torch.no_grad():
+        expected = type(model).generate(
+            model, input_ids=torch.tensor([prompt]), num_beams=2, max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+    model.set_adapter("math")
+    row = expected[0, len(prompt) :].tolist()
+    assert row[: len(done[0].token_ids)] == done[0].token_ids and done[0].token_ids
