@@ -4,8 +4,8 @@ order."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from contextlib import aclosing
+from collections.abc import Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from typing import Any
 
 from transformers import GenerationConfig
@@ -14,6 +14,7 @@ from hfaccel.api.patching import patched_for_call
 from hfaccel.api.planning import check_top_k, latency_targets, plan_call
 from hfaccel.api.prompts import Prompt
 from hfaccel.api.results import (
+    Call,
     Completion,
     add_prompt_logprobs,
     build_completion,
@@ -81,13 +82,11 @@ def generate(
     With ``num_return_sequences=n`` each prompt gives n consecutive completions (HF's order); they share
     `Completion.prompt_index`, and `group_by_prompt` groups them.
     """
-    check_errors(errors)
-    check_top_k("prompt_logprobs", prompt_logprobs, allow_none=True)
-    with patched_for_call(model) as state:
-        call = plan_call(
-            model, state, prompts, tokenizer, generation_config, generate_kwargs, "hfaccel.generate",
-            logprobs, seed, latency_targets(tpot_target_ms, ttft_target_ms, priority), adapter,
-        )  # fmt: skip
+    targets = latency_targets(tpot_target_ms, ttft_target_ms, priority)
+    with planned_call(
+        model, prompts, tokenizer, generation_config, generate_kwargs, "hfaccel.generate", logprobs,
+        prompt_logprobs, errors, seed, targets, adapter,
+    ) as (state, call):  # fmt: skip
         dp = model.__dict__.get("_hfaccel_dp")
         if dp is not None:  # data parallel: this replica runs its share, every rank returns all
             completions = run_data_parallel(model, state, dp, call, tokenizer, progress)
@@ -144,13 +143,11 @@ async def agenerate(
     The requests join the model's one engine loop, so concurrent calls share its steps; the event loop
     is never blocked while they run. Cancelling the awaiting task cancels its requests.
     """
-    check_errors(errors)
-    check_top_k("prompt_logprobs", prompt_logprobs, allow_none=True)
-    with patched_for_call(model) as state:
-        call = plan_call(
-            model, state, prompts, tokenizer, generation_config, generate_kwargs, "hfaccel.agenerate",
-            logprobs, seed, latency_targets(tpot_target_ms, ttft_target_ms, priority), adapter,
-        )  # fmt: skip
+    targets = latency_targets(tpot_target_ms, ttft_target_ms, priority)
+    with planned_call(
+        model, prompts, tokenizer, generation_config, generate_kwargs, "hfaccel.agenerate", logprobs,
+        prompt_logprobs, errors, seed, targets, adapter,
+    ) as (state, call):  # fmt: skip
         if call.runnable:
             submission = state.get_loop(model).submit_async(call.runnable)
             if progress:
@@ -166,6 +163,44 @@ async def agenerate(
         if prompt_logprobs is not None:
             await asyncio.to_thread(add_prompt_logprobs, model, completions, int(prompt_logprobs))
     return raise_or_return(completions, errors)
+
+
+@contextmanager
+def planned_call(
+    model: Any,
+    prompts: Any,
+    tokenizer: Any,
+    generation_config: Any,
+    kwargs: dict[str, Any],
+    where: str,
+    logprobs: bool | int,
+    prompt_logprobs: int | None,
+    errors: str,
+    seed: int | None,
+    targets: dict[str, Any],
+    adapter: Any,
+) -> Iterator[tuple[PatchState, Call]]:
+    """What `generate` and `agenerate` share: the call's own arguments checked, the model patched for the
+    call if it is not, and the prompts planned; the block runs (or awaits) the call's requests."""
+    check_errors(errors)
+    check_top_k("prompt_logprobs", prompt_logprobs, allow_none=True)
+    with patched_for_call(model) as state:
+        yield (
+            state,
+            plan_call(
+                model,
+                state,
+                prompts,
+                tokenizer,
+                generation_config,
+                kwargs,
+                where,
+                logprobs,
+                seed,
+                targets,
+                adapter,
+            ),
+        )
 
 
 def check_errors(errors: str) -> None:
