@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import hfaccel
 from hfaccel.config import EngineConfig
-from hfaccel.patches.cache_names import CACHE_NAME
+from hfaccel.patches.arguments import CACHE_NAME
 from tests.helpers import hf_greedy, tiny_model, tiny_tokenizer
 
 

@@ -23,9 +23,7 @@ from hfaccel.api.results import (
 )
 from hfaccel.distributed import dp as data_parallel
 from hfaccel.engine.request import Request
-from hfaccel.patches.generate import (
-    PatchState,
-)
+from hfaccel.patches.patch_state import PatchState
 
 
 def generate(

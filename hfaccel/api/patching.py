@@ -17,11 +17,9 @@ from hfaccel.distributed.dp import setup_data_parallel
 from hfaccel.distributed.ep import setup_expert_parallel
 from hfaccel.distributed.pp import setup_pipeline_parallel
 from hfaccel.patches.attention import register_attention, restore_attention
-from hfaccel.patches.generate import (
-    PatchState,
-    patched_generate,
-)
+from hfaccel.patches.generate import patched_generate
 from hfaccel.patches.models import check_engine_config, check_model
+from hfaccel.patches.patch_state import PatchState
 from hfaccel.patches.pipeline import install_pipeline_batching
 from hfaccel.patches.tp_plan import setup_tensor_parallel
 

@@ -4,7 +4,6 @@ no room to generate, or served by transformers' own generate)."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -20,30 +19,12 @@ from hfaccel.api.prompts import (
     prompt_list,
 )
 from hfaccel.api.results import Call, Done, Hypothesis, no_metrics
-from hfaccel.engine.beam_search import BeamParams
 from hfaccel.engine.request import Request
-from hfaccel.patches.arguments import check_generate_kwargs
-from hfaccel.patches.beam import beam_limits_reason, beam_unsupported_reason, is_beam_search
-from hfaccel.patches.cache_names import normalize_cache_argument
-from hfaccel.patches.generate import (
-    PER_ROW_ARGUMENTS,
-    UNSUPPORTED_ARGUMENTS,
-    PatchState,
-    attach_prompt_lookup,
-    fall_back,
-    given,
-    options_reason,
-    warn_past_context,
-)
-from hfaccel.patches.models import window_reason
-from hfaccel.patches.params import (
-    has_default_lengths,
-    prepare_config,
-    prepare_special_tokens,
-    request_params,
-    stop_string_check,
-    unsupported_reason,
-)
+from hfaccel.patches.arguments import check_generate_kwargs, normalize_cache_argument
+from hfaccel.patches.generate import warn_past_context
+from hfaccel.patches.params import stop_string_check
+from hfaccel.patches.patch_state import PatchState, fall_back
+from hfaccel.patches.planner import GenerateCall, beam_requests, make_requests
 
 # Names hfaccel.generate & co. take themselves (offered as suggestions for misspelt arguments).
 OWN_PARAMETERS = (
@@ -147,57 +128,32 @@ def plan_prompt(
     adapter_fallback: str | None = None,
     beams: bool = True,
 ) -> list[Request | Hypothesis | Done]:
-    has_default_max, has_default_min = has_default_lengths(model, config, kwargs)
-    prepared, _ = prepare_config(model, config, dict(kwargs))
-    copies = prepared.num_return_sequences or 1
+    """One prompt through the planner `model.generate` uses (`patches/planner.py`): its requests, its
+    hypotheses (beam search), or its results from transformers' generate when a gate sends it there."""
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-    # generate's own objects are served per prompt (as model.generate serves them per row); the
-    # arguments in UNSUPPORTED_ARGUMENTS send the prompt to transformers' generate.
-    custom = {name: kwargs.get(name) for name in PER_ROW_ARGUMENTS}
-    hf_only = {name: kwargs[name] for name in UNSUPPORTED_ARGUMENTS if given(kwargs.get(name))}
-    beam = (prepared.num_beams or 1) > 1 and is_beam_search(prepared)  # one request, its hypotheses
-    if beam and not beams:
-        reason = "beam search in a stream"
-    elif beam:
-        given_custom = [name for name, value in custom.items() if given(value)]
-        names = None if adapter is None else [adapter]  # the engine's beams take no adapter
-        reason = beam_unsupported_reason(model, prepared, [], None, names, device) or (
-            f"beam search with {given_custom[0]}" if given_custom else None
-        )
-    else:
-        reason = unsupported_reason(prepared, True, device)
-    reason = reason or next((UNSUPPORTED_ARGUMENTS[name] for name in hf_only), None)
-    if adapter is not None:
-        reason = reason or adapter_fallback
-        hf_only["adapter_names"] = [adapter]  # for PEFT's own generate, if it falls back
-    if reason is None:
-        prepare_special_tokens(model, prepared, True, device)  # one unpadded row: no mask needed
-        mask = torch.ones_like(input_ids)
-        if not beam:
-            reason = options_reason(model, state, prepared, custom, input_ids, mask, {})
-    if reason is None:
-        stopping, sampling = request_params(
-            model,
-            prepared,
-            input_ids,
-            has_default_max,
-            has_default_min,
-            tokenizer,
-            output_logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            logits_processor=custom["logits_processor"],
-            stopping_criteria=custom["stopping_criteria"],
-        )
-        reason = window_reason(model, len(ids) + stopping.max_new_tokens)
-        if reason is None and beam:
-            reason = beam_limits_reason(state.get_engine(model), prepared.num_beams, len(ids), stopping)
+    call = GenerateCall(
+        model,
+        state,
+        config,
+        kwargs,
+        input_ids,
+        tokenizer=tokenizer,
+        given_mask=torch.ones_like(input_ids),  # one unpadded row: never a mask inferred from pad ids
+        output_logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        adapter_names=None if adapter is None else [adapter],
+        adapters_checked=True,
+        adapter_reason=adapter_fallback,
+        beams_allowed=beams,
+    )
+    reason = call.first_reason()
     if reason is not None:
         fall_back(state, reason)
         start = time.perf_counter()
-        # The caller's own config and arguments, not `prepared`: HF's preparation has filled in lengths
-        # (max_length=20), which HF would no longer treat as defaults.
-        extra = dict(kwargs, **hf_only)
+        # The caller's own config and arguments, not the prepared ones: HF's preparation has filled in
+        # lengths (max_length=20), which HF would no longer treat as defaults.
+        extra = dict(kwargs) if adapter is None else dict(kwargs, adapter_names=[adapter])  # PEFT's generate
         if config is not None:
             extra["generation_config"] = copy.deepcopy(config)
         output = state.run_original(input_ids, tokenizer=tokenizer, **extra)
@@ -205,28 +161,15 @@ def plan_prompt(
         sequences = output.sequences if hasattr(output, "sequences") else output
         return [
             Done(ids, new, stopped, metrics=no_metrics(seconds))
-            for new, stopped in unpadded_copies(sequences, len(ids), prepared, tokenizer)
+            for new, stopped in unpadded_copies(sequences, len(ids), call.config, tokenizer)
         ]
-    if stopping.max_new_tokens <= 0:
-        return [Done(ids, metrics=no_metrics(0.0)) for _ in range(copies)]
+    if call.stopping.max_new_tokens <= 0:
+        return [Done(ids, metrics=no_metrics(0.0)) for _ in range(call.copies)]
     engine = state.get_engine(model)
-    if beam:
-        params = BeamParams(
-            num_beams=prepared.num_beams,
-            length_penalty=prepared.length_penalty,
-            early_stopping=prepared.early_stopping,
-            num_return_sequences=copies,
-        )
-        sampling = dataclasses.replace(sampling, beam=params)
-        request = engine.make_request(ids, stopping, sampling, **(targets or {}))
-        return [Hypothesis(request, rank) for rank in range(copies)]
-    seeds = [None if seed is None else seed + i for i in range(copies)]
-    requests = [
-        engine.make_request(ids, stopping, sampling, seed=s, adapter=adapter, **(targets or {}))
-        for s in seeds
-    ]
-    attach_prompt_lookup(requests, prepared)
-    return requests
+    if call.beam:
+        request = beam_requests(call, engine, targets)[0]
+        return [Hypothesis(request, rank) for rank in range(call.copies)]
+    return make_requests(call, engine, seed, targets)
 
 
 def unpadded_copies(

@@ -14,9 +14,7 @@ from hfaccel.api.prompts import Prompt
 from hfaccel.api.results import Call, Done, StreamEvent, describe_refusals
 from hfaccel.engine.loop import Submission, Update
 from hfaccel.engine.request import Request
-from hfaccel.patches.generate import (
-    PatchState,
-)
+from hfaccel.patches.patch_state import PatchState
 
 
 def stream(

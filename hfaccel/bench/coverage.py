@@ -85,7 +85,7 @@ class _Context:
         """A DynamicCache of the inputs' first 4 positions (a forward call), then the whole inputs."""
         from transformers import DynamicCache
 
-        from hfaccel.patches.cache_names import CACHE_NAME
+        from hfaccel.patches.arguments import CACHE_NAME
 
         with torch.no_grad():
             out = self.model(

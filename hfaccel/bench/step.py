@@ -81,7 +81,7 @@ def hf_decode_step(model: Any, batch_size: int, prompt_len: int) -> Callable[[],
     tokens) and takes the argmax of the logits to the host, as HF's decode loop does."""
     from transformers import DynamicCache
 
-    from hfaccel.patches.cache_names import CACHE_NAME
+    from hfaccel.patches.arguments import CACHE_NAME
 
     vocab = model.get_input_embeddings().num_embeddings
     g = torch.Generator().manual_seed(0)

@@ -16,17 +16,14 @@ the engine drops once a prompt is done), stop strings, streamers, ``adapter_name
 from __future__ import annotations
 
 import copy
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
-from hfaccel.engine.beam_search import BeamParams
-from hfaccel.engine.request import SamplingParams, StoppingParams
-from hfaccel.patches.params import request_params, unsupported_reason
+from hfaccel.engine.request import StoppingParams
+from hfaccel.patches.params import unsupported_reason
 
 _PARALLEL = ("_hfaccel_tp", "_hfaccel_pp", "_hfaccel_ep", "_hfaccel_dp")
 
@@ -74,49 +71,6 @@ def beam_limits_reason(
     if num_beams > min(engine.config.max_num_seqs, engine.config.max_num_batched_tokens):
         return "num_beams above the engine's max_num_seqs (or max_num_batched_tokens)"
     return None
-
-
-def generate_beams(
-    model: torch.nn.Module,
-    state: Any,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    config: GenerationConfig,
-    stopping: StoppingParams,
-    sampling: SamplingParams,
-    arguments: tuple[bool, bool, Any],
-    fall_back: Callable[[str], Any],
-) -> torch.Tensor:
-    """Run a prepared beam-search call (special tokens set, left-padded mask given, `stopping` and
-    `sampling` from `request_params`) on the engine and return HF's output. `arguments` are
-    `request_params`' (has_default_max, has_default_min, tokenizer); `fall_back(reason)` runs the original
-    `generate` instead (with its warning)."""
-    loop = state.get_loop(model)
-    nb = config.num_beams
-    reason = beam_limits_reason(loop.engine, nb, int(attention_mask.sum(dim=1).max()), stopping)
-    if reason is not None:
-        return fall_back(reason)
-    params = BeamParams(
-        num_beams=nb,
-        length_penalty=config.length_penalty,
-        early_stopping=config.early_stopping,
-        num_return_sequences=config.num_return_sequences or 1,
-    )
-    keep = attention_mask.bool().cpu()
-    rows = input_ids.cpu()
-    by_padding: dict[int, SamplingParams] = {0: dataclasses.replace(sampling, beam=params)}
-    requests = []
-    for i in range(len(rows)):
-        padding = int((~keep[i]).sum())
-        if padding not in by_padding:  # HF hands its processors the row's mask (one per beam)
-            mask = attention_mask[i : i + 1].expand(nb, -1)
-            padded = request_params(model, config, input_ids, *arguments, attention_mask=mask)[1]
-            by_padding[padding] = dataclasses.replace(padded, beam=params)
-        request = loop.engine.make_request(rows[i][keep[i]].tolist(), stopping, by_padding[padding])
-        request.processor_prefix = rows[i][~keep[i]].tolist()  # processors see the padded row
-        requests.append(request)
-    loop.run(requests, progress=state.progress)
-    return beam_output(config, input_ids, [r.beam_group.results for r in requests])
 
 
 def beam_output(

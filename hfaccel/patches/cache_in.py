@@ -31,7 +31,7 @@ import torch
 
 from hfaccel.engine.prompt_inputs import attach_kv
 from hfaccel.engine.request import Request
-from hfaccel.patches.cache_names import CACHE_NAME
+from hfaccel.patches.arguments import CACHE_NAME
 
 
 def type_reason(cache: Any) -> str | None:

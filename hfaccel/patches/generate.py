@@ -13,156 +13,33 @@ speculative path (`patches/assisted.py`); beam search (`patches/beam.py`); promp
 ``inputs_embeds`` (`patches/embeds.py`); a `DynamicCache` to continue from in ``past_key_values``
 (`patches/cache_in.py`); and PEFT's mixed-adapter batches (``adapter_names``: LoRA applied per request,
 see `patches/lora.py`). What the engine does not serve goes to the original `generate`, with one warning
-naming the reason (or an error with ``patch(model, strict=True)``). The full list, with why each served
-option gives HF's result: docs/generate.md.
+naming the reason (or an error with ``patch(model, strict=True)``): the gates, in order, are one table
+in `patches/planner.py`, which both front-ends use. The full list, with why each served option gives
+HF's result: docs/generate.md.
 """
 
 from __future__ import annotations
 
-import threading
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass, field
+from contextlib import closing
 from typing import Any
 
 import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from hfaccel.config import EngineConfig
-from hfaccel.engine.engine import Engine
-from hfaccel.engine.loop import EngineLoop, LoopClosed
-from hfaccel.engine.prompt_inputs import prompt_inputs_reason
-from hfaccel.engine.request import Request, SamplingParams
-from hfaccel.patches import assisted, cache_in, criteria, lora
+from hfaccel.engine.loop import EngineLoop
+from hfaccel.engine.request import Request
 from hfaccel.patches import embeds as embeds_in
-from hfaccel.patches import model_kwargs as extra_inputs
-from hfaccel.patches.arguments import check_generate_kwargs
-from hfaccel.patches.beam import beam_unsupported_reason, generate_beams, is_beam_search
-from hfaccel.patches.cache_names import CACHE_NAME, normalize_cache_argument, output_cache
-from hfaccel.patches.models import window_reason
-from hfaccel.patches.params import (
-    has_default_lengths,
-    prepare_config,
-    prepare_special_tokens,
-    request_params,
-    unsupported_reason,
+from hfaccel.patches.arguments import (
+    CACHE_NAME,
+    check_generate_kwargs,
+    normalize_cache_argument,
+    output_cache,
 )
-
-# Arguments of HF generate that the engine does not serve, with the reason shown to the user.
-UNSUPPORTED_ARGUMENTS = {
-    "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn (constrained decoding)",
-    "negative_prompt_ids": "negative_prompt_ids (classifier-free guidance)",
-    "negative_prompt_attention_mask": "negative_prompt_attention_mask",
-    "custom_generate": "custom_generate",
-    "synced_gpus": "synced_gpus",
-    "assistant_tokenizer": "assistant_tokenizer",
-}
-# generate's own per-call objects, served on the engine by both front-ends (run per row / per prompt);
-# the text names them in fallback reasons.
-PER_ROW_ARGUMENTS = {
-    "stopping_criteria": "custom stopping_criteria",
-    "assistant_model": "assistant_model (assisted decoding)",
-    "logits_processor": "custom logits_processor",
-}
-# A seed for the sampled rows of the `generate` calls made in this context (row i gets seed + i), set by
-# callers that run generate in worker threads and must not let the threads race for torch's global
-# generator (a pipeline over a list: `patches/pipeline.py`); None: each row draws its own seed.
-_call_seed: ContextVar[int | None] = ContextVar("hfaccel_call_seed", default=None)
-
-
-@contextmanager
-def seeded_calls(seed: int | None) -> Iterator[None]:
-    """Within this block (in this thread), patched ``generate`` seeds its sampled rows from `seed`."""
-    token = _call_seed.set(seed)
-    try:
-        yield
-    finally:
-        _call_seed.reset(token)
-
-
-_SERVED_MODEL_KWARGS = {"input_ids", "attention_mask", *extra_inputs.SERVED}
-
-
-@dataclass
-class PatchState:
-    """What `hfaccel.patch` keeps on a model: the engine config, the engine and the loop that steps it
-    for every caller, and what to restore."""
-
-    config: EngineConfig
-    original_generate: Callable[..., Any]
-    instance_generate: Any  # `generate` from the instance __dict__ before patching, or None
-    strict: bool = False  # unsupported options raise instead of falling back
-    progress: bool = False  # progress bar inside model.generate
-    engine: Engine | None = None
-    loop: EngineLoop | None = None
-    warned: set[str] = field(default_factory=set)
-    temporary: bool = False  # patched by hfaccel.generate/stream for their own duration only
-    temporary_users: int = 0  # such calls still running (the last one unpatches)
-    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
-    # Re-entrant: a fallback may call the same model's generate again in its own thread (HF's assisted
-    # decoding with the model as its own assistant, a processor or criterion that generates).
-    fallback_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
-
-    def get_engine(self, model: torch.nn.Module) -> Engine:
-        """The model's engine, (re)built if absent or if the model moved to another device or dtype.
-
-        The engine watches the model's weights and adapters (`HFExecutor.state_token`) and forgets its
-        prefix cache when they change. A rebuild closes the old engine's loop: requests still running
-        there fail with `LoopClosed` (their callers get it raised) rather than wait on a cache the model
-        no longer matches.
-        """
-        param = next(model.parameters())
-        with self.lock:
-            engine = self.engine
-            if engine is None or engine.device != param.device or engine.model_dtype != param.dtype:
-                if engine is not None:
-                    self.release(f"the model moved to {param.device} / {param.dtype}: its engine was rebuilt")
-                self.engine = Engine(model, self.config)
-            return self.engine
-
-    def get_loop(self, model: torch.nn.Module) -> EngineLoop:
-        """The loop that steps the model's (current) engine for every caller."""
-        with self.lock:
-            engine = self.get_engine(model)
-            if self.loop is None or self.loop.engine is not engine:
-                self.loop = EngineLoop(engine)
-            return self.loop
-
-    def run_original(self, *args: Any, **kwargs: Any) -> Any:
-        """The original `generate`, one call at a time: HF's generate is not documented as thread-safe
-        (a static cache, for one, lives on the model), and concurrent callers of a patched model —
-        pipeline workers included — may all fall back at once."""
-        with self.fallback_lock:
-            return self.original_generate(*args, **kwargs)
-
-    def release(self, reason: str) -> None:
-        """Drop the engine (and its KV cache); requests in flight on its loop fail with `reason`."""
-        with self.lock:
-            loop, self.loop, self.engine = self.loop, None, None
-        if loop is not None:
-            loop.close(LoopClosed(reason))
-
-    def __repr__(self) -> str:
-        engine = repr(self.engine) if self.engine is not None else "not built yet (built on first generate)"
-        return f"hfaccel patch (strict={self.strict}): {self.config}\n  engine: {engine}"
-
-
-def fall_back(state: PatchState, reason: str) -> None:
-    """Raise under strict mode; otherwise warn once per reason per model (the call then runs on HF)."""
-    if state.strict:
-        raise ValueError(f"hfaccel (strict=True) does not serve {reason}; patch without strict to fall back")
-    if reason in state.warned:
-        return
-    state.warned.add(reason)
-    warnings.warn(
-        f"hfaccel: {reason} is not served by the engine - this call falls back to transformers' original "
-        "generate (no speed-up)",
-        UserWarning,
-        stacklevel=4,
-    )
+from hfaccel.patches.beam import beam_output
+from hfaccel.patches.patch_state import PatchState, call_seed, fall_back
+from hfaccel.patches.planner import GenerateCall, beam_requests, make_requests
 
 
 def patched_generate(
@@ -174,217 +51,58 @@ def patched_generate(
     """Drop-in replacement for `model.generate`, bound on a patched instance."""
     state: PatchState = self._hfaccel
     kwargs = normalize_cache_argument(kwargs, "model.generate")
-    # adapter_names is PEFT's (its generate pops it); checked against the model's LoRA layers below.
+    # adapter_names is PEFT's (its generate pops it); checked against the model's LoRA layers (a gate).
     checked = {k: v for k, v in kwargs.items() if k != "adapter_names"}
     check_generate_kwargs(self, checked, "model.generate", [generation_config])
-    input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-    reason = next((text for name, text in UNSUPPORTED_ARGUMENTS.items() if given(kwargs.get(name))), None)
-    if reason is None and inputs is not None and kwargs.get("input_ids") is not None:
-        reason = "both inputs and input_ids"
-    # inputs_embeds (patches/embeds.py): `visible_ids` are HF's input_ids (the output's start, what the
-    # processors see: [B, 0] without ids), `input_ids` the engine's prompt rows (placeholders without ids).
-    embeds, ids_given, visible_ids = kwargs.get("inputs_embeds"), input_ids is not None, input_ids
-    if reason is None and embeds is not None:
-        reason = embeds_in.unsupported_reason(self, embeds, input_ids)
-        if reason is None:
-            visible_ids, input_ids = embeds_in.visible_and_engine_ids(embeds, input_ids)
-    if reason is None and (input_ids is None or input_ids.dim() != 2 or input_ids.dtype != torch.long):
-        reason = "inputs other than a 2-D tensor of token ids"
-    if reason is None and 0 in input_ids.shape:  # HF fails on these too, deep inside
-        name, given_input = ("input_ids", input_ids) if embeds is None else ("inputs_embeds", embeds)
-        raise ValueError(
-            f"{name} has shape {tuple(given_input.shape)}: generate needs at least one prompt of at least "
-            "one token"
-        )
-    cache = kwargs.get(CACHE_NAME)  # a DynamicCache to continue from (patches/cache_in.py)
-    if reason is None and cache is not None:
-        reason = cache_in.type_reason(cache)
-    if reason is not None:
-        fall_back(state, reason)
-        return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
-
-    names = kwargs.get("adapter_names")  # PEFT's mixed-adapter batch: one adapter name per row
-    if names is not None:
-        _check_adapter_names(self, names, input_ids.shape[0])
-        reason = lora.unsupported_reason(self, names)
-        if reason is not None:
-            fall_back(state, reason)
-            return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
-
-    streamer = kwargs.get("streamer")
-    tokenizer = kwargs.get("tokenizer")
-    custom = {name: kwargs.get(name) for name in PER_ROW_ARGUMENTS}  # generate's own: never model kwargs
-    popped = ("input_ids", "streamer", "tokenizer", "trust_remote_code", "adapter_names", *custom)
-    call_kwargs = {k: v for k, v in kwargs.items() if k not in popped}
-    has_default_max, has_default_min = has_default_lengths(self, generation_config, call_kwargs)
-    config, model_kwargs = prepare_config(self, generation_config, call_kwargs)
-    served = _SERVED_MODEL_KWARGS | {"inputs_embeds", CACHE_NAME}  # both checked above
-    extra = sorted(k for k, v in model_kwargs.items() if v is not None and v is not False and k not in served)
-    copies = config.num_return_sequences or 1
-    device = next(self.parameters()).device
-    beams = (config.num_beams or 1) > 1 and is_beam_search(config)  # patches/beam.py, with its own refusals
-    if beams:
-        reason = beam_unsupported_reason(self, config, extra, streamer, names, device)
-        custom_given = [name for name, value in custom.items() if given(value)]
-        if reason is None and (embeds is not None or cache is not None):
-            reason = "beam search with inputs_embeds or past_key_values"
-        if reason is None and custom_given:
-            reason = f"beam search with {custom_given[0]}"
-    else:
-        reason = unsupported_reason(config, True, device) or (f"model kwargs {extra}" if extra else None)
-    if reason is None and streamer is not None and input_ids.shape[0] * copies != 1:
-        reason = "a streamer with more than one sequence"
-    if reason is not None:
-        fall_back(state, reason)
-        return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
-
-    attention_mask = model_kwargs.get("attention_mask")
-    prepare_special_tokens(self, config, attention_mask is not None, input_ids.device)
-    if attention_mask is None:  # HF infers padding from ids, never from embeddings
-        source = input_ids if ids_given else embeds
-        attention_mask = self._prepare_attention_mask_for_generation(source, config, model_kwargs)
-    elif attention_mask.shape != input_ids.shape:
-        raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}"
-        )
-    reason = options_reason(self, state, config, custom, input_ids, attention_mask, model_kwargs)
-    if reason is not None:
-        fall_back(state, reason)
-        return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
-    per_row = {name: custom[name] for name in ("logits_processor", "stopping_criteria")}
-    lengths = {} if embeds is None else {"inputs_embeds": embeds}
-    stopping, sampling = request_params(
-        self, config, visible_ids, has_default_max, has_default_min, tokenizer, **per_row, **lengths
+    call = GenerateCall(
+        self,
+        state,
+        generation_config,
+        kwargs,
+        inputs if inputs is not None else kwargs.get("input_ids"),
+        tokenizer=kwargs.get("tokenizer"),
+        both_inputs=inputs is not None and kwargs.get("input_ids") is not None,
     )
-    reason = None if is_left_padding(attention_mask) else "an attention mask that is not left padding"
-    longest = int(attention_mask.sum(dim=1).max()) + stopping.max_new_tokens
-    reason = reason or window_reason(self, longest)
-    imported = None
-    if reason is None and (embeds is not None or cache is not None):
-        engine = state.get_engine(self)
-        reason = prompt_inputs_reason(engine)
-        if reason is None and cache is not None:
-            dtype = next(self.parameters()).dtype
-            imported, reason = cache_in.plan(
-                engine, cache, attention_mask, copies, config, embeds is not None, dtype
-            )
-    if reason is not None:  # HF keeps masked positions in place; past a sliding window attention differs
+    reason = call.first_reason()
+    if reason is not None:
         fall_back(state, reason)
         return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
-    if beams:
-
-        def original(reason: str) -> Any:
-            fall_back(state, reason)
-            return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
-
-        arguments = (has_default_max, has_default_min, tokenizer)
-        return generate_beams(
-            self, state, input_ids, attention_mask, config, stopping, sampling, arguments, original
-        )
-    prompts = visible_ids.repeat_interleave(copies, dim=0)
-    if stopping.max_new_tokens <= 0:
-        return _output(config, prompts, [])
+    config, visible_ids = call.config, call.rows[0]
     loop = state.get_loop(self)
-    keep = attention_mask.bool().cpu().repeat_interleave(copies, dim=0)
-    rows = input_ids.repeat_interleave(copies, dim=0).cpu()
-    samplings = [sampling] * len(rows)
-    if sampling.processors and not bool(keep.all()):
-        arguments = (self, config, visible_ids, has_default_max, has_default_min, tokenizer)
-        masks = attention_mask.repeat_interleave(copies, dim=0)
-        samplings = _per_padding(arguments, {**per_row, **lengths}, masks, sampling)
-    adapters = [None] * len(rows) if names is None else [names[i // copies] for i in range(len(rows))]
-    base_seed = _call_seed.get()
-    requests = [
-        loop.engine.make_request(
-            rows[i][keep[i]].tolist(),
-            stopping,
-            samplings[i],
-            seed=None if base_seed is None else base_seed + i,
-            adapter=adapters[i],
-        )
-        for i in range(len(rows))
-    ]
-    if (sampling.processors or stopping.criteria is not None) and ids_given:  # the padded row, as in HF
-        for request, row, kept in zip(requests, rows, keep):
-            request.processor_prefix = row[~kept].tolist()
-    attach_prompt_lookup(requests, config)
+    if call.beam:
+        requests = beam_requests(call, loop.engine)
+        loop.run(requests, progress=state.progress)
+        return beam_output(config, call.ids, [r.beam_group.results for r in requests])
+    prompts = visible_ids.repeat_interleave(call.copies, dim=0)
+    if call.stopping.max_new_tokens <= 0:
+        return generate_output(config, prompts, [])
+    base_seed = call_seed()
+    requests = make_requests(call, loop.engine, seed=base_seed)
     # HF returns the cache with return_dict_in_generate and use_cache (which it sets for inputs_embeds).
+    embeds = call.embeds
     keep_kv = bool(config.return_dict_in_generate and (config.use_cache is not False or embeds is not None))
     for request in requests:
         request.keep_kv = keep_kv
     if embeds is not None:  # after the draft source: embedded prompts never speculate
-        embeds_in.attach(loop.engine, requests, embeds, keep, copies, ids_given)
+        keep = call.mask.bool().cpu().repeat_interleave(call.copies, dim=0)
+        embeds_in.attach(loop.engine, requests, embeds, keep, call.copies, call.input_ids is not None)
+    imported = call.imported
     if imported is not None:  # after the embeddings: both isolate the request from the prefix cache
-        imported.attach(loop.engine, requests, copies)
+        imported.attach(loop.engine, requests, call.copies)
     warn_past_context(requests, loop.engine.max_model_len)
-    if streamer is not None:
-        _stream_one(loop, requests[0], visible_ids, streamer)
+    if call.streamer is not None:
+        _stream_one(loop, requests[0], visible_ids, call.streamer)
     else:
         loop.run(requests, progress=state.progress)
-    output = _output(config, prompts, requests, self, kv_width=input_ids.shape[1])
+    width = call.ids.shape[1]
+    output = generate_output(config, prompts, requests, self, kv_width=width)
     if imported is None:
         return output
     built = output_cache(output) if config.return_dict_in_generate else None
     if built is None:
-        width = max(len(r.output_token_ids) for r in requests)
-        built = _dynamic_cache(self, requests, input_ids.shape[1], width, input_ids.device)
+        longest = max(len(r.output_token_ids) for r in requests)
+        built = dynamic_cache(self, requests, width, longest, call.ids.device)
     return imported.finish(output, built)
-
-
-def _per_padding(
-    arguments: tuple, per_row: dict[str, Any], masks: torch.Tensor, unpadded: SamplingParams
-) -> list[SamplingParams]:
-    """One `SamplingParams` per row, built as HF builds its processors for the padded batch: the
-    processors see the padded row (`Request.processor_prefix`), and those HF gives the attention mask
-    (the repetition penalty, which skips a row's left padding) get the row's own mask. Rows with the
-    same padding share one object (and so one warper call)."""
-    by_padding: dict[int, SamplingParams] = {0: unpadded}
-    samplings = []
-    for mask in masks:
-        padding = int(mask.ne(0).int().argmax())  # HF's padding length of the row
-        if padding not in by_padding:
-            by_padding[padding] = request_params(*arguments, attention_mask=mask[None], **per_row)[1]
-        samplings.append(by_padding[padding])
-    return samplings
-
-
-def attach_prompt_lookup(requests: list[Request], config: GenerationConfig) -> None:
-    """Prompt lookup (``prompt_lookup_num_tokens``): the call's own draft source and length on each of its
-    requests (the engine's speculative path verifies them); nothing for other calls."""
-    if config.prompt_lookup_num_tokens is None:
-        return
-    proposer, num_spec_tokens = assisted.request_speculation(config)
-    for request in requests:
-        request.proposer, request.num_spec_tokens = proposer, num_spec_tokens
-
-
-def options_reason(
-    model: torch.nn.Module,
-    state: PatchState,
-    config: GenerationConfig,
-    custom: dict[str, Any],
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    model_kwargs: dict[str, Any],
-) -> str | None:
-    """Why the engine cannot serve this call's custom stopping criteria, assisted decoding or extra model
-    inputs (`position_ids`, `logits_to_keep`) as HF would, or None. `config` has its special tokens."""
-    rows = input_ids.shape[0] * (config.num_return_sequences or 1)
-    stopping_criteria = custom["stopping_criteria"]
-    stops = bool(config.stop_strings) or given(stopping_criteria)
-    # Each feature's module is asked only when the call uses the feature.
-    if stops and (reason := criteria.unsupported_reason(model, config, stopping_criteria, rows)):
-        return reason
-    assistant = custom["assistant_model"]
-    if assistant is not None or config.prompt_lookup_num_tokens is not None:
-        reason = assisted.unsupported_reason(
-            model, config, assistant, state.config.speculative, input_ids.shape[0], stops
-        )
-        if reason is not None:
-            return reason
-    if any(model_kwargs.get(name) is not None for name in ("position_ids", "logits_to_keep")):
-        return extra_inputs.unsupported_reason(model_kwargs, input_ids, attention_mask)
-    return None
 
 
 def warn_past_context(requests: list[Request], max_model_len: int, names: list[str] | None = None) -> None:
@@ -426,32 +144,7 @@ def _stream_one(loop: EngineLoop, request: Request, input_ids: torch.Tensor, str
         streamer.end()
 
 
-def is_left_padding(attention_mask: torch.Tensor) -> bool:
-    """Whether every row of a 2-D mask is zeros then ones (left padding), with at least one token."""
-    mask = attention_mask.bool()
-    return bool((mask[:, 1:] >= mask[:, :-1]).all()) and bool(mask[:, -1].all())
-
-
-def _check_adapter_names(model: torch.nn.Module, names: Any, rows: int) -> None:
-    """PEFT's own checks of ``adapter_names``, with its messages (it raises them before generating)."""
-    if not isinstance(names, (list, tuple)):
-        raise TypeError(f"Got adapter names of type {type(names)}, expected a list of str.")
-    if len(names) != rows:
-        raise ValueError(
-            "Length of `adapter_names` should be the same as the number of inputs, but got "
-            f"{len(names)} and {rows} respectively."
-        )
-    if model.training:
-        raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
-    lora.check_adapter_names(model, names)
-
-
-def given(value: Any) -> bool:
-    """Whether an argument asks for something: not None, False or an empty list (their defaults)."""
-    return value is not None and value is not False and not (isinstance(value, list) and len(value) == 0)
-
-
-def _output(
+def generate_output(
     config: GenerationConfig,
     prompts: torch.Tensor,
     requests: list[Request],
@@ -476,7 +169,7 @@ def _output(
     cache = None
     if requests and all(r.kv_snapshot is not None for r in requests) and model is not None:
         kv_width = prompts.shape[1] if kv_width is None else kv_width
-        cache = _dynamic_cache(model, requests, kv_width, width, prompts.device)
+        cache = dynamic_cache(model, requests, kv_width, width, prompts.device)
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
         scores=_per_step(requests, "scores", width) if config.output_scores else None,
@@ -485,7 +178,7 @@ def _output(
     )
 
 
-def _dynamic_cache(model: Any, requests: list[Request], prompt_width: int, width: int, device: Any) -> Any:
+def dynamic_cache(model: Any, requests: list[Request], prompt_width: int, width: int, device: Any) -> Any:
     """The `DynamicCache` HF's generate would return, gathered from the requests' paged KV: per layer
     ``[B, Hkv, prompt_width + width - 1, D]``, each row's prompt right-aligned (left padding, as given)
     and its generated tokens after it. Padding positions hold zeros (HF holds the pad tokens' KV there:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from hfaccel.config import DEFAULT_MAX_NUM_SEQS
-from hfaccel.patches.generate import seeded_calls
+from hfaccel.patches.patch_state import seeded_calls
 
 _ROWS_PER_ITEM = 2**20  # seeds apart between items: more than any item's rows (batch x return sequences)
 

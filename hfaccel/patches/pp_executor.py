@@ -38,8 +38,8 @@ import torch.distributed as dist
 from hfaccel.distributed.pp import PPState
 from hfaccel.distributed.sync import StepSync
 from hfaccel.kernels.op import ForwardContext, forward_context
+from hfaccel.patches.arguments import CACHE_NAME
 from hfaccel.patches.attention import engine_attention
-from hfaccel.patches.cache_names import CACHE_NAME
 from hfaccel.patches.executor import HFExecutor
 
 

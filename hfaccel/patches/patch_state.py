@@ -1,0 +1,122 @@
+"""What `hfaccel.patch` keeps on a model (`PatchState`), and how a call falls back to transformers'
+original `generate`: one warning per reason, or an error under ``strict=True``."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hfaccel.config import EngineConfig
+from hfaccel.engine.engine import Engine
+from hfaccel.engine.loop import EngineLoop, LoopClosed
+
+# A seed for the sampled rows of the `generate` calls made in this context (row i gets seed + i), set by
+# callers that run generate in worker threads and must not let the threads race for torch's global
+# generator (a pipeline over a list: `patches/pipeline.py`); None: each row draws its own seed.
+_call_seed: ContextVar[int | None] = ContextVar("hfaccel_call_seed", default=None)
+
+
+@contextmanager
+def seeded_calls(seed: int | None) -> Iterator[None]:
+    """Within this block (in this thread), patched ``generate`` seeds its sampled rows from `seed`."""
+    token = _call_seed.set(seed)
+    try:
+        yield
+    finally:
+        _call_seed.reset(token)
+
+
+def call_seed() -> int | None:
+    """The seed `seeded_calls` set for this context (None: rows draw their own)."""
+    return _call_seed.get()
+
+
+@dataclass
+class PatchState:
+    """What `hfaccel.patch` keeps on a model: the engine config, the engine and the loop that steps it
+    for every caller, and what to restore."""
+
+    config: EngineConfig
+    original_generate: Callable[..., Any]
+    instance_generate: Any  # `generate` from the instance __dict__ before patching, or None
+    strict: bool = False  # unsupported options raise instead of falling back
+    progress: bool = False  # progress bar inside model.generate
+    engine: Engine | None = None
+    loop: EngineLoop | None = None
+    warned: set[str] = field(default_factory=set)
+    temporary: bool = False  # patched by hfaccel.generate/stream for their own duration only
+    temporary_users: int = 0  # such calls still running (the last one unpatches)
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    # Re-entrant: a fallback may call the same model's generate again in its own thread (HF's assisted
+    # decoding with the model as its own assistant, a processor or criterion that generates).
+    fallback_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+
+    def get_engine(self, model: torch.nn.Module) -> Engine:
+        """The model's engine, (re)built if absent or if the model moved to another device or dtype.
+
+        The engine watches the model's weights and adapters (`HFExecutor.state_token`) and forgets its
+        prefix cache when they change. A rebuild closes the old engine's loop: requests still running
+        there fail with `LoopClosed` (their callers get it raised) rather than wait on a cache the model
+        no longer matches.
+        """
+        param = next(model.parameters())
+        with self.lock:
+            engine = self.engine
+            if engine is None or engine.device != param.device or engine.model_dtype != param.dtype:
+                if engine is not None:
+                    self.release(f"the model moved to {param.device} / {param.dtype}: its engine was rebuilt")
+                self.engine = Engine(model, self.config)
+            return self.engine
+
+    def get_loop(self, model: torch.nn.Module) -> EngineLoop:
+        """The loop that steps the model's (current) engine for every caller."""
+        with self.lock:
+            engine = self.get_engine(model)
+            if self.loop is None or self.loop.engine is not engine:
+                self.loop = EngineLoop(engine)
+            return self.loop
+
+    def run_original(self, *args: Any, **kwargs: Any) -> Any:
+        """The original `generate`, one call at a time: HF's generate is not documented as thread-safe
+        (a static cache, for one, lives on the model), and concurrent callers of a patched model —
+        pipeline workers included — may all fall back at once."""
+        with self.fallback_lock:
+            return self.original_generate(*args, **kwargs)
+
+    def release(self, reason: str) -> None:
+        """Drop the engine (and its KV cache); requests in flight on its loop fail with `reason`."""
+        with self.lock:
+            loop, self.loop, self.engine = self.loop, None, None
+        if loop is not None:
+            loop.close(LoopClosed(reason))
+
+    def __repr__(self) -> str:
+        engine = repr(self.engine) if self.engine is not None else "not built yet (built on first generate)"
+        return f"hfaccel patch (strict={self.strict}): {self.config}\n  engine: {engine}"
+
+
+def fall_back(state: PatchState, reason: str) -> None:
+    """Raise under strict mode; otherwise warn once per reason per model (the call then runs on HF)."""
+    if state.strict:
+        raise ValueError(f"hfaccel (strict=True) does not serve {reason}; patch without strict to fall back")
+    if reason in state.warned:
+        return
+    state.warned.add(reason)
+    warnings.warn(
+        f"hfaccel: {reason} is not served by the engine - this call falls back to transformers' original "
+        "generate (no speed-up)",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def given(value: Any) -> bool:
+    """Whether an argument asks for something: not None, False or an empty list (their defaults)."""
+    return value is not None and value is not False and not (isinstance(value, list) and len(value) == 0)

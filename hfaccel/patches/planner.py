@@ -1,0 +1,433 @@
+"""One planner for both front-ends: a `generate` call becomes engine requests here, or is sent to
+transformers' own `generate` with the reason why.
+
+A call is `model.generate(...)`'s arguments, or one prompt of `hfaccel.generate` & co. with its own
+config. `GenerateCall` holds it and prepares, on first use, what the gates ask about (HF's prepared
+config, the attention mask, the stopping and sampling parameters). `GATES` is the one ordered table of
+everything the engine does not serve: the first gate that gives a reason decides. A call that passes
+every gate becomes requests through `make_requests` (or `beam_requests`), the same way for both
+front-ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from functools import cached_property
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from hfaccel.engine.beam_search import BeamParams
+from hfaccel.engine.prompt_inputs import prompt_inputs_reason
+from hfaccel.engine.request import Request, SamplingParams, StoppingParams
+from hfaccel.patches import assisted, cache_in, criteria, lora
+from hfaccel.patches import embeds as embeds_in
+from hfaccel.patches import model_kwargs as extra_inputs
+from hfaccel.patches.arguments import CACHE_NAME
+from hfaccel.patches.beam import beam_limits_reason, beam_unsupported_reason, is_beam_search
+from hfaccel.patches.models import window_reason
+from hfaccel.patches.params import (
+    has_default_lengths,
+    prepare_config,
+    prepare_special_tokens,
+    request_params,
+    unsupported_reason,
+)
+from hfaccel.patches.patch_state import PatchState, given
+
+# Arguments of HF generate that the engine does not serve, with the reason shown to the user.
+UNSUPPORTED_ARGUMENTS = {
+    "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn (constrained decoding)",
+    "negative_prompt_ids": "negative_prompt_ids (classifier-free guidance)",
+    "negative_prompt_attention_mask": "negative_prompt_attention_mask",
+    "custom_generate": "custom_generate",
+    "synced_gpus": "synced_gpus",
+    "assistant_tokenizer": "assistant_tokenizer",
+}
+# generate's own per-call objects, served on the engine by both front-ends (run per row / per prompt);
+# the text names them in fallback reasons.
+PER_ROW_ARGUMENTS = {
+    "stopping_criteria": "custom stopping_criteria",
+    "assistant_model": "assistant_model (assisted decoding)",
+    "logits_processor": "custom logits_processor",
+}
+# Arguments the planner takes out of the call before HF prepares its config: never model kwargs.
+_OWN = ("input_ids", "streamer", "tokenizer", "trust_remote_code", "adapter_names", *PER_ROW_ARGUMENTS)
+_SERVED_MODEL_KWARGS = {"input_ids", "attention_mask", "inputs_embeds", CACHE_NAME, *extra_inputs.SERVED}
+
+
+@dataclasses.dataclass(eq=False)
+class GenerateCall:
+    """One `generate` call as the gates see it. `kwargs` are the call's arguments as given (the fallback
+    passes them on unchanged); `input_ids` its prompt rows (``inputs`` or ``input_ids``)."""
+
+    model: torch.nn.Module
+    state: PatchState
+    generation_config: GenerationConfig | None
+    kwargs: dict[str, Any]
+    input_ids: torch.Tensor | None
+    tokenizer: Any = None
+    # Both `inputs` and `input_ids` given (model.generate): HF decides which wins, so HF serves it.
+    both_inputs: bool = False
+    # hfaccel.generate gives each prompt as one unpadded row: a mask of ones, never inferred from ids.
+    given_mask: torch.Tensor | None = None
+    output_logprobs: bool = False
+    top_logprobs: int | None = None
+    # hfaccel.generate checks each adapter once per call: `adapter_names` are then its prompt's, and
+    # `adapter_reason` the check's answer.
+    adapter_names: list[str | None] | None = None
+    adapters_checked: bool = False
+    adapter_reason: str | None = None
+    beams_allowed: bool = True  # False in streams: a beam search's hypotheses are known at its end
+    imported: Any = None  # the DynamicCache given, as planned on the engine (`cache_in.plan`)
+
+    def __post_init__(self) -> None:
+        if self.adapter_names is None:
+            self.adapter_names = self.kwargs.get("adapter_names")
+
+    @property
+    def embeds(self) -> torch.Tensor | None:
+        return self.kwargs.get("inputs_embeds")
+
+    @property
+    def cache(self) -> Any:
+        return self.kwargs.get(CACHE_NAME)
+
+    @property
+    def streamer(self) -> Any:
+        return self.kwargs.get("streamer")
+
+    @cached_property
+    def custom(self) -> dict[str, Any]:
+        """generate's own objects (processors, criteria, assistant): served per row, never model kwargs."""
+        return {name: self.kwargs.get(name) for name in PER_ROW_ARGUMENTS}
+
+    @cached_property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(visible, engine) ids: HF's input_ids (the output's start, what the processors see; ``[B, 0]``
+        for embeddings without ids) and the engine's prompt rows (placeholders there)."""
+        if self.embeds is None:
+            return self.input_ids, self.input_ids
+        return embeds_in.visible_and_engine_ids(self.embeds, self.input_ids)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """The engine's prompt rows ``[B, L]`` (checked by the ids gate before any later gate reads them)."""
+        return self.rows[1]
+
+    @cached_property
+    def _prepared(self) -> tuple[GenerationConfig, dict[str, Any], bool, bool]:
+        call_kwargs = {k: v for k, v in self.kwargs.items() if k not in _OWN}
+        has_default_max, has_default_min = has_default_lengths(
+            self.model, self.generation_config, call_kwargs
+        )
+        config, model_kwargs = prepare_config(self.model, self.generation_config, call_kwargs)
+        return config, model_kwargs, has_default_max, has_default_min
+
+    @property
+    def config(self) -> GenerationConfig:
+        """HF's prepared generation config for this call."""
+        return self._prepared[0]
+
+    @property
+    def copies(self) -> int:
+        return self.config.num_return_sequences or 1
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @cached_property
+    def beam(self) -> bool:
+        """Whether the call is (plain, greedy) beam search: one request per prompt, its hypotheses."""
+        return (self.config.num_beams or 1) > 1 and is_beam_search(self.config)
+
+    @cached_property
+    def extra(self) -> list[str]:
+        """Model kwargs the engine does not serve."""
+        model_kwargs = self._prepared[1]
+        return sorted(
+            k
+            for k, v in model_kwargs.items()
+            if v is not None and v is not False and k not in _SERVED_MODEL_KWARGS
+        )
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """The attention mask, as HF prepares it (the config's special tokens set on the way)."""
+        model_kwargs = self._prepared[1]
+        mask = self.given_mask if self.given_mask is not None else model_kwargs.get("attention_mask")
+        ids = self.ids
+        prepare_special_tokens(self.model, self.config, mask is not None, ids.device)
+        if mask is None:  # HF infers padding from ids, never from embeddings
+            source = ids if self.input_ids is not None else self.embeds
+            return self.model._prepare_attention_mask_for_generation(source, self.config, model_kwargs)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}")
+        return mask
+
+    @cached_property
+    def params(self) -> tuple[StoppingParams, SamplingParams]:
+        """The stopping and (unpadded row's) sampling parameters, from HF's own processors."""
+        return self.row_params(None)
+
+    def row_params(self, attention_mask: torch.Tensor | None) -> tuple[StoppingParams, SamplingParams]:
+        """`request_params` for this call; `attention_mask` a row's own, for the processors HF hands it."""
+        _, _, has_default_max, has_default_min = self._prepared
+        lengths = {} if self.embeds is None else {"inputs_embeds": self.embeds}
+        return request_params(
+            self.model,
+            self.config,
+            self.rows[0],
+            has_default_max,
+            has_default_min,
+            self.tokenizer,
+            output_logprobs=self.output_logprobs,
+            top_logprobs=self.top_logprobs,
+            attention_mask=attention_mask,
+            logits_processor=self.custom["logits_processor"],
+            stopping_criteria=self.custom["stopping_criteria"],
+            **lengths,
+        )
+
+    @property
+    def stopping(self) -> StoppingParams:
+        return self.params[0]
+
+    def first_reason(self) -> str | None:
+        """The reason of the first gate the call does not pass (None: the engine serves it). Gates may
+        raise ValueError for input HF would refuse too."""
+        return next((reason for _, gate in GATES if (reason := gate(self)) is not None), None)
+
+
+def _arguments_gate(call: GenerateCall) -> str | None:
+    reason = next(
+        (text for name, text in UNSUPPORTED_ARGUMENTS.items() if given(call.kwargs.get(name))), None
+    )
+    return reason or ("both inputs and input_ids" if call.both_inputs else None)
+
+
+def _embeds_gate(call: GenerateCall) -> str | None:
+    return (
+        None if call.embeds is None else embeds_in.unsupported_reason(call.model, call.embeds, call.input_ids)
+    )
+
+
+def _ids_gate(call: GenerateCall) -> str | None:
+    ids = call.rows[1]
+    if ids is None or ids.dim() != 2 or ids.dtype != torch.long:
+        return "inputs other than a 2-D tensor of token ids"
+    if 0 in ids.shape:  # HF fails on these too, deep inside
+        name, shown = ("input_ids", ids) if call.embeds is None else ("inputs_embeds", call.embeds)
+        raise ValueError(
+            f"{name} has shape {tuple(shown.shape)}: generate needs at least one prompt of at least one token"
+        )
+    return None
+
+
+def _cache_gate(call: GenerateCall) -> str | None:
+    return None if call.cache is None else cache_in.type_reason(call.cache)
+
+
+def _adapters_gate(call: GenerateCall) -> str | None:
+    if call.adapters_checked:
+        return call.adapter_reason
+    names = call.adapter_names
+    if names is None:
+        return None
+    check_adapter_names(call.model, names, call.ids.shape[0])
+    return lora.unsupported_reason(call.model, names)
+
+
+def _mode_gate(call: GenerateCall) -> str | None:
+    """The generation mode and options, as judged for beam search or for the engine's other modes."""
+    if not call.beam:
+        reason = unsupported_reason(call.config, True, call.device)
+        return reason or (f"model kwargs {call.extra}" if call.extra else None)
+    if not call.beams_allowed:
+        return "beam search in a stream"
+    names = call.adapter_names
+    reason = beam_unsupported_reason(call.model, call.config, call.extra, call.streamer, names, call.device)
+    if reason is None and (call.embeds is not None or call.cache is not None):
+        reason = "beam search with inputs_embeds or past_key_values"
+    custom_given = [name for name, value in call.custom.items() if given(value)]
+    return reason or (f"beam search with {custom_given[0]}" if custom_given else None)
+
+
+def _streamer_gate(call: GenerateCall) -> str | None:
+    if call.streamer is not None and call.ids.shape[0] * call.copies != 1:
+        return "a streamer with more than one sequence"
+    return None
+
+
+def _options_gate(call: GenerateCall) -> str | None:
+    """Custom stopping criteria, assisted decoding and extra model inputs (`position_ids`,
+    `logits_to_keep`): each feature's module is asked only when the call uses the feature."""
+    config, custom, ids, mask = call.config, call.custom, call.ids, call.mask
+    stopping_criteria = custom["stopping_criteria"]
+    stops = bool(config.stop_strings) or given(stopping_criteria)
+    rows = ids.shape[0] * call.copies
+    if stops and (reason := criteria.unsupported_reason(call.model, config, stopping_criteria, rows)):
+        return reason
+    assistant = custom["assistant_model"]
+    if assistant is not None or config.prompt_lookup_num_tokens is not None:
+        speculative = call.state.config.speculative
+        reason = assisted.unsupported_reason(call.model, config, assistant, speculative, ids.shape[0], stops)
+        if reason is not None:
+            return reason
+    model_kwargs = call._prepared[1]
+    if any(model_kwargs.get(name) is not None for name in ("position_ids", "logits_to_keep")):
+        return extra_inputs.unsupported_reason(model_kwargs, ids, mask)
+    return None
+
+
+def _padding_gate(call: GenerateCall) -> str | None:
+    # HF keeps masked positions in place: served where they are left padding only.
+    return None if is_left_padding(call.mask) else "an attention mask that is not left padding"
+
+
+def _window_gate(call: GenerateCall) -> str | None:
+    # Past a sliding window, attention differs: `models.max_model_len`.
+    return window_reason(call.model, int(call.mask.sum(dim=1).max()) + call.stopping.max_new_tokens)
+
+
+def _prompt_inputs_gate(call: GenerateCall) -> str | None:
+    if call.embeds is None and call.cache is None:
+        return None
+    engine = call.state.get_engine(call.model)
+    reason = prompt_inputs_reason(engine)
+    if reason is None and call.cache is not None:
+        dtype = next(call.model.parameters()).dtype
+        call.imported, reason = cache_in.plan(
+            engine, call.cache, call.mask, call.copies, call.config, call.embeds is not None, dtype
+        )
+    return reason
+
+
+def _beam_limits_gate(call: GenerateCall) -> str | None:
+    if not call.beam:
+        return None
+    engine = call.state.get_engine(call.model)
+    return beam_limits_reason(engine, call.config.num_beams, int(call.mask.sum(dim=1).max()), call.stopping)
+
+
+# Every reason a call goes to transformers' generate, in the order they are asked: the first wins.
+GATES: tuple[tuple[str, Callable[[GenerateCall], str | None]], ...] = (
+    ("arguments the engine does not take", _arguments_gate),
+    ("prompts as embeddings", _embeds_gate),
+    ("prompt ids", _ids_gate),
+    ("a cache to continue from", _cache_gate),
+    ("adapters", _adapters_gate),
+    ("generation mode and options", _mode_gate),
+    ("streamer", _streamer_gate),
+    ("criteria, assistants, extra inputs", _options_gate),
+    ("padding", _padding_gate),
+    ("sliding window", _window_gate),
+    ("imported embeddings or K/V", _prompt_inputs_gate),
+    ("beam search limits", _beam_limits_gate),
+)
+
+
+def make_requests(
+    call: GenerateCall, engine: Any, seed: int | None = None, targets: dict[str, Any] | None = None
+) -> list[Request]:
+    """The engine requests of a call that passed every gate: `copies` per row, each row unpadded (its
+    mask's kept tokens), row i seeded with ``seed + i`` (None: its own seed), the processors seeing
+    the padded row as in HF."""
+    copies, rows = call.copies, call.ids
+    stopping, sampling = call.params
+    keep = call.mask.bool().cpu().repeat_interleave(copies, dim=0)
+    rows = rows.repeat_interleave(copies, dim=0).cpu()
+    samplings = [sampling] * len(rows)
+    if sampling.processors and not bool(keep.all()):
+        samplings = _per_padding(call, call.mask.repeat_interleave(copies, dim=0), sampling)
+    names = call.adapter_names
+    adapters = [None] * len(rows) if names is None else [names[i // copies] for i in range(len(rows))]
+    requests = [
+        engine.make_request(
+            rows[i][keep[i]].tolist(),
+            stopping,
+            samplings[i],
+            seed=None if seed is None else seed + i,
+            adapter=adapters[i],
+            **(targets or {}),
+        )
+        for i in range(len(rows))
+    ]
+    if (sampling.processors or stopping.criteria is not None) and call.input_ids is not None:
+        for request, row, kept in zip(requests, rows, keep):
+            request.processor_prefix = row[~kept].tolist()  # the padded row, as in HF
+    attach_prompt_lookup(requests, call.config)
+    return requests
+
+
+def beam_requests(call: GenerateCall, engine: Any, targets: dict[str, Any] | None = None) -> list[Request]:
+    """One request per prompt row for a beam search that passed every gate (its beams are the engine's
+    `BeamGroup`), the processors seeing the padded row with its own mask (one per beam), as in HF."""
+    config, (_, sampling) = call.config, call.params
+    beam = BeamParams(
+        num_beams=config.num_beams,
+        length_penalty=config.length_penalty,
+        early_stopping=config.early_stopping,
+        num_return_sequences=call.copies,
+    )
+    keep, rows = call.mask.bool().cpu(), call.ids.cpu()
+    by_padding: dict[int, SamplingParams] = {0: dataclasses.replace(sampling, beam=beam)}
+    requests = []
+    for i in range(len(rows)):
+        padding = int((~keep[i]).sum())
+        if padding not in by_padding:
+            padded = call.row_params(call.mask[i : i + 1].expand(config.num_beams, -1))[1]
+            by_padding[padding] = dataclasses.replace(padded, beam=beam)
+        request = engine.make_request(
+            rows[i][keep[i]].tolist(), call.stopping, by_padding[padding], **(targets or {})
+        )
+        request.processor_prefix = rows[i][~keep[i]].tolist()
+        requests.append(request)
+    return requests
+
+
+def _per_padding(call: GenerateCall, masks: torch.Tensor, unpadded: SamplingParams) -> list[SamplingParams]:
+    """One `SamplingParams` per row, built as HF builds its processors for the padded batch: those HF
+    gives the attention mask (the repetition penalty, which skips a row's left padding) get the row's
+    own mask. Rows with the same padding share one object (and so one warper call)."""
+    by_padding: dict[int, SamplingParams] = {0: unpadded}
+    samplings = []
+    for mask in masks:
+        padding = int(mask.ne(0).int().argmax())  # HF's padding length of the row
+        if padding not in by_padding:
+            by_padding[padding] = call.row_params(mask[None])[1]
+        samplings.append(by_padding[padding])
+    return samplings
+
+
+def attach_prompt_lookup(requests: list[Request], config: GenerationConfig) -> None:
+    """Prompt lookup (``prompt_lookup_num_tokens``): the call's own draft source and length on each of its
+    requests (the engine's speculative path verifies them); nothing for other calls."""
+    if config.prompt_lookup_num_tokens is None:
+        return
+    proposer, num_spec_tokens = assisted.request_speculation(config)
+    for request in requests:
+        request.proposer, request.num_spec_tokens = proposer, num_spec_tokens
+
+
+def is_left_padding(attention_mask: torch.Tensor) -> bool:
+    """Whether every row of a 2-D mask is zeros then ones (left padding), with at least one token."""
+    mask = attention_mask.bool()
+    return bool((mask[:, 1:] >= mask[:, :-1]).all()) and bool(mask[:, -1].all())
+
+
+def check_adapter_names(model: torch.nn.Module, names: Any, rows: int) -> None:
+    """PEFT's own checks of ``adapter_names``, with its messages (it raises them before generating)."""
+    if not isinstance(names, (list, tuple)):
+        raise TypeError(f"Got adapter names of type {type(names)}, expected a list of str.")
+    if len(names) != rows:
+        raise ValueError(
+            "Length of `adapter_names` should be the same as the number of inputs, but got "
+            f"{len(names)} and {rows} respectively."
+        )
+    if model.training:
+        raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
+    lora.check_adapter_names(model, names)
