@@ -22,6 +22,7 @@ from hfaccel.api.results import (
     raise_or_return,
 )
 from hfaccel.distributed import dp as data_parallel
+from hfaccel.distributed.layout import parallel_layout
 from hfaccel.engine.request import Request
 from hfaccel.patches.patch_state import PatchState
 
@@ -85,7 +86,7 @@ def generate(
         model, prompts, tokenizer, generation_config, generate_kwargs, "hfaccel.generate", logprobs,
         prompt_logprobs, errors, seed, targets, adapter,
     ) as (state, call):  # fmt: skip
-        dp = model.__dict__.get("_hfaccel_dp")
+        dp = parallel_layout(model).dp
         if dp is not None:  # data parallel: this replica runs its share, every rank returns all
             completions = run_data_parallel(model, state, dp, call, tokenizer, progress)
         else:

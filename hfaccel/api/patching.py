@@ -14,9 +14,10 @@ import torch
 
 from hfaccel.config import EngineConfig, is_draft_model
 from hfaccel.distributed.dp import setup_data_parallel
-from hfaccel.distributed.ep import setup_expert_parallel
+from hfaccel.distributed.layout import parallel_layout
 from hfaccel.distributed.pp import setup_pipeline_parallel
 from hfaccel.patches.attention import register_attention, restore_attention
+from hfaccel.patches.ep_modules import setup_expert_parallel
 from hfaccel.patches.generate import patched_generate
 from hfaccel.patches.models import check_engine_config, check_model
 from hfaccel.patches.patch_state import PatchState
@@ -76,14 +77,14 @@ def patch(
         state: PatchState | None = getattr(model, "_hfaccel", None)
         parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
         if state is not None:
-            if pipeline_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_pp") is None:
+            if pipeline_parallel_size not in (None, 1) and parallel_layout(model).pp is None:
                 raise ValueError("pipeline parallelism is set at a model's first patch: unpatch it first")
-            if expert_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_ep") is None:
+            if expert_parallel_size not in (None, 1) and parallel_layout(model).ep is None:
                 raise ValueError("expert parallelism is set at a model's first patch: unpatch it first")
-            if data_parallel_size not in (None, 1) and model.__dict__.get("_hfaccel_dp") is None:
+            if data_parallel_size not in (None, 1) and parallel_layout(model).dp is None:
                 raise ValueError("data parallelism is set at a model's first patch: unpatch it first")
             if any(p is not None for p in parallel):  # tensor parallelism is fixed at the first patch
-                if model.__dict__.get("_hfaccel_tp") is None:
+                if parallel_layout(model).tp is None:
                     raise ValueError("tensor parallelism is set at a model's first patch: unpatch it first")
                 setup_tensor_parallel(
                     model, *parallel, (config or state.config).with_overrides(**overrides).batching

@@ -24,7 +24,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hfaccel.distributed.pp import init_world
+from hfaccel.distributed.layout import parallel_layout, record_layout
+from hfaccel.distributed.world import init_world
 
 
 @dataclass
@@ -37,7 +38,7 @@ class DPState:
 
 
 def setup_data_parallel(model: Any, size: int | None) -> DPState | None:
-    existing = model.__dict__.get("_hfaccel_dp")
+    existing = parallel_layout(model).dp
     if size is None:
         return existing
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -50,18 +51,14 @@ def setup_data_parallel(model: Any, size: int | None) -> DPState | None:
         return existing
     world = init_world(size, "data_parallel_size", next(model.parameters()).device)
     per = world // size
-    inner = 1
-    for name in ("_hfaccel_tp", "_hfaccel_pp", "_hfaccel_ep"):
-        state = model.__dict__.get(name)
-        if state is not None:
-            inner *= state.size
+    inner = parallel_layout(model).replica_size
     if inner != per:
         raise ValueError(
             f"data_parallel_size={size} over {world} processes gives replicas of {per} ranks, but each replica "
             f"is {inner} rank(s) (tensor_parallel_size x pipeline_parallel_size): the world must be their product"
         )
     state = DPState(size=size, replica=dist.get_rank() // per, ranks_per_replica=per)
-    model._hfaccel_dp = state
+    record_layout(model, dp=state)
     return state
 
 

@@ -9,12 +9,13 @@ was) but are never called here, and this rank's paged KV cache holds only its ow
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
+
+from hfaccel.distributed.layout import parallel_layout, record_layout
+from hfaccel.distributed.world import init_world, split_groups
 
 
 @dataclass
@@ -58,41 +59,9 @@ def check_pipeline_size(size: Any, num_layers: int) -> None:
         raise ValueError(f"pipeline_parallel_size={size} is larger than the {num_layers} decoder layers")
 
 
-def init_world(size: int, what: str, device: torch.device) -> int:
-    """Start the process group from torchrun's environment if none exists; the world size."""
-    if not dist.is_initialized():
-        env = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-        if not all(name in os.environ for name in env):
-            raise ValueError(
-                f"{what}={size} needs {size} processes: launch with `torchrun --nproc-per-node {size} ...` "
-                "or call torch.distributed.init_process_group first"
-            )
-        if int(os.environ["WORLD_SIZE"]) < size:
-            raise ValueError(f"{what}={size} is larger than the world ({os.environ['WORLD_SIZE']} processes)")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    world = dist.get_world_size()
-    if size > world:
-        raise ValueError(f"{what}={size} is larger than the world ({world} processes)")
-    if world % size:
-        raise ValueError(f"{what}={size} does not divide the world size {world}")
-    return world
-
-
-def split_groups(size: int) -> tuple[list[int], Any]:
-    """This rank's group of `size` consecutive ranks (every rank creates every group, as torch needs)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    mine_ranks, mine = None, None
-    for lo in range(0, world, size):
-        ranks = list(range(lo, lo + size))
-        group = dist.new_group(ranks) if size < world else dist.group.WORLD
-        if rank in ranks:
-            mine_ranks, mine = ranks, group
-    return mine_ranks, mine
-
-
 def setup_pipeline_parallel(model: Any, size: int | None) -> PPState | None:
     """What `hfaccel.patch` does about pipeline parallelism; the model's `PPState` (or None)."""
-    existing = model.__dict__.get("_hfaccel_pp")
+    existing = parallel_layout(model).pp
     if size is None:
         return existing
     num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
@@ -110,12 +79,12 @@ def setup_pipeline_parallel(model: Any, size: int | None) -> PPState | None:
             f"pipeline parallelism runs Llama-style decoders (embed_tokens, rotary_emb, layers, norm); "
             f"{type(model).__name__} lacks {', '.join(missing)}"
         )
-    if model.__dict__.get("_hfaccel_tp") is not None:
+    if parallel_layout(model).tp is not None:
         raise ValueError("pipeline parallelism combined with tensor parallelism is not supported yet")
     init_world(size, "pipeline_parallel_size", next(model.parameters()).device)
     ranks, group = split_groups(size)
     stage = ranks.index(dist.get_rank())
     start, end = stage_layers(num_layers, size, stage)
     state = PPState(size=size, stage=stage, layer_start=start, layer_end=end, ranks=ranks, group=group)
-    model._hfaccel_pp = state
+    record_layout(model, pp=state)
     return state

@@ -25,7 +25,6 @@ the runner (padded tokens have slot -1: they write no KV and are read by nobody)
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import threading
 import time
@@ -37,18 +36,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from hfaccel.distributed.world import init_world
 
 _local = threading.local()
 
 
 @dataclass
 class TPState:
-    """How a model is sharded: kept on the model (``model._hfaccel_tp``) for as long as it is sharded.
+    """How a model is sharded: kept in the model's layout (``parallel_layout(model).tp``) while it is
+    sharded.
 
     Attributes:
         mesh: the 1-D device mesh of the tensor-parallel group.
@@ -96,25 +97,7 @@ def tp_mesh(tensor_parallel_size: int | None, device_mesh: Any, device: torch.de
             )
         return device_mesh
     n = tensor_parallel_size
-    if not dist.is_initialized():
-        env = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-        if not all(name in os.environ for name in env):
-            raise ValueError(
-                f"tensor_parallel_size={n} needs {n} processes: launch with `torchrun --nproc-per-node {n} ...` "
-                "or call torch.distributed.init_process_group first (no process group and no torchrun "
-                f"environment: {', '.join(name for name in env if name not in os.environ)} unset)"
-            )
-        world = int(os.environ["WORLD_SIZE"])
-        if n > world:
-            raise ValueError(f"tensor_parallel_size={n} is larger than the world ({world} processes)")
-        if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    world = dist.get_world_size()
-    if n > world:
-        raise ValueError(f"tensor_parallel_size={n} is larger than the world ({world} processes)")
-    if world % n:
-        raise ValueError(f"tensor_parallel_size={n} does not divide the world size {world}")
+    world = init_world(n, "tensor_parallel_size", device)
     from torch.distributed.device_mesh import init_device_mesh
 
     if n == world:
@@ -245,24 +228,14 @@ class ReplicatedKVHead(ParallelStyle):
 # ----------------------------------------------------------------------------------- the local runtime
 
 
-def matching_modules(model: nn.Module, pattern: str) -> list[nn.Module]:
-    """The modules a `parallelize_module` plan key names (``*`` matches one name component)."""
-    parts = pattern.split(".")
-    found = []
-    for name, module in model.named_modules():
-        names = name.split(".") if name else []
-        if len(names) == len(parts) and all(fnmatch.fnmatchcase(n, p) for n, p in zip(names, parts)):
-            found.append(module)
-    return found
-
-
 def forget_dtensor_shardings() -> None:
     """Empty the DTensor caches that `parallelize_module` filled: sharding propagation (this thread's, in
     Python and in C++, and the tensor-meta one), redistribution plans and planners, and mesh topology.
 
     Their entries hold DTensorSpecs or the DeviceMesh itself, and a DeviceMesh holds its process groups:
     cached, they outlive ``destroy_process_group``, and gloo then tears them down with their threads at
-    interpreter exit, which could abort the process (docs/parallelism.md). Once `run_locally` has switched
+    interpreter exit, which could abort the process (docs/parallelism.md). Once `run_locally`
+    (`patches/tp_modules.py`) has switched
     the shards to local tensors no DTensor op needs them.
     """
     from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
@@ -286,68 +259,6 @@ def forget_dtensor_shardings() -> None:
             clear()
 
 
-def run_locally(model: nn.Module, styles: dict[str, Any], tp: TPState) -> int:
-    """After `parallelize_module`: run each sharded Linear and Embedding on its local shard with one
-    explicit collective, instead of DTensor dispatch; returns how many modules were switched.
-
-    DTensor computes the right thing but, on a CPU, dispatch costs about a millisecond per sharded op,
-    and each new token count misses its sharding-propagation cache (about 200 ms for a 2-layer model): a
-    serving engine sees a new token count at almost every step. The local runtime does exactly what the
-    placements say — colwise: a local matmul (gathered on the last dimension where the output is
-    Replicate); rowwise: a local matmul of the rank's input columns, then an all-reduce (a
-    reduce-scatter over the tokens in a sequence-parallel step), then the bias; a vocab-sharded
-    embedding: a masked local lookup, reduced the same way. Parameters become the local shards (plain
-    tensors). The block-level SP styles (`PrefillGatherInput`, `PrefillGatherOutput`) stay as they are.
-    """
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    switched = 0
-    for pattern, style in styles.items():
-        if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
-            continue
-        for module in matching_modules(model, pattern):
-            if not isinstance(getattr(module, "weight", None), DTensor):
-                continue
-            module._forward_pre_hooks.clear()  # DTensor's input/output redistribution hooks
-            module._forward_hooks.clear()
-            for name, param in list(module.named_parameters(recurse=False)):
-                if isinstance(param, DTensor):
-                    local = param.to_local().detach().clone()
-                    setattr(module, name, nn.Parameter(local, requires_grad=False))
-            if isinstance(style, ColwiseParallel):
-                gather = style.output_layouts[0] == _REPLICATE
-                module.forward = partial(_colwise_forward, module, gather, tp)
-            else:
-                split = style.input_layouts[0] == _REPLICATE and isinstance(module, nn.Linear)
-                module.forward = partial(_rowwise_forward, module, split, tp)
-            switched += 1
-    return switched
-
-
-def _colwise_forward(module: nn.Module, gather: bool, tp: TPState, x: torch.Tensor) -> torch.Tensor:
-    embedding = isinstance(module, nn.Embedding)
-    y = F.embedding(x, module.weight) if embedding else F.linear(x, module.weight, module.bias)
-    return _gather_last(y, tp) if gather else y
-
-
-def _rowwise_forward(module: nn.Module, split: bool, tp: TPState, x: torch.Tensor) -> torch.Tensor:
-    if isinstance(module, nn.Embedding):  # vocabulary rows [rank * V/N, (rank + 1) * V/N) live here
-        rows = module.weight.shape[0]
-        local = x - tp.rank * rows
-        outside = (local < 0) | (local >= rows)
-        y = F.embedding(local.masked_fill(outside, 0), module.weight)
-        y = y.masked_fill(outside.unsqueeze(-1), 0.0)
-        bias = None
-    else:
-        if split:  # a replicated input: take this rank's columns
-            x = x.chunk(tp.size, dim=-1)[tp.rank]
-        y = F.linear(x, module.weight)
-        bias = module.bias
-    y = _reduce_scatter_tokens(y, tp) if sequence_parallel_active() else _all_reduce(y, tp)
-    return y if bias is None else y + bias
-
-
 # Collective calls and seconds spent in them (waiting for the other ranks included), for benchmarks.
 comm_stats = {"calls": 0, "seconds": 0.0}
 
@@ -362,14 +273,14 @@ def _timed() -> Iterator[None]:
         comm_stats["seconds"] += time.perf_counter() - start
 
 
-def _all_reduce(y: torch.Tensor, tp: TPState) -> torch.Tensor:
+def all_reduce(y: torch.Tensor, tp: TPState) -> torch.Tensor:
     y = y.contiguous()
     with _timed():
         dist.all_reduce(y, group=tp.group)
     return y
 
 
-def _reduce_scatter_tokens(y: torch.Tensor, tp: TPState) -> torch.Tensor:
+def reduce_scatter_tokens(y: torch.Tensor, tp: TPState) -> torch.Tensor:
     """``[1, T, H]`` partial sums -> this rank's ``[1, T/N, H]`` token rows, summed."""
     batch, tokens, *rest = y.shape
     full = y.reshape(batch * tokens, *rest).contiguous()
@@ -379,7 +290,7 @@ def _reduce_scatter_tokens(y: torch.Tensor, tp: TPState) -> torch.Tensor:
     return out.view(batch, tokens // tp.size, *rest)
 
 
-def _gather_last(y: torch.Tensor, tp: TPState) -> torch.Tensor:
+def gather_last(y: torch.Tensor, tp: TPState) -> torch.Tensor:
     """Every rank's last-dimension shard, concatenated in rank order."""
     y = y.contiguous()
     out = y.new_empty((tp.size * y.shape[0], *y.shape[1:]))  # ranks' tensors stacked on dimension 0

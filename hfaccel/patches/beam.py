@@ -22,10 +22,9 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
+from hfaccel.distributed.layout import parallel_layout
 from hfaccel.engine.request import StoppingParams
 from hfaccel.patches.params import unsupported_reason
-
-_PARALLEL = ("_hfaccel_tp", "_hfaccel_pp", "_hfaccel_ep", "_hfaccel_dp")
 
 
 def is_beam_search(config: GenerationConfig) -> bool:
@@ -43,7 +42,7 @@ def beam_unsupported_reason(
 ) -> str | None:
     """Why the engine cannot serve this beam search call, or None. `device` is the model's (see
     `unsupported_reason`)."""
-    if any(model.__dict__.get(name) is not None for name in _PARALLEL):
+    if parallel_layout(model).parallel:
         return "beam search with tensor/pipeline/expert/data parallelism"
     if config.return_dict_in_generate:
         return "return_dict_in_generate with beam search"

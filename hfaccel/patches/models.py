@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from hfaccel.distributed.layout import parallel_layout
 from hfaccel.patches.layer_support import unsupported_reason
 
 TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"})
@@ -103,7 +104,7 @@ def check_engine_config(model: torch.nn.Module, config: Any) -> None:
         if reason is not None:
             raise ValueError(f"backend {config.backend!r} cannot serve this model here: {reason}")
     block_bytes = kv_bytes_per_token(model, kv_dtype) * config.block_size
-    tp = getattr(model, "__dict__", {}).get("_hfaccel_tp")
+    tp = parallel_layout(model).tp
     if tp is not None and getattr(tp, "size", 1) > 1:  # a rank holds its share of the KV heads
         kv_heads = getattr(config_text, "num_key_value_heads", None) or config_text.num_attention_heads
         block_bytes = block_bytes * max(1, kv_heads // tp.size) // kv_heads

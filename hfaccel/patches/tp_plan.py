@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hfaccel.distributed.layout import parallel_layout, record_layout
 from hfaccel.distributed.tp import (
     PrefillGatherInput,
     PrefillGatherOutput,
@@ -34,10 +35,10 @@ from hfaccel.distributed.tp import (
     check_world_size,
     forget_dtensor_shardings,
     group_src,
-    run_locally,
     tp_mesh,
 )
 from hfaccel.patches.models import TESTED_MODEL_TYPES
+from hfaccel.patches.tp_modules import run_locally
 
 _COLWISE = {"colwise", "local_colwise"}
 _ROWWISE = {"rowwise", "local_rowwise"}
@@ -268,7 +269,7 @@ def setup_tensor_parallel(
     that is not is sharded here when ``tensor_parallel_size > 1`` or a `device_mesh` is given. Every
     refusal is a ValueError raised before any parameter is touched.
     """
-    existing = model.__dict__.get("_hfaccel_tp") or transformers_sharding(model)
+    existing = parallel_layout(model).tp or transformers_sharding(model)
     wanted = (tensor_parallel_size is not None and tensor_parallel_size != 1) or device_mesh is not None
     if tensor_parallel_size is not None:
         check_world_size(tensor_parallel_size)
@@ -310,5 +311,5 @@ def setup_tensor_parallel(
         )
     if existing is None:
         existing = shard_model(model, tensor_parallel_size, device_mesh, bool(sequence_parallel))
-    model._hfaccel_tp = existing
+    record_layout(model, tp=existing)
     return existing

@@ -6,6 +6,7 @@ import copy
 import time
 
 import hfaccel
+from hfaccel.distributed.layout import parallel_layout
 from tests.distributed.workers import MAX_NEW, _greedy_reference
 from tests.helpers import assert_same_or_near_tie, tiny_model, varied_prompts
 
@@ -103,7 +104,7 @@ def dp_parity(
         model, prompts[:6], max_new_tokens=MAX_NEW, do_sample=True, seed=3, progress=False
     )
     engine = model._hfaccel.engine
-    dp = model._hfaccel_dp
+    dp = parallel_layout(model).dp
     return {
         "tokens": tokens,
         "sampled": [c.token_ids for c in sampled],
@@ -119,7 +120,7 @@ def dp_parity(
 def ep_parity(rank: int, family: str = "mixtral", microbatches: int = 2) -> dict:
     """Greedy parity of EP=2 (half the experts per rank, all-to-all routing) with the single-process
     engine, with `microbatches` microbatches per step."""
-    from hfaccel.distributed.ep import expert_modules
+    from hfaccel.patches.ep_modules import expert_modules
 
     model = tiny_model(family)
     whole = copy.deepcopy(model)
@@ -134,7 +135,7 @@ def ep_parity(rank: int, family: str = "mixtral", microbatches: int = 2) -> dict
     return {
         "tokens": tokens,
         "local_experts": module.gate_up_proj.shape[0],
-        "dispatches": model._hfaccel_ep.num_dispatches,
+        "dispatches": parallel_layout(model).ep.num_dispatches,
         "all_experts": expert_modules(whole)[0].gate_up_proj.shape[0],
         "plans": list(model._hfaccel.engine.executor.step_sync.plans),
         "microbatch_log": list(model._hfaccel.engine.runner.microbatch_log),

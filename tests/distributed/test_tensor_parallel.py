@@ -14,6 +14,7 @@ import torch
 
 import hfaccel
 import hfaccel.api
+from hfaccel.distributed.layout import parallel_layout
 from tests.distributed.launch import run_ranks
 from tests.helpers import tiny_model
 
@@ -188,6 +189,6 @@ def test_plan_styles_are_mapped_or_refused():
 def test_tensor_parallel_size_one_is_plain(llama):
     model = hfaccel.patch(tiny_model("llama"), tensor_parallel_size=1)
     try:
-        assert "_hfaccel_tp" not in model.__dict__
+        assert parallel_layout(model).tp is None
     finally:
         hfaccel.unpatch(model)

@@ -8,6 +8,7 @@ import torch
 
 import hfaccel
 import hfaccel.api
+from hfaccel.distributed.layout import parallel_layout, record_layout
 from tests.helpers import assert_same_or_near_tie, tiny_model, varied_prompts
 
 MAX_NEW = 10
@@ -60,7 +61,7 @@ def parity(
     else:
         from hfaccel.patches.tp_plan import shard_model
 
-        model._hfaccel_tp = shard_model(model, 2, None, sequence_parallel, runtime=runtime)
+        record_layout(model, tp=shard_model(model, 2, None, sequence_parallel, runtime=runtime))
         hfaccel.patch(model, max_num_batched_tokens=16, kv_cache_memory=SMALL_KV, max_model_len=128)
     seen = _layer0_tokens(model)
     out = hfaccel.generate(model, prompts, max_new_tokens=MAX_NEW, do_sample=False, progress=False)
@@ -139,7 +140,7 @@ def transformers_sharded(rank: int, path: str) -> dict:
         assert_same_or_near_tie(unsharded, prompt, ours, ref)
     executor = model._hfaccel.engine.executor
     return {
-        "sharded_by": model._hfaccel_tp.sharded_by,
+        "sharded_by": parallel_layout(model).tp.sharded_by,
         "heads": (executor.num_q_heads, executor.num_kv_heads),
     }
 

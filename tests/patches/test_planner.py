@@ -44,7 +44,9 @@ def test_both_front_ends_fall_back_for_the_same_reason(arguments, reason):
             lambda: model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, **arguments)
         )
         model._hfaccel.warned.clear()
-        via_api = fallback_reasons(lambda: hfaccel.generate(model, [[5, 6, 7]], max_new_tokens=3, **arguments))
+        via_api = fallback_reasons(
+            lambda: hfaccel.generate(model, [[5, 6, 7]], max_new_tokens=3, **arguments)
+        )
     finally:
         hfaccel.unpatch(model)
     assert len(via_generate) == 1 and reason in via_generate[0], via_generate
