@@ -163,8 +163,8 @@ def build_completion(plan: Request | Hypothesis | Done, tokenizer: Any, prompt_i
         "num_cached_prompt_tokens": plan.num_cached_prompt_tokens,
         "num_preemptions": plan.num_preemptions,
     }
-    if plan.spec_drafted:
-        metrics.update(speculative_stats(plan))
+    if plan.speculation.drafted:
+        metrics.update(speculative_stats(plan.speculation))
     if plan.warnings:
         metrics["warnings"] = list(plan.warnings)
     tokens = list(plan.output_token_ids)

@@ -138,7 +138,7 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
         request, count = step.requests[i], step.num_tokens[i]
         start = request.num_computed_tokens
         end = start + count
-        drafts = request.spec_token_ids
+        drafts = request.speculation.drafts
         if request.prompt_embeds is not None and start < len(request.prompt_embeds):
             embedded.append((len(packer.input_ids), request, start, min(end, len(request.prompt_embeds))))
         verifying = bool(drafts) and request.num_uncomputed_tokens == 1 and count == 1 + len(drafts)

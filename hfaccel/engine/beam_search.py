@@ -243,7 +243,7 @@ class BeamGroup:
                 tpot_target_ms=h.tpot_target_ms,
                 ttft_target_ms=h.ttft_target_ms,
             )
-            slot.speculate = False
+            slot.speculation.enabled = False
             slot.beam_group = self
             slot.cache_epoch = h.cache_epoch
             created.append(slot)
@@ -300,7 +300,7 @@ def attach(request: Request) -> BeamGroup | None:
         return None
     if request.beam_group is None:
         request.beam_group = BeamGroup(request, params)
-        request.speculate = False
+        request.speculation.enabled = False
     return request.beam_group
 
 

@@ -254,7 +254,9 @@ class BlockManager:
         blocks = request.block_ids
         request.block_ids = []
         request.num_hashed_blocks, request.prefix_hash = 0, 0
-        request.draft_computed = 0  # a draft model's KV lives in the same block ids: gone with them
+        request.speculation.draft_computed = (
+            0  # a draft model's KV lives in the same block ids: gone with them
+        )
         self._release(blocks)
 
     def _release(self, blocks: list[int]) -> None:

@@ -300,7 +300,9 @@ class Engine:
         request.tpot_target_ms, request.ttft_target_ms = tpot_target_ms, ttft_target_ms
         request.user_priority = priority
         # Per-step scores/logits/logprobs are recorded one token at a time: such requests do not speculate.
-        request.speculate = not (sampling.output_scores or sampling.output_logits or sampling.output_logprobs)
+        request.speculation.enabled = not (
+            sampling.output_scores or sampling.output_logits or sampling.output_logprobs
+        )
         if sampling.do_sample:
             request.seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, ()).item())
         if sampling.beam is not None:
@@ -326,7 +328,9 @@ class Engine:
     def add(self, request: Request) -> None:
         """Queue a request built by `make_request`."""
         self.scheduler.add(request)
-        if request.proposer is not None:  # its own draft source (prompt lookup of one generate call)
+        if (
+            request.speculation.proposer is not None
+        ):  # its own draft source (prompt lookup of one generate call)
             self._requests_bring_proposers = True
         if request.imported_kv is not None:
             self._imported_kv = True
@@ -566,7 +570,7 @@ class Engine:
             "warned": self.scheduler.num_warned,
             "max_num_seqs": self.config.max_num_seqs,
             "max_num_batched_tokens": self.config.max_num_batched_tokens,
-            **speculative_stats(self.scheduler),
+            **speculative_stats(self.scheduler.spec_totals),
         }
 
     def __repr__(self) -> str:

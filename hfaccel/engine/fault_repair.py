@@ -66,8 +66,8 @@ def repair(scheduler: Any, failed: Iterable[Request] = (), error: BaseException 
         request.block_ids = []
         request.num_computed_tokens = 0
         request.num_hashed_blocks, request.prefix_hash = 0, 0
-        request.draft_computed = 0
-        request.spec_token_ids, request.spec_draft_probs = [], None
+        request.speculation.draft_computed = 0
+        request.speculation.drafts, request.speculation.draft_probs = [], None
         request.status = RequestStatus.WAITING
         if id(request) in placed:
             continue

@@ -58,7 +58,7 @@ def attach_prompt_embeds(engine: Any, request: Request, embeds: Any, hide_prompt
         )
     request.prompt_embeds = embeds.to(engine.device)
     request.processor_sees_prompt = not hide_prompt
-    request.speculate = False  # drafts from the ids would not see the embeddings
+    request.speculation.enabled = False  # drafts from the ids would not see the embeddings
     isolate(request)
 
 

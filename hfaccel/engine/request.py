@@ -111,6 +111,34 @@ class RequestMetrics:
         }
 
 
+@dataclass
+class SpeculationCounts:
+    """Drafted and accepted tokens, and verification steps: of one request, or an engine's totals."""
+
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+
+@dataclass
+class SpeculationState(SpeculationCounts):
+    """A request's speculative decoding (`engine/speculative/`): the drafts the next step verifies (not
+    part of the tokens yet), whether it still speculates (opt-out, or turned off for low acceptance),
+    its own draft source, and its counters."""
+
+    drafts: list[int] = field(default_factory=list)
+    enabled: bool = True
+    # This request's own draft source and draft length (e.g. HF's prompt_lookup_num_tokens), used instead
+    # of the engine's (`EngineConfig.speculative` / `num_speculative_tokens`); None: the engine's.
+    proposer: Any = field(default=None, repr=False)
+    num_drafts: int | None = None
+    # Draft-model speculation: the draft's probabilities of `drafts` (``[k, V]``, for the rejection rule;
+    # None: drafts without probabilities), and how many of the request's leading tokens the draft model's
+    # KV cache holds (0 whenever the request's blocks are freed: the draft recomputes them).
+    draft_probs: Any = field(default=None, repr=False)
+    draft_computed: int = 0
+
+
 @dataclass(eq=False)
 class Request:
     """A prompt being completed.
@@ -155,8 +183,6 @@ class Request:
     # same tokens whatever the batch, the prefix cache or a preemption (recomputation draws nothing).
     seed: int | None = None
     generator: Any = field(default=None, repr=False)
-    # Speculative decoding: the drafts the next step verifies (not part of the tokens yet), whether this
-    # request still speculates (opt-out, or turned off for low acceptance), and its counters.
     # return_dict_in_generate with a cache: the request's K/V per layer, ``[tokens, Hkv, D]``, copied out
     # of its blocks when it finishes (before they can be reused).
     keep_kv: bool = False
@@ -170,20 +196,7 @@ class Request:
     prompt_embeds: Any = field(default=None, repr=False)
     imported_kv: list[tuple[Any, Any]] | None = field(default=None, repr=False)
     processor_sees_prompt: bool = True
-    spec_token_ids: list[int] = field(default_factory=list)
-    # This request's own draft source and draft length (e.g. HF's prompt_lookup_num_tokens), used instead
-    # of the engine's (`EngineConfig.speculative` / `num_speculative_tokens`); None: the engine's.
-    proposer: Any = field(default=None, repr=False)
-    num_spec_tokens: int | None = None
-    # Draft-model speculation: the draft's probabilities of `spec_token_ids` (``[k, V]``, for the rejection
-    # rule; None: drafts without probabilities), and how many of the request's leading tokens the draft
-    # model's KV cache holds (0 whenever the request's blocks are freed: the draft recomputes them).
-    spec_draft_probs: Any = field(default=None, repr=False)
-    draft_computed: int = 0
-    speculate: bool = True
-    spec_drafted: int = 0
-    spec_accepted: int = 0
-    spec_steps: int = 0
+    speculation: SpeculationState = field(default_factory=lambda: SpeculationState())
     # Adaptive scheduling: the request's own latency targets (None: the engine's), its user priority
     # (lower is admitted first, FCFS within a level; `priority` above is the engine's arrival order),
     # what admission control said, and how often later arrivals were admitted ahead of it.

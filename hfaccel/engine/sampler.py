@@ -60,7 +60,7 @@ def _sampled(
             single_rows.append(offset)
             single_requests.append(i)
         else:
-            results[i] = verify_drafts(logits[offset : offset + count], request, request.spec_token_ids)
+            results[i] = verify_drafts(logits[offset : offset + count], request, request.speculation.drafts)
         offset += count
     if single_rows:
         index = torch.tensor(single_rows, device=logits.device)

@@ -37,7 +37,7 @@ from hfaccel.engine.beam_search import attach as attach_beams
 from hfaccel.engine.block_manager import BlockManager, blocks_for
 from hfaccel.engine.cost_model import RatioCalibration
 from hfaccel.engine.latency import LatencyPolicy, TimeBudget
-from hfaccel.engine.request import Request, RequestStatus, priority_key
+from hfaccel.engine.request import Request, RequestStatus, SpeculationCounts, priority_key
 
 
 class Scheduler:
@@ -63,7 +63,7 @@ class Scheduler:
         # The current step's choices so far (request, tokens); the engine clears it when the step is done.
         self.scheduled: list[tuple[Request, int]] = []
         self._next_priority = 0
-        self.spec_drafted = self.spec_accepted = self.spec_steps = 0  # speculative totals
+        self.spec_totals = SpeculationCounts()  # speculative totals
         # Adaptive scheduling: the step-time model (anything with `fit()` returning an object with
         # `coefficients` and `predict`, or None), requests rejected since the engine last asked.
         self.cost_model = cost_model
@@ -207,21 +207,23 @@ class Scheduler:
         """
         emitted = {id(r): t if isinstance(t, list) else [t] for r, t in zip(sampled, token_ids)}
         for request, count in zip(step.requests, step.num_tokens):
-            drafts = len(request.spec_token_ids)
+            drafts = len(request.speculation.drafts)
             if drafts and count == 1 + drafts:  # a verification: keep the accepted drafts' KV only
                 accepted = len(emitted.get(id(request), [None])) - 1
                 count = 1 + accepted
-                request.spec_drafted += drafts
-                request.spec_accepted += accepted
-                request.spec_steps += 1
-                self.spec_drafted += drafts
-                self.spec_accepted += accepted
-                self.spec_steps += 1
-            request.spec_token_ids = []
-            request.spec_draft_probs = None
+                request.speculation.drafted += drafts
+                request.speculation.accepted += accepted
+                request.speculation.steps += 1
+                self.spec_totals.drafted += drafts
+                self.spec_totals.accepted += accepted
+                self.spec_totals.steps += 1
+            request.speculation.drafts = []
+            request.speculation.draft_probs = None
             request.num_computed_tokens += count
             # A draft model fed the last token and its drafts: its KV stays valid up to the accepted ones.
-            request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
+            request.speculation.draft_computed = min(
+                request.speculation.draft_computed, request.num_computed_tokens
+            )
             self.block_manager.trim(request, request.num_computed_tokens)
             self.block_manager.cache_full_blocks(request)
         now = self.clock()
@@ -275,8 +277,8 @@ class Scheduler:
         if remaining == 1:
             if budget < 1:
                 return 0
-            del request.spec_token_ids[budget - 1 :]
-            return 1 + len(request.spec_token_ids)
+            del request.speculation.drafts[budget - 1 :]
+            return 1 + len(request.speculation.drafts)
         if not self.config.chunked_prefill:
             return remaining if remaining <= budget else 0
         cap = self.config.long_prefill_token_threshold or remaining
@@ -312,8 +314,8 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted for an older request
                 continue
             while not self.block_manager.allocate(request, count):
-                if request.spec_token_ids:  # drop the drafts before preempting anyone for their lookahead
-                    request.spec_token_ids.clear()
+                if request.speculation.drafts:  # drop the drafts before preempting anyone for their lookahead
+                    request.speculation.drafts.clear()
                     budget += count - 1
                     count = 1
                     planned[slot[id(request)]] = (request, 1)
@@ -481,9 +483,9 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
-        request.spec_token_ids = []
-        request.spec_draft_probs = None
-        request.draft_computed = 0
+        request.speculation.drafts = []
+        request.speculation.draft_probs = None
+        request.speculation.draft_computed = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

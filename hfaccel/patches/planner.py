@@ -410,7 +410,7 @@ def attach_prompt_lookup(requests: list[Request], config: GenerationConfig) -> N
         return
     proposer, num_spec_tokens = assisted.request_speculation(config)
     for request in requests:
-        request.proposer, request.num_spec_tokens = proposer, num_spec_tokens
+        request.speculation.proposer, request.speculation.num_drafts = proposer, num_spec_tokens
 
 
 def is_left_padding(attention_mask: torch.Tensor) -> bool:

@@ -70,7 +70,7 @@ def test_draft_model_through_chunked_prefill_and_preemption():
     assert any(len(p) > 16 for p in prompts)  # the draft caught up over several passes
     assert stats["spec_drafted"] > 0 and stats["spec_acceptance_rate"] > 0.95, stats
     assert engine.block_manager.num_used_blocks == 0
-    assert all(r.draft_computed == 0 for r in requests)
+    assert all(r.speculation.draft_computed == 0 for r in requests)
 
 
 def test_draft_catch_up_is_incremental():
@@ -84,10 +84,12 @@ def test_draft_catch_up_is_incremental():
     engine.step()  # prefill, then the draft catches up on the whole prompt and the first token
     proposer = engine.proposer
     assert proposer.num_tokens_fed == len(prompt) + 1 + 3  # catch-up, then d1..d3 fed
-    assert request.draft_computed == request.num_tokens + 3 and len(request.spec_token_ids) == 4
+    assert (
+        request.speculation.draft_computed == request.num_tokens + 3 and len(request.speculation.drafts) == 4
+    )
     fed = proposer.num_tokens_fed
     engine.step()  # verifies 4 drafts (all kept: the draft is the target), emits 5 tokens
-    assert request.spec_accepted == 4
+    assert request.speculation.accepted == 4
     assert proposer.num_tokens_fed - fed == 2 + 3  # d4 and the bonus token, then 3 drafts
     while engine.has_unfinished_requests():
         engine.step()
@@ -111,7 +113,7 @@ def test_drafts_are_the_draft_models_own_greedy_continuation():
     while engine.has_unfinished_requests():
         engine.step()
         for request in requests:
-            drafts = request.spec_token_ids
+            drafts = request.speculation.drafts
             if drafts and not request.is_finished:
                 assert drafts == hf_greedy(draft, request.all_token_ids, len(drafts))
                 checked += 1

@@ -148,7 +148,7 @@ class SpeculativeEngineMachine(EngineMachine):
         g = torch.Generator().manual_seed(seed)
         for request in self.engine.scheduler.running:
             if request.num_uncomputed_tokens == 1 and not request.is_finished:
-                request.spec_token_ids = torch.randint(3, 256, (k,), generator=g).tolist()
+                request.speculation.drafts = torch.randint(3, 256, (k,), generator=g).tolist()
 
 
 TestSpeculativeEngineMachine = SpeculativeEngineMachine.TestCase
@@ -167,10 +167,10 @@ class DraftModelEngineMachine(EngineMachine):
     def draft_kv_is_within_the_blocks(self):
         size = self.engine.block_manager.block_size
         for request in self.engine.scheduler.requests():
-            assert 0 <= request.draft_computed <= len(request.block_ids) * size
-            assert request.draft_computed <= request.num_tokens + 3
+            assert 0 <= request.speculation.draft_computed <= len(request.block_ids) * size
+            assert request.speculation.draft_computed <= request.num_tokens + 3
             if not request.block_ids:
-                assert request.draft_computed == 0
+                assert request.speculation.draft_computed == 0
 
     def teardown(self):
         super().teardown()

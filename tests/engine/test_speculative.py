@@ -136,9 +136,12 @@ def test_low_acceptance_turns_speculation_off_for_that_request():
     prompts = [(p * 3)[:60] for p in varied_prompts(4, seed=5)]
     requests = [engine.make_request(p, StoppingParams(max_new_tokens=60, min_new_tokens=60)) for p in prompts]
     engine.run(requests)
-    stopped = [r for r in requests if not r.speculate]
+    stopped = [r for r in requests if not r.speculation.enabled]
     assert stopped, "no request stopped speculating"
     for request in stopped:
-        assert request.spec_drafted >= 16 and request.spec_accepted < 0.99 * request.spec_drafted
-        assert request.spec_drafted <= 16 + 4 * 2  # it stopped soon after the threshold was reached
+        assert (
+            request.speculation.drafted >= 16
+            and request.speculation.accepted < 0.99 * request.speculation.drafted
+        )
+        assert request.speculation.drafted <= 16 + 4 * 2  # it stopped soon after the threshold was reached
     assert engine.block_manager.num_used_blocks == 0

@@ -3,7 +3,7 @@
 The draft model has its own `ModelRunner` (its own KV cache, metadata builder and step buffers) with the
 target's ``num_blocks`` and ``block_size``, so a request's block table indexes both caches: no second
 block manager, and whatever frees, trims or preempts a request's blocks does so for both. Each request
-records how many of its leading tokens the draft's cache holds (`Request.draft_computed`, reset to 0
+records how many of its leading tokens the draft's cache holds (`Request.speculation.draft_computed`, reset to 0
 whenever its blocks are freed).
 
 Drafting ``k`` tokens for the whole batch takes ``k`` packed draft passes:
@@ -21,7 +21,7 @@ After verification the draft's cache stays valid for the last token and the acce
 `Scheduler.update` clamps ``draft_computed`` to the target's computed tokens.
 
 Greedy requests take the draft's argmax; sampled ones draw from the draft's processed distribution with
-their own generator and keep it (`Request.spec_draft_probs`) for the rejection rule, so the emitted
+their own generator and keep it (`Request.speculation.draft_probs`) for the rejection rule, so the emitted
 tokens follow the target's distribution whatever the draft is.
 """
 
@@ -79,19 +79,21 @@ class DraftModelProposer:
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[list[int]]:
         """Drafts for each request, at most `budgets[i]` tokens each; sampled requests also get
-        `spec_draft_probs`. Allocates the lookahead blocks of the requests it drafts for."""
+        `speculation.draft_probs`. Allocates the lookahead blocks of the requests it drafts for."""
         out: list[list[int]] = [[] for _ in requests]
         budget = self.max_num_tokens
         pass0: list[_Row] = []
         drafting: list[tuple[int, _Drafting]] = []
         behind: list[Request] = []
         for i, (request, k) in enumerate(zip(requests, budgets)):
-            request.spec_draft_probs = None
+            request.speculation.draft_probs = None
             num_tokens = request.num_tokens
             k = min(k, self.max_model_len - num_tokens + 1)  # the draft writes up to num_tokens + k - 2
             if k <= 0:
                 continue
-            start = request.draft_computed = min(request.draft_computed, request.num_computed_tokens)
+            start = request.speculation.draft_computed = min(
+                request.speculation.draft_computed, request.num_computed_tokens
+            )
             missing = num_tokens - start
             if missing > budget:
                 behind.append(request)
@@ -104,7 +106,7 @@ class DraftModelProposer:
         for request in behind:  # what budget is left: catch up part of the way (its blocks exist), no drafts
             if budget <= 0:
                 break
-            start = request.draft_computed
+            start = request.speculation.draft_computed
             pass0.append(_Row(request, start, request.all_token_ids[start : start + budget], False))
             budget -= len(pass0[-1].tokens)
         if not pass0:
@@ -123,12 +125,12 @@ class DraftModelProposer:
         # request, and for drafting ones the last token plus d1..d_{k-1} (Scheduler.update keeps what the
         # target accepts).
         for row in pass0:
-            row.request.draft_computed = row.start + len(row.tokens)
+            row.request.speculation.draft_computed = row.start + len(row.tokens)
         for i, state in drafting:
             request = state.request
-            request.draft_computed = request.num_tokens + state.k - 1
+            request.speculation.draft_computed = request.num_tokens + state.k - 1
             if request.sampling.do_sample:
-                request.spec_draft_probs = torch.stack(state.probs)
+                request.speculation.draft_probs = torch.stack(state.probs)
             out[i] = state.drafts
         return out
 

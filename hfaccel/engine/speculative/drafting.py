@@ -12,25 +12,25 @@ MIN_DRAFTS_JUDGED = 16
 
 
 def propose_drafts(running: Iterable[Request], default: Any, config: Any, max_model_len: int) -> None:
-    """Set ``spec_token_ids`` of every running request that decodes and speculates, from its own draft
-    source and length where it has one (`Request.proposer`, `Request.num_spec_tokens`), else from
+    """Set ``speculation.drafts`` of every running request that decodes and speculates, from its own draft
+    source and length where it has one (`Request.speculation.proposer`, `Request.speculation.num_drafts`), else from
     `default` (the engine's proposer) and ``config.num_speculative_tokens``. A request whose acceptance
     stays below ``config.speculative_min_acceptance`` stops speculating. Requests of one source are
     drafted together."""
     groups: dict[int, tuple[Any, list[Request], list[int]]] = {}
     for request in running:
-        proposer = request.proposer if request.proposer is not None else default
+        proposer = request.speculation.proposer if request.speculation.proposer is not None else default
         if proposer is None:
             continue
-        if not request.speculate or request.is_finished or request.num_uncomputed_tokens != 1:
+        if not request.speculation.enabled or request.is_finished or request.num_uncomputed_tokens != 1:
             continue
-        k = request.num_spec_tokens or config.num_speculative_tokens
-        drafted = request.spec_drafted
+        k = request.speculation.num_drafts or config.num_speculative_tokens
+        drafted = request.speculation.drafted
         if (
             drafted >= MIN_DRAFTS_JUDGED
-            and request.spec_accepted < config.speculative_min_acceptance * drafted
+            and request.speculation.accepted < config.speculative_min_acceptance * drafted
         ):
-            request.speculate = False
+            request.speculation.enabled = False
             continue
         # The step emits up to k + 1 tokens: never past max_new_tokens or the context.
         room = min(
@@ -43,4 +43,4 @@ def propose_drafts(running: Iterable[Request], default: Any, config: Any, max_mo
             budgets.append(min(k, room - 1))
     for proposer, candidates, budgets in groups.values():
         for request, drafts in zip(candidates, proposer.propose(candidates, budgets)):
-            request.spec_token_ids = list(drafts)
+            request.speculation.drafts = list(drafts)

@@ -3,14 +3,14 @@
 `NgramProposer` looks the continuation up in the request's own tokens (no second model);
 `DraftModelProposer` (draft_model.py) runs a smaller model with the same vocabulary. A proposer never
 changes what is emitted (verification does), only how many tokens a step yields. A proposer whose drafts
-come with probabilities stores them on the request (`Request.spec_draft_probs`) for the rejection rule.
+come with probabilities stores them on the request (`Request.speculation.draft_probs`) for the rejection rule.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from hfaccel.engine.request import Request
+from hfaccel.engine.request import Request, SpeculationCounts
 from hfaccel.engine.speculative.ngram import propose_ngram
 
 
@@ -42,10 +42,10 @@ def make_proposer(config: Any) -> NgramProposer | None:
     raise ValueError(f"unknown speculative method {config.speculative!r}")
 
 
-def speculative_stats(source: Any) -> dict[str, float]:
-    """Drafted / accepted counters of a request or a scheduler, with the acceptance rate and the mean
+def speculative_stats(source: SpeculationCounts) -> dict[str, float]:
+    """Drafted / accepted counters of a request or an engine, with the acceptance rate and the mean
     number of drafts kept per verification step."""
-    drafted, accepted, steps = source.spec_drafted, source.spec_accepted, source.spec_steps
+    drafted, accepted, steps = source.drafted, source.accepted, source.steps
     return {
         "spec_drafted": drafted,
         "spec_accepted": accepted,

@@ -39,7 +39,7 @@ def process_row(row: torch.Tensor, request: Request, drafts: list[int]) -> torch
 
 def verify_drafts(logits: torch.Tensor, request: Request, drafts: list[int]) -> list[int]:
     """Tokens to emit for `request` given ``[len(drafts) + 1, V]`` target logits. A sampled request
-    whose drafts came with probabilities (`Request.spec_draft_probs`, a draft model's) uses them in the
+    whose drafts came with probabilities (`Request.speculation.draft_probs`, a draft model's) uses them in the
     rejection rule; otherwise each draft counts as certain (one-hot)."""
     scores = logits.to(dtype=torch.float32, copy=True)
     try:
@@ -51,7 +51,7 @@ def verify_drafts(logits: torch.Tensor, request: Request, drafts: list[int]) -> 
     if not request.sampling.do_sample:
         return accept_greedy(scores, drafts)
     probs = torch.softmax(scores, dim=-1)
-    draft_probs = request.spec_draft_probs
+    draft_probs = request.speculation.draft_probs
     if draft_probs is not None:
         draft_probs = draft_probs[: len(drafts)].to(device=probs.device, dtype=probs.dtype)
     return accept_sampled(probs, drafts, request_generator(request, scores.device), draft_probs)
