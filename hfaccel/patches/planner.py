@@ -284,8 +284,24 @@ def _options_gate(call: GenerateCall) -> str | None:
 
 
 def _padding_gate(call: GenerateCall) -> str | None:
-    # HF keeps masked positions in place: served where they are left padding only.
-    return None if is_left_padding(call.mask) else "an attention mask that is not left padding"
+    """Masked prompt tokens are dropped from the engine's rows. HF keeps them in place, but attends to
+    none of them and numbers positions by the mask's running count, so a row gives the same tokens
+    either way: left padding, or holes anywhere before the last token (transformers' own random masks,
+    some collators). The processors see the row as HF shows it (`make_requests`). Holes are not served
+    where the output holds per-position state of the prompt (beams, the returned cache), or with prompt
+    inputs other than ids."""
+    mask = call.mask.bool()
+    if not bool(mask[:, -1].all()):
+        return "an attention mask whose last column is masked (right padding)"
+    if is_left_padding(mask):
+        return None
+    if call.beam or call.embeds is not None or call.cache is not None:
+        return "an attention mask with holes, with beam search, inputs_embeds or a cache"
+    if call.config.return_dict_in_generate and call.config.use_cache is not False:
+        return "an attention mask with holes, with the cache returned (return_dict_in_generate)"
+    if call.kwargs.get("position_ids") is not None:
+        return "an attention mask with holes, with position_ids"
+    return None
 
 
 def _window_gate(call: GenerateCall) -> str | None:
@@ -358,7 +374,10 @@ def make_requests(
     ]
     if (sampling.processors or stopping.criteria is not None) and call.input_ids is not None:
         for request, row, kept in zip(requests, rows, keep):
-            request.processor_prefix = row[~kept].tolist()  # the padded row, as in HF
+            if is_left_padding(kept[None]):
+                request.processor_prefix = row[~kept].tolist()  # the padded row, as in HF
+            else:  # holes: the whole row as given, the prompt's kept tokens in place within it
+                request.processor_prefix, request.processor_sees_prompt = row.tolist(), False
     attach_prompt_lookup(requests, call.config)
     return requests
 
@@ -391,15 +410,15 @@ def beam_requests(call: GenerateCall, engine: Any, targets: dict[str, Any] | Non
 
 def _per_padding(call: GenerateCall, masks: torch.Tensor, unpadded: SamplingParams) -> list[SamplingParams]:
     """One `SamplingParams` per row, built as HF builds its processors for the padded batch: those HF
-    gives the attention mask (the repetition penalty, which skips a row's left padding) get the row's
-    own mask. Rows with the same padding share one object (and so one warper call)."""
-    by_padding: dict[int, SamplingParams] = {0: unpadded}
+    gives the attention mask (the repetition penalty, which skips a row's masked tokens) get the row's
+    own mask. Rows with the same mask share one object (and so one warper call)."""
+    by_mask: dict[tuple[int, ...], SamplingParams] = {(1,) * masks.shape[1]: unpadded}
     samplings = []
     for mask in masks:
-        padding = int(mask.ne(0).int().argmax())  # HF's padding length of the row
-        if padding not in by_padding:
-            by_padding[padding] = call.row_params(mask[None])[1]
-        samplings.append(by_padding[padding])
+        key = tuple(mask.ne(0).int().tolist())  # the row's padding (or holes)
+        if key not in by_mask:
+            by_mask[key] = call.row_params(mask[None])[1]
+        samplings.append(by_mask[key])
     return samplings
 
 

@@ -1,31 +1,99 @@
-"""Calls whose result the engine would get wrong go to HF with a warning: masks that are not left
-padding, and sequences past a sliding window. Never silently different, never truncated."""
+"""Masks and windows: left padding and masks with holes are served with HF's tokens; calls whose result
+the engine would get wrong go to HF with a warning (right padding, holes where the output holds prompt
+positions, sequences past a sliding window). Never silently different, never truncated."""
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import LogitsProcessor, LogitsProcessorList, MistralConfig, MistralForCausalLM
 
 import hfaccel
 from tests.helpers import tiny_model
 
 
-def test_right_padded_and_holey_masks_fall_back_and_equal_hf():
+def test_right_padded_masks_fall_back_and_equal_hf():
     model = tiny_model("llama")
     ids = torch.tensor([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]])
-    for mask in (
-        torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]]),  # right padding
-        torch.tensor([[1, 1, 0, 1, 1, 1], [1, 1, 1, 1, 1, 1]]),  # a hole
-    ):
-        expected = type(model).generate(
-            model, input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False
-        )
-        hfaccel.patch(model)
-        try:
-            with pytest.warns(UserWarning, match="attention mask that is not left padding"):
-                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
-        finally:
-            hfaccel.unpatch(model)
-        assert torch.equal(out, expected)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    expected = type(model).generate(
+        model, input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False
+    )
+    hfaccel.patch(model)
+    try:
+        with pytest.warns(UserWarning, match="last column is masked"):
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(out, expected)
+
+
+class BoostColumnOne(LogitsProcessor):
+    """Boosts the token the row holds at column 1: reads the row in HF's order, holes included."""
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        scores[torch.arange(len(scores)), input_ids[:, 1]] += 50.0
+        return scores
+
+
+def _holey(rows, width, seed):
+    """Masks with holes anywhere before an attended last token, as transformers' `random_attention_mask`
+    makes them."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 200, (rows, width), generator=g)
+    mask = (torch.rand(rows, width, generator=g) > 0.35).long()
+    mask[:, -1] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"do_sample": False},
+        # processors that read the row (n-gram bans) and the row's mask (the repetition penalty)
+        {"do_sample": False, "repetition_penalty": 1.6, "no_repeat_ngram_size": 2},
+        {"do_sample": False, "logits_processor": LogitsProcessorList([BoostColumnOne()])},
+        {"do_sample": False, "min_new_tokens": 6, "eos_token_id": 7},
+    ],
+    ids=["greedy", "processors", "row-order", "min-length"],
+)
+def test_masks_with_holes_are_served_with_hf_tokens(family, options):
+    model = tiny_model(family)
+    ids, mask = _holey(4, 11, seed=3)
+    assert not bool((mask[:, 1:] >= mask[:, :-1]).all())  # really holes, not left padding
+    expected = type(model).generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=8, **options)
+    hfaccel.patch(model, strict=True)  # strict: a fallback would raise
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **options)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({"num_beams": 2}, "holes, with beam search"),
+        ({"return_dict_in_generate": True}, "holes, with the cache returned"),
+    ],
+)
+def test_masks_with_holes_fall_back_where_the_output_holds_the_prompt_positions(options, reason):
+    model = tiny_model("llama")
+    ids, mask = _holey(2, 7, seed=5)
+    expected = type(model).generate(
+        model, input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **options
+    )
+    hfaccel.patch(model)
+    try:
+        with pytest.warns(UserWarning, match=reason):
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **options
+            )
+    finally:
+        hfaccel.unpatch(model)
+    sequences = out.sequences if options.get("return_dict_in_generate") else out
+    expected = expected.sequences if options.get("return_dict_in_generate") else expected
+    assert torch.equal(sequences, expected)
 
 
 def test_left_padding_stays_on_the_engine():
