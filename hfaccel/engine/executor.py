@@ -60,6 +60,7 @@ class ModelExecutor(Protocol):
     step_sync: Any
     max_token_padding: int
     pipelined: bool
+    sliding_window: bool  # some layer attends within a sliding window (its backend must serve one)
 
     def check_adapter(self, name: str) -> None:
         """Raise ValueError unless the executor can apply LoRA adapter `name` per request."""
@@ -81,6 +82,7 @@ class ExecutorBase:
     step_sync: Any = None  # the collectives that keep ranks in lock step (`distributed/sync.py`)
     max_token_padding: int = 0  # the most tokens `pad_tokens` adds to a step
     pipelined: bool = False  # a pipeline stage: steps go through `run_pipeline`, not `forward`
+    sliding_window: bool = False  # some layer attends within a sliding window
 
     def check_adapter(self, name: str) -> None:
         raise ValueError(f"adapter {name!r}: this model's executor serves no adapters")

@@ -189,9 +189,10 @@ __attribute__((noinline)) static void exp_shifted(float *restrict row, int32_t *
    in registers. All arithmetic is float32, the cache's rows widened as they are read. */
 INLINE void decode_task(
     const float *restrict qb, const void *restrict k_cache, const void *restrict v_cache,
-    const int32_t *restrict table, int64_t len, void *restrict ob, float *restrict scores,
+    const int32_t *restrict table, int64_t len, int64_t first, void *restrict ob, float *restrict scores,
     int32_t *restrict work, const int64_t D, const int64_t rep, int64_t row, int64_t h, int64_t block_size,
     float scale, int64_t max_len, const int ot, const int ct) {
+    /* Positions [first, len) are visible (first > 0: a sliding window); scores are indexed by position. */
     /* A bf16 K or V row widened to float once for the rep query heads that read it (measured faster
        than widening inside each head's dot and axpy). */
     float rowbuf[MAX_ACC];
@@ -210,15 +211,19 @@ INLINE void decode_task(
     const int wide = D % 16 == 0 && rep <= MAX_REP16;
     int64_t pending = 0;
 #endif
-    for (int64_t start = 0, n = 0; start < len; start += block_size, n++) {
+    const int64_t first_block = first / block_size;
+    for (int64_t n = first_block, start = n * block_size; start < len; start += block_size, n++) {
         const int64_t count = len - start < block_size ? len - start : block_size;
-        const int64_t base = (int64_t)table[n] * block_size * row + h * D;
+        const int64_t t0 = start < first ? first - start : 0;
+        const int64_t base = (int64_t)table[n] * block_size * row + h * D + t0 * row;
         const char *k = AT(k_cache, base, ct), *v = AT(v_cache, base, ct);
         const char *k_next =
             n + 1 < num_blocks ? AT(k_cache, (int64_t)table[n + 1] * block_size * row + h * D, ct) : NULL;
-        for (int64_t t = 0; t < count; t++, k = AT(k, row, ct), v = AT(v, row, ct)) {
+        for (int64_t t = t0; t < count; t++, k = AT(k, row, ct), v = AT(v, row, ct)) {
             if (k_next != NULL) prefetch(AT(k_next, t * row, ct), bytes);
-            else prefetch(AT(v_cache, (int64_t)table[0] * block_size * row + h * D + t * row, ct), bytes);
+            else
+                prefetch(AT(v_cache, (int64_t)table[first_block] * block_size * row + h * D + t * row, ct),
+                         bytes);
             if (ct == BF16) prefetch(v, bytes);
             const float *kf = widen(rowbuf, k, D, ct);
 #if defined(__AVX512F__)
@@ -237,29 +242,31 @@ INLINE void decode_task(
 #if defined(__AVX512F__)
     if (wide && pending > 0) flush16(part, scores, max_len, len - pending, pending, rep, scale);
 #endif
+    const int64_t seen = len - first; /* the visible positions' count */
     for (int64_t r = 0; r < rep; r++) {
-        float *sr = scores + r * max_len;
+        float *sr = scores + r * max_len + first;
         float m = sr[0];
-        for (int64_t s = 1; s < len; s++) m = sr[s] > m ? sr[s] : m;
-        exp_shifted(sr, work, len, m);
+        for (int64_t s = 1; s < seen; s++) m = sr[s] > m ? sr[s] : m;
+        exp_shifted(sr, work, seen, m);
         float lanes[16] = {0};
         int64_t s = 0;
-        for (; s + 16 <= len; s += 16)
+        for (; s + 16 <= seen; s += 16)
             for (int l = 0; l < 16; l++) lanes[l] += sr[s + l];
         float total = 0.0f;
         for (int l = 0; l < 16; l++) total += lanes[l];
-        for (; s < len; s++) total += sr[s];
+        for (; s < seen; s++) total += sr[s];
         const float inv = 1.0f / total;
-        for (s = 0; s < len; s++) sr[s] *= inv;
+        for (s = 0; s < seen; s++) sr[s] *= inv;
     }
     float acc[MAX_ACC];
     for (int64_t i = 0; i < rep * D; i++) acc[i] = 0.0f;
-    for (int64_t start = 0, n = 0; start < len; start += block_size, n++) {
+    for (int64_t n = first_block, start = n * block_size; start < len; start += block_size, n++) {
         const int64_t count = len - start < block_size ? len - start : block_size;
-        const char *v = AT(v_cache, (int64_t)table[n] * block_size * row + h * D, ct);
+        const int64_t t0 = start < first ? first - start : 0;
+        const char *v = AT(v_cache, (int64_t)table[n] * block_size * row + h * D + t0 * row, ct);
         const char *v_next =
             n + 1 < num_blocks ? AT(v_cache, (int64_t)table[n + 1] * block_size * row + h * D, ct) : NULL;
-        for (int64_t t = 0; t < count; t++, v = AT(v, row, ct)) {
+        for (int64_t t = t0; t < count; t++, v = AT(v, row, ct)) {
             if (v_next != NULL) prefetch(AT(v_next, t * row, ct), bytes);
             const float *vf = widen(rowbuf, v, D, ct);
             for (int64_t r = 0; r < rep; r++) {
@@ -280,7 +287,7 @@ struct step {
     const int32_t *tables, *lens;
     int64_t width;
     void *out; /* of the query's type */
-    int64_t Hq, Hkv, D, block_size, max_len;
+    int64_t Hq, Hkv, D, block_size, max_len, window;
     float scale;
 };
 
@@ -289,6 +296,7 @@ struct step {
 INLINE void run_task(const struct step *s, int64_t b, int64_t h, float *restrict scores,
                      int32_t *restrict work, float *restrict qbuf, const int qt, const int ct) {
     const int64_t D = s->D, rep = s->Hq / s->Hkv, row = s->Hkv * D, len = s->lens[b];
+    const int64_t first = s->window > 0 && len > s->window ? len - s->window : 0; /* sliding window */
     char *ob = AT(s->out, (b * s->Hq + h * rep) * D, qt);
     if (len <= 0) {
         memset(ob, 0, (size_t)(rep * D * ESIZE(qt)));
@@ -303,7 +311,7 @@ INLINE void run_task(const struct step *s, int64_t b, int64_t h, float *restrict
         copy_row(qbuf + r * D, F32, AT(s->q, b * s->q_st + (h * rep + r) * s->q_sh, qt), qt, D);
     const float *qb = qbuf;
     const int32_t *table = s->tables + b * s->width;
-#define TASK(DD, RR) decode_task(qb, s->k_cache, s->v_cache, table, len, ob, scores, work, DD, RR, row, h, \
+#define TASK(DD, RR) decode_task(qb, s->k_cache, s->v_cache, table, len, first, ob, scores, work, DD, RR, row, h, \
                                  s->block_size, s->scale, s->max_len, qt, ct)
     if (D == 64 && rep == 3) TASK(64, 3);
     else if (D == 64 && rep == 4) TASK(64, 4);
@@ -318,7 +326,8 @@ INLINE void run_task(const struct step *s, int64_t b, int64_t h, float *restrict
    [B, Hkv, D] rows the same way (kv_st, kv_sh), stored at slots[b] first (a negative slot: padding, not
    stored); out: a contiguous [B, Hq, D]; all four of type q_dtype. k_cache, v_cache: [blocks,
    block_size, Hkv, D] of type kv_dtype; tables: int32 [B, *], rows `width` apart; lens: int32 [B], the
-   context length of each sequence with this step's token (0: padding). A task is one (sequence, KV
+   context length of each sequence with this step's token (0: padding); window > 0: each sequence sees
+   its last `window` positions only (a sliding window). A task is one (sequence, KV
    head): it stores that head's new K/V row and then reads the head's rows, so no task reads what another
    writes. Served types (q_dtype, kv_dtype): (F32, F32), (F32, BF16), (BF16, BF16). Returns 0, or
    (nothing done) -1 when rep * D exceeds MAX_ACC, -2 for types it does not serve. */
@@ -326,11 +335,11 @@ int hfaccel_paged_decode(int q_dtype, int kv_dtype, const void *q, int64_t q_st,
                          const void *key, const void *value, int64_t kv_st, int64_t kv_sh, const int64_t *slots,
                          void *k_cache, void *v_cache, const int32_t *tables, int64_t width,
                          const int32_t *lens, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                         int64_t block_size, float scale, int64_t max_len, int num_threads) {
+                         int64_t block_size, float scale, int64_t max_len, int64_t window, int num_threads) {
     for (int64_t b = 0; b < B; b++) /* the scratch rows hold the longest context, whatever max_len says */
         max_len = lens[b] > max_len ? lens[b] : max_len;
     const struct step s = {q, key, value, q_st, q_sh, kv_st, kv_sh, slots, k_cache, v_cache, tables, lens,
-                           width, out, Hq, Hkv, D, block_size, max_len, scale};
+                           width, out, Hq, Hkv, D, block_size, max_len, window, scale};
     const int64_t rep = Hq / Hkv;
     if (rep * D > MAX_ACC) return -1;
     const int f32 = q_dtype == F32 && kv_dtype == F32, f32_bf16 = q_dtype == F32 && kv_dtype == BF16;
@@ -398,6 +407,7 @@ _ARGTYPES = [
     ctypes.c_int64,  # block_size
     ctypes.c_float,  # scale
     ctypes.c_int64,  # max_len
+    ctypes.c_int64,  # window (0: none)
     ctypes.c_int,  # num_threads
 ]
 
@@ -455,10 +465,12 @@ class DecodeCall:
         out: torch.Tensor,
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         """Attend ``query`` ``[B, Hq, D]`` (head rows contiguous) into ``out`` (a contiguous
         ``[B, Hq, D]`` in the query's dtype), first storing ``key``/``value`` ``[B, Hkv, D]`` at the
-        bound slots when given (the kernel rounds them to a bf16 cache itself)."""
+        bound slots when given (the kernel rounds them to a bf16 cache itself). `window` > 0: each
+        sequence attends to its last `window` positions only."""
         batch, num_heads, head_dim = query.shape
         store = key is not None and self._slots is not None
         if not self._checked:  # every layer of a step has the same shapes and dtypes: check the first
@@ -496,6 +508,7 @@ class DecodeCall:
             k_cache.shape[1],
             scale,
             self._max_len,
+            window,
             torch.get_num_threads(),
         )
         if status == -2:
@@ -539,9 +552,11 @@ def paged_decode(
     max_seq_len: int,
     scale: float,
     out: torch.Tensor,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence: ``query`` ``[B, Hq, D]`` attends to the first ``seq_lens[b]``
-    tokens of sequence ``b``'s blocks (``block_tables`` int32 ``[B, width]``, rows may be strided);
-    writes ``out`` (a contiguous ``[B, Hq, D]`` in the query's dtype; zero rows where ``seq_lens`` is 0)
-    and returns it."""
-    return DecodeCall(block_tables, seq_lens, max_seq_len)(query, k_cache, v_cache, scale, out)
+    tokens of sequence ``b``'s blocks (``block_tables`` int32 ``[B, width]``, rows may be strided; the
+    last `window` of them only, where > 0); writes ``out`` (a contiguous ``[B, Hq, D]`` in the query's
+    dtype; zero rows where ``seq_lens`` is 0) and returns it."""
+    call = DecodeCall(block_tables, seq_lens, max_seq_len)
+    return call(query, k_cache, v_cache, scale, out, window=window)

@@ -337,7 +337,10 @@ class FlashInferPagedAttention(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: FlashInferMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
+        if window > 0:  # never given one: `capabilities.sliding_window` is False (windows are planned)
+            raise ValueError("the flashinfer backend does not serve sliding-window layers; use 'triton'")
         if not math.isclose(scale, meta.sm_scale, rel_tol=1e-6):
             raise ValueError(
                 f"FlashInfer was planned with softmax scale {meta.sm_scale}, not {scale}: pass the model's "

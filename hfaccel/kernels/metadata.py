@@ -31,6 +31,8 @@ class BackendCapabilities:
         cuda_graph_decode: whether a pure-decode step can be captured in a CUDA graph.
         decode_query_len: the largest query length per sequence it serves on its decode path (1 for
             plain decoding; 1 + k lets speculative verification rows ride the decode path).
+        sliding_window: whether `forward` serves a sliding ``window`` (per layer); a model whose layers
+            use one is never given a backend that does not.
     """
 
     dtypes: frozenset[torch.dtype]
@@ -38,6 +40,7 @@ class BackendCapabilities:
     devices: frozenset[str]
     cuda_graph_decode: bool
     decode_query_len: int = 1
+    sliding_window: bool = False
 
 
 @dataclass
@@ -299,10 +302,13 @@ class AttentionBackend(ABC):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         """Store this step's ``key``/``value`` ``[T, Hkv, D]`` in `kv_cache` at ``meta.slot_mapping``, then
         return causal paged attention of ``query`` ``[T, Hq, D]`` over each sequence's context, as a new
-        ``[T, Hq, D]`` tensor (padded rows: any finite value)."""
+        ``[T, Hq, D]`` tensor (padded rows: any finite value). `window` > 0 (the layer's sliding window;
+        only where ``capabilities.sliding_window``): a query at position p sees keys in
+        ``(p - window, p]``."""
 
 
 def num_leading_decodes(query_lens: Sequence[int], decode_query_len: int) -> int:

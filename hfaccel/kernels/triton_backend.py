@@ -29,6 +29,7 @@ class TritonPagedAttention(AttentionBackend):
         devices=frozenset({"cuda", "cpu"}),  # cpu only under the interpreter
         cuda_graph_decode=True,
         decode_query_len=1,
+        sliding_window=True,
     )
 
     @classmethod
@@ -50,6 +51,7 @@ class TritonPagedAttention(AttentionBackend):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         scale: float,
+        window: int = 0,
     ) -> torch.Tensor:
         from hfaccel.kernels.triton import paged_decode, paged_prefill, store_kv
 
@@ -59,7 +61,14 @@ class TritonPagedAttention(AttentionBackend):
             rows = meta.num_padded_seqs
             out = torch.zeros_like(query) if meta.num_padded_tokens > rows else torch.empty_like(query)
             paged_decode(
-                query[:rows], k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, out=out[:rows]
+                query[:rows],
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                scale,
+                out=out[:rows],
+                window=window,
             )
             return out
         out = torch.zeros_like(query) if meta.num_padded_tokens > meta.num_tokens else torch.empty_like(query)
@@ -73,4 +82,5 @@ class TritonPagedAttention(AttentionBackend):
             meta.max_query_len,
             scale,
             out=out,
+            window=window,
         )

@@ -61,9 +61,11 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    # The layer's sliding window, as transformers passes it (None for a full-attention layer).
+    window = int(kwargs.get("sliding_window") or 0)
     device = q.device.type
     if not torch.is_autocast_enabled(device):
-        out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale))
+        out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale), window)
         return out.unsqueeze(0), None
     # Under autocast (accelerate wraps a trainer's model.forward in it, and HF's generate runs inside it)
     # the projections come out in the autocast dtype: attend in the KV cache's dtype, autocast off.
@@ -71,7 +73,7 @@ def paged_attention_forward(
     if cache_dtype.is_floating_point and cache_dtype.itemsize >= 2:
         q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
     with torch.autocast(device, enabled=False):
-        out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale))
+        out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale), window)
     return out.unsqueeze(0).to(query.dtype), None
 
 

@@ -1,8 +1,8 @@
 """What of a model's layers the engine implements: the guard `patch` runs, from the model itself.
 
 An engine step runs every decoder layer once over a packed batch of many sequences, with attention
-replaced by paged causal attention over each sequence's own KV blocks (a sliding window is served up
-to the window's length: `models.max_model_len`). Anything else a layer does across tokens would mix
+replaced by paged causal attention over each sequence's own KV blocks (within the layer's sliding
+window, where it has one: the kernels take it per layer). Anything else a layer does across tokens would mix
 the sequences of a batch or differ from HF, so a model with such a layer is refused at `patch`, with
 the reason, instead of giving wrong tokens. Three checks, none of them a list of families:
 
@@ -14,8 +14,10 @@ the reason, instead of giving wrong tokens. Three checks, none of them a list of
 3. one forward of a few tokens with the attention function recording what it is handed: every decoder
    layer calls it exactly once, with K and V shapes one paged cache holds (every layer the same KV
    heads and head dim; K, V and Q of one width, which multi-head latent attention breaks), and no
-   argument the kernels do not implement (attention sinks ``s_aux``, logit ``softcap``, a window
-   other than the model's own, a non-causal call). A layer that never calls it (RWKV, MiniMax's
+   argument the kernels do not implement (attention sinks ``s_aux``, logit ``softcap``, a non-causal
+   call), and each layer's ``sliding_window`` the one its mask uses (the config's window on its sliding
+   layers, none on the others: the kernels attend within the window they are handed, so a layer whose
+   mask slides without saying so would be served full). A layer that never calls it (RWKV, MiniMax's
    lightning attention) mixes tokens some other way.
 """
 
@@ -52,18 +54,15 @@ PROBE_TOKENS = 4
 _verdicts: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str | None]] = weakref.WeakKeyDictionary()
 
 
-def unsupported_reason(model: torch.nn.Module, window: int | None) -> str | None:
-    """Why the engine cannot serve this model's layers exactly (None: it can). `window` is the sliding
-    window the engine serves up to (None: none). Kept per model and config object: the probe runs one
-    forward of a few tokens."""
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why the engine cannot serve this model's layers exactly (None: it can). Kept per model and config
+    object: the probe runs one forward of a few tokens."""
     config = model.config
     cached = _verdicts.get(model)
     if cached is not None and cached[0] is config:
         return cached[1]
     text_config = config.get_text_config(decoder=True)
-    reason = (
-        layer_types_reason(text_config) or module_reason(model) or probe_reason(model, text_config, window)
-    )
+    reason = layer_types_reason(text_config) or module_reason(model) or probe_reason(model, text_config)
     _verdicts[model] = (config, reason)
     return reason
 
@@ -88,7 +87,21 @@ def module_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def probe_reason(model: torch.nn.Module, text_config: Any, window: int | None) -> str | None:
+def layer_windows(text_config: Any) -> list[int | None]:
+    """Each decoder layer's sliding window as transformers' masks apply it: the config's
+    ``sliding_window`` on its ``sliding_attention`` layers (on every layer of a config without
+    ``layer_types`` that uses one), None elsewhere."""
+    num_layers = text_config.num_hidden_layers
+    window = getattr(text_config, "sliding_window", None)
+    if not window or not getattr(text_config, "use_sliding_window", True):
+        return [None] * num_layers
+    types = getattr(text_config, "layer_types", None)
+    if not types:
+        return [int(window)] * num_layers
+    return [int(window) if kind == "sliding_attention" else None for kind in types]
+
+
+def probe_reason(model: torch.nn.Module, text_config: Any) -> str | None:
     """Run the model on a few tokens with the attention function recording, and check what it saw."""
     param = next(model.parameters())
     vocab = model.get_input_embeddings()
@@ -101,11 +114,15 @@ def probe_reason(model: torch.nn.Module, text_config: Any, window: int | None) -
     except Exception as error:  # a model whose forward needs what the engine never gives it
         failure = f"{type(error).__name__}: {error}"
         return f"a forward of {PROBE_TOKENS} tokens with the engine's attention failed ({failure})"
-    return calls_reason(calls, text_config.num_hidden_layers, window)
+    return calls_reason(calls, text_config.num_hidden_layers, layer_windows(text_config))
 
 
-def calls_reason(calls: list[AttentionCall], num_layers: int, window: int | None) -> str | None:
-    """Why these recorded attention calls cannot run on the paged cache (None: they can)."""
+def calls_reason(
+    calls: list[AttentionCall], num_layers: int, windows: list[int | None] | None = None
+) -> str | None:
+    """Why these recorded attention calls cannot run on the paged cache (None: they can). `windows`:
+    each layer's sliding window as its mask has it (`layer_windows`; None: no layer slides)."""
+    windows = windows if windows is not None else [None] * num_layers
     if any(call.layer_idx is None for call in calls):
         return "an attention module without a layer_idx (the engine keeps one KV cache per layer)"
     counts = Counter(int(call.layer_idx) for call in calls)
@@ -131,14 +148,22 @@ def calls_reason(calls: list[AttentionCall], num_layers: int, window: int | None
                 f"layer {call.layer_idx} has {call.key_shape[1]} KV heads of {call.key_shape[-1]} dims, layer "
                 f"{first.layer_idx} {first.key_shape[1]} of {first.key_shape[-1]}: one paged cache holds one shape"
             )
-        reason = arguments_reason(call, window)
+        reason = arguments_reason(call, windows[int(call.layer_idx)])
         if reason is not None:
             return reason
     return None
 
 
 def arguments_reason(call: AttentionCall, window: int | None) -> str | None:
-    """The first keyword argument of one call that the kernels do not implement."""
+    """The first keyword argument of one call that the kernels do not implement, or a sliding window
+    other than `window`, the one the layer's mask uses (None: full attention)."""
+    passed = call.kwargs.get("sliding_window")
+    if (int(passed) if passed else None) != window:
+        masked = f"a window of {window} tokens" if window else "full attention"
+        return (
+            f"layer {call.layer_idx} hands attention sliding_window={passed} while its mask is {masked}: "
+            "the kernels would attend within the window they are handed"
+        )
     for name, value in call.kwargs.items():
         if name in NEUTRAL_ARGUMENTS or value is None:
             continue
@@ -146,12 +171,7 @@ def arguments_reason(call: AttentionCall, window: int | None) -> str | None:
             return f"layer {call.layer_idx} passes attention sinks (s_aux, as in gpt-oss), which the kernels ignore"
         if name == "softcap":
             return f"layer {call.layer_idx} soft-caps attention logits (softcap={value}), which the kernels do not"
-        if name == "sliding_window":
-            if window is None or int(value) < window:
-                return (
-                    f"layer {call.layer_idx} attends within a window of {value} tokens, narrower than the "
-                    f"model's sliding_window ({window}) that the engine serves up to"
-                )
+        if name == "sliding_window":  # checked above against the layer's mask
             continue
         if name == "is_causal":
             if value is False:

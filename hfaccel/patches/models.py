@@ -28,7 +28,7 @@ def check_model(model: torch.nn.Module) -> None:
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
             "so hfaccel cannot serve it"
         )
-    reason = unsupported_reason(model, sliding_window(model))
+    reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"hfaccel cannot serve {type(model).__name__}: {reason}")
     model_type = getattr(config.get_text_config(decoder=True), "model_type", None)
@@ -47,27 +47,12 @@ def sliding_window(model: torch.nn.Module) -> int | None:
     return int(window) if window and getattr(config, "use_sliding_window", True) else None
 
 
-def window_reason(model: torch.nn.Module, longest: int) -> str | None:
-    """Why a sequence of `longest` tokens must go to HF: past the sliding window the paged kernels'
-    full attention would differ from the model's windowed attention (served up to the window only)."""
-    window = sliding_window(model)
-    if window is not None and longest > window:
-        return f"sequences longer than the model's sliding window ({window} tokens)"
-    return None
-
-
 def max_model_len(model: torch.nn.Module, requested: int | None) -> int:
-    """Longest sequence the engine serves exactly for this model.
-
-    A model whose layers use a sliding window is served up to the window only: within it, sliding and
-    full attention agree, and the paged kernels implement full causal attention.
-    """
+    """Longest sequence the engine serves for this model: its context (``max_position_embeddings``), or
+    `requested` where it fits. Sliding windows do not shorten it: the kernels attend within each layer's
+    window."""
     config = model.config.get_text_config(decoder=True)
     limit = getattr(config, "max_position_embeddings", None) or 2048
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", True)
-    if window and uses_window:
-        limit = min(limit, int(window))
     if requested is not None:
         if requested > limit:
             raise ValueError(f"max_model_len ({requested}) exceeds what the model supports ({limit})")

@@ -27,7 +27,6 @@ from hfaccel.patches import embeds as embeds_in
 from hfaccel.patches import model_kwargs as extra_inputs
 from hfaccel.patches.arguments import CACHE_NAME
 from hfaccel.patches.beam import beam_limits_reason, beam_unsupported_reason, is_beam_search
-from hfaccel.patches.models import window_reason
 from hfaccel.patches.params import (
     has_default_lengths,
     prepare_config,
@@ -304,11 +303,6 @@ def _padding_gate(call: GenerateCall) -> str | None:
     return None
 
 
-def _window_gate(call: GenerateCall) -> str | None:
-    # Past a sliding window, attention differs: `models.max_model_len`.
-    return window_reason(call.model, int(call.mask.sum(dim=1).max()) + call.stopping.max_new_tokens)
-
-
 def _prompt_inputs_gate(call: GenerateCall) -> str | None:
     if call.embeds is None and call.cache is None:
         return None
@@ -340,7 +334,6 @@ GATES: tuple[tuple[str, Callable[[GenerateCall], str | None]], ...] = (
     ("streamer", _streamer_gate),
     ("criteria, assistants, extra inputs", _options_gate),
     ("padding", _padding_gate),
-    ("sliding window", _window_gate),
     ("imported embeddings or K/V", _prompt_inputs_gate),
     ("beam search limits", _beam_limits_gate),
 )

@@ -30,3 +30,23 @@ def test_torch_backend_refuses_integer_kv_dtypes():
 
 def test_every_backend_name_is_known():
     assert set(BACKEND_NAMES) == {"auto", "torch", "triton", "flashinfer"}
+
+
+def test_a_model_with_sliding_windows_never_gets_a_backend_without_them(monkeypatch):
+    """FlashInfer plans no per-layer window here: "auto" passes over it for a windowed model (even where
+    it would run) and a request for it by name is refused with the reason."""
+    from hfaccel.kernels import selection
+    from hfaccel.kernels.flashinfer_backend import FlashInferPagedAttention
+
+    assert not FlashInferPagedAttention.capabilities.sliding_window
+    assert TorchPagedAttention.capabilities.sliding_window
+    reason = unavailable_reason("flashinfer", torch.device("cuda"), torch.float16, 64, sliding_window=True)
+    assert reason == "the flashinfer backend does not serve sliding-window attention layers"
+    monkeypatch.setattr(FlashInferPagedAttention, "unavailable_reason", classmethod(lambda *a: None))
+    chosen = [
+        name
+        for name in ("flashinfer", "triton", "torch")
+        if selection.unavailable_reason(name, torch.device("cuda"), torch.float16, 64, True) is None
+    ]
+    assert "flashinfer" not in chosen
+    assert selection.unavailable_reason("flashinfer", torch.device("cuda"), torch.float16, 64, False) is None

@@ -10,10 +10,13 @@ BLOCK = 4
 HQ, HKV, D = 4, 2, 8
 
 
-def dense_reference(q, k, v, scale):
-    """Causal attention of the last q.shape[0] positions over the full k/v of one sequence."""
+def dense_reference(q, k, v, scale, window=0):
+    """Causal attention of the last q.shape[0] positions over the full k/v of one sequence (within a
+    sliding `window` of positions where > 0)."""
     lq, lk = q.shape[0], k.shape[0]
     mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+    if window > 0:
+        mask &= ~torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq - window)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).float(),
         k.transpose(0, 1).float(),
@@ -25,7 +28,7 @@ def dense_reference(q, k, v, scale):
     return out.transpose(0, 1)
 
 
-def run_step(seqs, dtype, seed=0, decode_query_len=1):
+def run_step(seqs, dtype, seed=0, decode_query_len=1, window=0):
     """seqs: list of (context_before, new_tokens). Returns packed output and the per-seq references."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = 64
@@ -51,7 +54,7 @@ def run_step(seqs, dtype, seed=0, decode_query_len=1):
         qsl.append(qsl[-1] + new)
         lens.append(total)
         tables.append(blocks)
-        refs.append(dense_reference(q, full_k, full_v, D**-0.5))
+        refs.append(dense_reference(q, full_k, full_v, D**-0.5, window))
     layout = StepLayout(
         query_lens=[seqs[i][1] for i in order],
         seq_lens=lens,
@@ -63,7 +66,7 @@ def run_step(seqs, dtype, seed=0, decode_query_len=1):
     builder = backend.make_builder(8, 64, 16, BLOCK, torch.device("cpu"), num_blocks=num_blocks)
     meta = builder.build(layout)
     key, value = torch.cat(keys), torch.cat(values)
-    out = backend.forward(torch.cat(queries), key, value, (k_cache, v_cache), meta, D**-0.5)
+    out = backend.forward(torch.cat(queries), key, value, (k_cache, v_cache), meta, D**-0.5, window)
     return out, torch.cat(refs)
 
 
@@ -104,6 +107,19 @@ def test_multi_query_decode_rows_match_dense_causal_attention(dtype, decode_path
     seqs = [(10, 3), (20, 5), (4, 1), (0, 2), (7, 12)]
     out, ref = run_step(seqs, dtype, decode_query_len=8)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+@pytest.mark.parametrize("decode_query_len", [1, 8])
+def test_sliding_windows_match_dense_windowed_attention(window, decode_query_len, decode_path):
+    """Every path within a sliding window: one-query decodes (the kernel, or the gathered SDPA),
+    verification rows, a fresh prompt longer than the window, a chunk continuing a cached context."""
+    seqs = [(10, 3), (20, 1), (4, 1), (0, 9), (7, 12)]
+    out, ref = run_step(seqs, torch.float32, decode_query_len=decode_query_len, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    decodes_only = [(10, 1), (20, 1), (2, 1)]  # a step of decodes only: the kernel stores and attends
+    out, ref = run_step(decodes_only, torch.float32, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
 def _one_step(slots, padded_seqs=None, padded_tokens=None, num_blocks=4):

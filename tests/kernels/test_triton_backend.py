@@ -57,3 +57,31 @@ def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
 def test_triton_refuses_an_unsupported_head_dim():
     with pytest.raises(ValueError, match="head_dim 48 is not supported"):
         get_backend("triton", "cpu", torch.float32, 48)
+
+
+def test_triton_backend_serves_sliding_windows_as_the_torch_backend_does():
+    """A Mistral-style model with a window of 8 tokens, chunked prefill: the Triton kernels attend within
+    each layer's window as the torch backend does (which is checked against HF in patches/)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        sliding_window=8,
+    )
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+    prompts = varied_prompts(6, seed=3)
+    chunked = {"max_num_batched_tokens": 16, "kv_cache_memory": 4_000_000}
+    reference, _ = _tokens(model, prompts, max_new_tokens=10, backend="torch", **chunked)
+    ours, _ = _tokens(model, prompts, max_new_tokens=10, backend="triton", **chunked)
+    assert ours == reference

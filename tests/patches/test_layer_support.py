@@ -116,10 +116,22 @@ def test_unknown_attention_arguments_are_refused_and_neutral_ones_pass():
     assert arguments_reason(call(position_ids=torch.zeros(1, 4), use_cache=False, softcap=None), None) is None
     assert "s_aux" in arguments_reason(call(s_aux=torch.zeros(4)), None)
     assert "passes mystery_bias=1.5" in arguments_reason(call(mystery_bias=1.5), None)
-    assert arguments_reason(call(sliding_window=128), 128) is None
-    assert "narrower than the model's sliding_window (128)" in arguments_reason(call(sliding_window=64), 128)
-    assert "window of 64 tokens" in arguments_reason(call(sliding_window=64), None)
     assert "is_causal=False" in arguments_reason(call(is_causal=False), None)
+
+
+def test_each_layer_must_hand_attention_the_window_its_mask_uses():
+    """The kernels attend within the window a layer hands them, so it must be its mask's."""
+    assert arguments_reason(call(sliding_window=128), 128) is None
+    assert arguments_reason(call(sliding_window=None), None) is None
+    assert "sliding_window=64 while its mask is a window of 128" in arguments_reason(
+        call(sliding_window=64), 128
+    )
+    assert "sliding_window=None while its mask is a window of 128" in arguments_reason(call(), 128)
+    assert "sliding_window=64 while its mask is full attention" in arguments_reason(
+        call(sliding_window=64), None
+    )
+    assert calls_reason([call(0, sliding_window=8), call(1)], 2, [8, None]) is None
+    assert "layer 1 hands" in calls_reason([call(0, sliding_window=8), call(1)], 2, [8, 8])
 
 
 def test_layer_shapes_one_paged_cache_cannot_hold_are_refused():
@@ -134,15 +146,33 @@ def test_layer_shapes_one_paged_cache_cannot_hold_are_refused():
     assert "one paged cache holds one shape" in mixed
 
 
-@pytest.mark.parametrize("model_type", ["gemma3_text", "cohere2"])
-def test_served_window_families_still_match_hf(model_type):
-    """Families mixing full and sliding layers pass the guard and give HF's tokens within the window."""
-    model = family_model(model_type, head_dim=16, sliding_window=64, vocab_size=256)
+WINDOWED = {
+    "gemma3_text": {"head_dim": 16},  # sliding and full layers (layer_types)
+    "cohere2": {"head_dim": 16},
+    "mistral": {},  # one window, every layer, no layer_types
+    "qwen2": {  # sliding from layer 1 on
+        "use_sliding_window": True,
+        "layer_types": ["full_attention"] + ["sliding_attention"] * 3,
+    },
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(WINDOWED))
+def test_window_families_give_hf_tokens_past_the_window(model_type):
+    """Sliding-window families are served on the engine (strict: no fallback) past their window: a
+    window of 8 tokens, prompts of 5-40 tokens and 12 new ones, so most sequences outgrow it in prefill,
+    in chunked prefill (a budget of 16 tokens a step) and while decoding."""
+    model = family_model(model_type, sliding_window=8, vocab_size=256, **WINDOWED[model_type])
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
-    prompts = varied_prompts(4, seed=3)
-    completions = hfaccel.generate(model, prompts, max_new_tokens=6, progress=False)
+    prompts = varied_prompts(6, seed=3)
+    assert max(map(len, prompts)) > 20
+    hfaccel.patch(model, strict=True, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        completions = hfaccel.generate(model, prompts, max_new_tokens=12, progress=False)
+    finally:
+        hfaccel.unpatch(model)
     for prompt, completion in zip(prompts, completions):
-        assert_same_or_near_tie(model, prompt, completion.token_ids, hf_greedy(model, prompt, 6))
+        assert_same_or_near_tie(model, prompt, completion.token_ids, hf_greedy(model, prompt, 12))

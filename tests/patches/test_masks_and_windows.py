@@ -1,13 +1,13 @@
-"""Masks and windows: left padding and masks with holes are served with HF's tokens; calls whose result
-the engine would get wrong go to HF with a warning (right padding, holes where the output holds prompt
-positions, sequences past a sliding window). Never silently different, never truncated."""
+"""Masks and windows: left padding, masks with holes and sequences past a sliding window are served
+with HF's tokens; calls whose result the engine would get wrong go to HF with a warning (right padding,
+holes where the output holds prompt positions). Never silently different, never truncated."""
 
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, MistralConfig, MistralForCausalLM
 
 import hfaccel
-from tests.helpers import tiny_model
+from tests.helpers import left_padded, tiny_model
 
 
 def test_right_padded_masks_fall_back_and_equal_hf():
@@ -124,24 +124,19 @@ def _windowed_model(window=24):
     return model
 
 
-def test_sliding_window_models_past_the_window_fall_back_never_truncate():
+def test_sliding_window_models_past_the_window_stay_on_the_engine_with_hf_tokens():
+    """A window of 24 tokens, a batch of left-padded prompts of 20-30 tokens and 12 new ones: every
+    sequence outgrows the window, on both front-ends, with HF's tokens and no fallback."""
     model = _windowed_model(window=24)
-    prompt = list(range(3, 23))  # 20 tokens + 12 new > 24
-    expected = type(model).generate(model, torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
-    hfaccel.patch(model)
+    prompts = [list(range(3, 23)), list(range(40, 70)), [5] * 26]
+    ids, mask = left_padded(prompts)
+    expected = type(model).generate(model, ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    hfaccel.patch(model, strict=True)
     try:
-        with pytest.warns(UserWarning, match="sliding window"):
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
-        completions = hfaccel.generate(
-            model, [prompt], max_new_tokens=12, progress=False
-        )  # warned once already
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        completions = hfaccel.generate(model, prompts, max_new_tokens=12, progress=False)
     finally:
         hfaccel.unpatch(model)
     assert torch.equal(out, expected)
-    assert completions[0].token_ids == expected[0, 20:].tolist() and len(completions[0].token_ids) == 12
-
-
-def test_sliding_window_models_within_the_window_stay_on_the_engine():
-    model = hfaccel.patch(_windowed_model(window=64), strict=True)
-    out = model.generate(torch.tensor([list(range(3, 23))]), max_new_tokens=8, do_sample=False)
-    assert out.shape == (1, 28)
+    for i, completion in enumerate(completions):
+        assert completion.token_ids == expected[i, ids.shape[1] :].tolist()

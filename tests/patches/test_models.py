@@ -16,7 +16,8 @@ def test_offline_generate_matches_hf(family):
         assert_same_or_near_tie(model, prompt, completion.token_ids, hf_greedy(model, prompt, 9))
 
 
-def test_sliding_window_caps_the_served_length():
+def test_a_sliding_window_does_not_cap_the_served_length():
+    """The kernels attend within each layer's window: the engine serves the model's whole context."""
     from transformers import MistralConfig, MistralForCausalLM
 
     config = MistralConfig(
@@ -30,9 +31,10 @@ def test_sliding_window_caps_the_served_length():
         sliding_window=128,
     )
     model = MistralForCausalLM(config)
-    assert max_model_len(model, None) == 128
-    with pytest.raises(ValueError, match=r"max_model_len \(256\) exceeds what the model supports \(128\)"):
-        max_model_len(model, 256)
+    assert max_model_len(model, None) == 512
+    assert max_model_len(model, 256) == 256
+    with pytest.raises(ValueError, match=r"max_model_len \(600\) exceeds what the model supports \(512\)"):
+        max_model_len(model, 600)
 
 
 def test_untested_families_warn_and_encoder_decoders_are_refused():

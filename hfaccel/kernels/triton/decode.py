@@ -54,6 +54,7 @@ def _decode_split_kernel(
     part_out_ptr,  # [B, Hq, NUM_SPLITS, HEAD_DIM] fp32
     part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, log2 domain
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
+    window,  # > 0: a sliding window, the last `window` positions only
     stride_qb,
     stride_qh,
     stride_kc_blk,
@@ -77,10 +78,12 @@ def _decode_split_kernel(
     num_q_heads = tl.num_programs(1) * GROUP
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Share the sequence's tiles evenly among the splits; trailing splits may get none.
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # first visible position
+    # Share the sequence's visible tiles evenly among the splits; trailing splits may get none.
+    first_tile = first // TILE_N
     num_tiles = tl.cdiv(seq_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_start = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_start = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
 
     rows = tl.arange(0, GROUP_PAD)
@@ -101,7 +104,7 @@ def _decode_split_kernel(
     cols = tl.arange(0, TILE_N)
     for tile in range(tile_start, tile_end):
         pos = tile * TILE_N + cols
-        valid = pos < seq_len
+        valid = (pos < seq_len) & (pos >= first)
         k, v = load_kv_tile(
             table, k_cache_ptr, v_cache_ptr, pos, valid, dims, kv_head,
             stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
@@ -163,8 +166,10 @@ def paged_decode(
     scale: float,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its whole paged context.
+    """Attention of one query token per sequence over its whole paged context (its last `window`
+    positions, where `window` > 0: a sliding window).
 
     Args:
         query: ``[B, Hq, D]``, the token at position ``seq_lens[b] - 1`` of each sequence.
@@ -215,6 +220,7 @@ def paged_decode(
         part_out,
         part_lse,
         scale * LOG2E,
+        window,
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),

@@ -38,6 +38,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
+    window,  # > 0: a sliding window, keys within `window` positions of the query only
     stride_qt,
     stride_qh,
     stride_ot,
@@ -91,7 +92,9 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     cols = tl.arange(0, TILE)
-    for tile in range(0, tl.cdiv(kv_end, TILE)):
+    # Windowed: the block's first token sees nothing before its own position - window + 1.
+    kv_start = tl.where(window > 0, tl.maximum(first_pos + q_block * BLOCK_Q - window + 1, 0), 0)
+    for tile in range(kv_start // TILE, tl.cdiv(kv_end, TILE)):
         pos = tile * TILE + cols
         valid = pos < kv_end
         k, v = load_kv_tile(
@@ -100,6 +103,7 @@ def _prefill_kernel(
             BLOCK_SIZE,
         )  # fmt: skip
         allowed = row_ok[:, None] & valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        allowed = allowed & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
         m_i, l_i, acc = online_softmax_update(q, k, v, allowed, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # rows with no context (padding) come out 0
@@ -120,8 +124,10 @@ def paged_prefill(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """Causal attention of packed query tokens over their paged contexts.
+    """Causal attention of packed query tokens over their paged contexts (within a sliding `window`
+    of positions, where > 0).
 
     Args:
         query: ``[T, Hq, D]``, the tokens of B sequences concatenated.
@@ -172,6 +178,7 @@ def paged_prefill(
         query_start_loc,
         out,
         scale * LOG2E,
+        window,
         query.stride(0),
         query.stride(1),
         out.stride(0),

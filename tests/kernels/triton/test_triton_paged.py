@@ -34,13 +34,18 @@ QUICK = settings(max_examples=8, deadline=None, derandomize=True)
 FULL = settings(max_examples=60, deadline=None)
 
 
-def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """fp32 causal attention of the last ``q.shape[0]`` positions of one sequence over its ``k``/``v``.
+def dense_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0
+) -> torch.Tensor:
+    """fp32 causal attention of the last ``q.shape[0]`` positions of one sequence over its ``k``/``v``
+    (within a sliding `window` of positions where > 0, as transformers' masks have it).
 
     q ``[Lq, Hq, D]``, k/v ``[Lk, Hkv, D]``; query i sits at position ``Lk - Lq + i``.
     """
     lq, lk = q.shape[0], k.shape[0]
     mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
+    if window > 0:
+        mask &= ~torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq - window)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).float(),
         k.transpose(0, 1).float(),
@@ -67,13 +72,15 @@ class Step:
     full_k: list[torch.Tensor]  # per sequence [seq_len, Hkv, D]
     full_v: list[torch.Tensor]
     scale: float
+    window: int = 0
 
     def expected(self) -> list[torch.Tensor | None]:
         """Per sequence the reference output rows (None for a padded sequence)."""
         refs = []
         for b, (k, v) in enumerate(zip(self.full_k, self.full_v)):
             start, end = self.query_start_loc[b].item(), self.query_start_loc[b + 1].item()
-            refs.append(dense_reference(self.query[start:end].cpu(), k, v, self.scale) if len(k) else None)
+            query = self.query[start:end].cpu()
+            refs.append(dense_reference(query, k, v, self.scale, self.window) if len(k) else None)
         return refs
 
 
@@ -166,6 +173,7 @@ def check_prefill(step: Step, dtype: torch.dtype) -> None:
         step.query_start_loc,
         step.max_query_len,
         step.scale,
+        window=step.window,
     )
     assert_rows(out, step, dtype)
 
@@ -179,6 +187,7 @@ def check_decode(step: Step, dtype: torch.dtype, num_splits: int | None = None) 
         step.seq_lens,
         step.scale,
         num_splits=num_splits,
+        window=step.window,
     )
     assert_rows(out, step, dtype)
 
@@ -247,6 +256,23 @@ def test_decode(block_size, group, head_dim, dtype, num_splits):
     seqs = [(0, 1), (15, 1), (31, 1), (76, 1), (200, 1)]
     step = make_step(seqs, num_padded=1, block_size=block_size, group=group, head_dim=head_dim, dtype=dtype)
     check_decode(step, dtype, num_splits)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_prefill_within_a_sliding_window(window):
+    """A fresh prompt, a chunk continuing a cached prefix and a decode, each query seeing its last
+    `window` positions (starting inside a block and a tile); padding still reads nothing."""
+    step = make_step([(0, 19), (37, 14), (50, 1)], num_padded=1, group=2)
+    step.window = window
+    check_prefill(step, torch.float32)
+
+
+@pytest.mark.parametrize(("window", "num_splits"), [(1, None), (9, 3), (70, 4), (300, None)])
+def test_decode_within_a_sliding_window(window, num_splits):
+    """Splits share only the visible tiles; a window longer than the context sees all of it."""
+    step = make_step([(0, 1), (15, 1), (31, 1), (76, 1), (200, 1)], num_padded=1, group=4)
+    step.window = window
+    check_decode(step, torch.float32, num_splits)
 
 
 def test_decode_matches_prefill_and_out_buffer():
