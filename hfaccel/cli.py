@@ -1,7 +1,8 @@
 """hfaccel: paged-KV continuous batching for Hugging Face transformers.
 
-Commands: generate (answer prompts with a local model), demo (what hfaccel is for, on SmolLM2),
-doctor (what this machine can run), bench (benchmarks). `python -m hfaccel COMMAND --help` for each.
+Commands: generate (answer prompts with a local model), serve (an OpenAI-compatible server), demo (what
+hfaccel is for, on SmolLM2), doctor (what this machine can run), bench (benchmarks).
+`python -m hfaccel COMMAND --help` for each.
 Set HFACCEL_DEBUG=1 to see a traceback instead of a one-line error.
 """
 
@@ -95,6 +96,40 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="random seed of sampled answers")
     gen.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights dtype (default float32)")
     gen.add_argument("--no-chat-template", action="store_true", help="send prompts as plain text")
+
+    srv = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server over a local model (/v1/chat/completions, /v1/completions, ...)",
+        description="Serve a local Hugging Face model (default: the embedded SmolLM2-135M-Instruct) over "
+        "OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /health, /tokenize, /detokenize, "
+        "/metrics. Every client's requests join one continuous batch. Ctrl-C or SIGTERM stops it, letting "
+        "requests in flight finish.",
+    )
+    srv.add_argument("model", nargs="?", metavar="MODEL_DIR", default=None, help="a local model folder")
+    srv.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument(
+        "--api-key", default=None, help="require Authorization: Bearer KEY (default: $HFACCEL_API_KEY)"
+    )
+    srv.add_argument(
+        "--served-model-name", default=None, help="the model id clients name (default: the folder)"
+    )
+    srv.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights dtype (default float32)")
+    srv.add_argument("--max-num-seqs", type=_positive_int, default=None, help="most sequences in one step")
+    srv.add_argument("--max-model-len", type=_positive_int, default=None, help="longest sequence served")
+    srv.add_argument(
+        "--kv-cache-memory", type=float, default=None, help="KV cache bytes, or a fraction of free"
+    )
+    srv.add_argument(
+        "--compile", choices=("auto", "off", "decode", "all"), default=None, help="torch.compile"
+    )
+    srv.add_argument(
+        "--max-tokens-limit", type=_positive_int, default=4096, help="most max_tokens a request asks"
+    )
+    srv.add_argument("--max-n", type=_positive_int, default=16, help="most choices (n) a request asks")
+    srv.add_argument("--max-pending", type=_positive_int, default=256, help="requests in flight before 429")
 
     demo = sub.add_parser(
         "demo",
@@ -277,6 +312,8 @@ def _run(args: argparse.Namespace) -> None:
             )
     elif args.command == "generate":
         run_generate(args)
+    elif args.command == "serve":
+        run_serve(args)
     else:
         run_bench(args)
 
@@ -302,6 +339,34 @@ def _load(path: str | None, dtype: torch.dtype) -> tuple[object, object]:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise _CleanError(f"cannot load a model from {path}: {first}") from error
     return model.eval(), tokenizer
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    """`hfaccel serve`: the model on disk (or the embedded one) behind the OpenAI-compatible server."""
+    try:
+        from hfaccel.server import Limits
+        from hfaccel.server.server import run_forever
+    except ImportError as error:
+        raise _CleanError(
+            f"hfaccel serve needs the serve extra: pip install 'hfaccel[serve]' ({error})"
+        ) from error
+    model, tokenizer = _load(args.model, _DTYPES[args.dtype])
+    name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else None)
+    engine = {
+        key: value
+        for key, value in (
+            ("max_num_seqs", args.max_num_seqs),
+            ("max_model_len", args.max_model_len),
+            ("kv_cache_memory", args.kv_cache_memory),
+            ("compile", args.compile),
+        )
+        if value is not None
+    }
+    limits = Limits(max_tokens=args.max_tokens_limit, max_n=args.max_n, max_pending=args.max_pending)
+    run_forever(
+        model, tokenizer, host=args.host, port=args.port, api_key=args.api_key,
+        model_id=name or "SmolLM2-135M-Instruct", limits=limits, **engine,
+    )  # fmt: skip
 
 
 def run_generate(args: argparse.Namespace) -> None:

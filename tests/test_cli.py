@@ -20,7 +20,7 @@ def _subparsers(parser):
 def test_every_command_and_option_has_help():
     parser = build_parser()
     commands, command_actions = _subparsers(parser)
-    assert set(commands) == {"generate", "demo", "doctor", "bench"}
+    assert set(commands) == {"generate", "serve", "demo", "doctor", "bench"}
     assert all(a.help for a in command_actions)
     for name, sub in [("hfaccel", parser), *commands.items()]:
         for action in sub._actions:
@@ -121,3 +121,52 @@ def test_no_prompts_on_stdin(model_folder, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(model_folder)])
     assert "no prompts on stdin (one per line)" in capsys.readouterr().err
+
+
+def test_serve_answers_over_http_and_stops_cleanly_on_sigterm(model_folder):
+    """`python -m hfaccel serve MODEL_DIR`: the folder's model under its folder name, on 127.0.0.1, a chat
+    answer equal to hfaccel.generate's; SIGTERM shuts it down gracefully (uvicorn then re-raises the
+    signal, so the process ends by SIGTERM, as process managers expect)."""
+    pytest.importorskip("fastapi")
+    import http.client
+    import json
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as probe:  # a free port
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "hfaccel", "serve", str(model_folder), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                connection.request("GET", "/health")
+                if connection.getresponse().status == 200:
+                    break
+            except OSError:
+                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
+                time.sleep(0.2)
+        messages = [{"role": "user", "content": "hi"}]
+        body = {"model": model_folder.name, "messages": messages, "max_tokens": 5, "temperature": 0}
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        connection.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        assert response.status == 200, answer
+        expected = hfaccel.generate(tiny_model(), [messages], tokenizer=tiny_tokenizer(), max_new_tokens=5)[0]
+        assert answer["choices"][0]["message"]["content"] == expected.text
+    finally:
+        server.send_signal(signal.SIGTERM)
+        output = server.communicate(timeout=60)[0]
+    assert server.returncode in (0, -signal.SIGTERM), output
+    assert "Application shutdown complete" in output and "Traceback" not in output

@@ -25,6 +25,7 @@ LAYERS = [
     ("engine",),
     ("patches",),
     ("api",),
+    ("server",),
     ("notebook", "doctor", "bench", "cli", "__init__", "__main__"),
 ]
 MAX_LINES = 600

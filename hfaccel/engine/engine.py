@@ -63,7 +63,8 @@ class Engine:
         self.model_dtype = self.executor.dtype
         kv_dtype = self.config.kv_dtype(self.model_dtype)
         block_size = self.config.block_size
-        backend = get_backend(self.config.backend, self.device, kv_dtype, self.executor.head_dim)
+        windowed = self.executor.sliding_window
+        backend = get_backend(self.config.backend, self.device, kv_dtype, self.executor.head_dim, windowed)
         # --- tensor parallel (hfaccel/distributed/sync.py): ranks agree on the block count and the limits,
         # check that each step is the same step on every rank, and take rank 0's sampled tokens.
         self.step_sync = self.executor.step_sync
@@ -108,7 +109,9 @@ class Engine:
             # Its own runner (KV cache, buffers) over the same block ids: requests' block tables index both.
             draft_runner = ModelRunner(
                 draft,
-                get_backend(self.config.backend, self.device, draft_kv_dtype, draft.head_dim),
+                get_backend(
+                    self.config.backend, self.device, draft_kv_dtype, draft.head_dim, draft.sliding_window
+                ),
                 self.num_blocks,
                 block_size,
                 draft_kv_dtype,
@@ -560,6 +563,8 @@ class Engine:
         return {
             "steps": self.num_steps,
             "generated_tokens": self.num_generated_tokens,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting) + len(self.scheduler.forming),
             "preemptions": self.scheduler.num_preemptions,
             "kv_blocks": self.num_blocks,
             "kv_blocks_used": self.block_manager.num_used_blocks,

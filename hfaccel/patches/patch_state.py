@@ -33,6 +33,22 @@ def seeded_calls(seed: int | None) -> Iterator[None]:
         _call_seed.reset(token)
 
 
+_strict_calls: ContextVar[bool] = ContextVar("hfaccel_strict_calls", default=False)
+
+
+@contextmanager
+def strict_calls() -> Iterator[None]:
+    """Within this block (this thread or asyncio task), a call the engine does not serve raises
+    ValueError with the reason instead of falling back to transformers' generate (as under
+    ``patch(model, strict=True)``, for these calls only): a server must not run HF's generate on its
+    event loop."""
+    token = _strict_calls.set(True)
+    try:
+        yield
+    finally:
+        _strict_calls.reset(token)
+
+
 def call_seed() -> int | None:
     """The seed `seeded_calls` set for this context (None: rows draw their own)."""
     return _call_seed.get()
@@ -104,6 +120,8 @@ class PatchState:
 
 def fall_back(state: PatchState, reason: str) -> None:
     """Raise under strict mode; otherwise warn once per reason per model (the call then runs on HF)."""
+    if _strict_calls.get():
+        raise ValueError(f"hfaccel does not serve {reason} here")
     if state.strict:
         raise ValueError(f"hfaccel (strict=True) does not serve {reason}; patch without strict to fall back")
     if reason in state.warned:

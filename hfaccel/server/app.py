@@ -1,0 +1,240 @@
+"""The OpenAI-compatible FastAPI app over one model: every client's requests join the model's one
+continuous batch through `hfaccel.agenerate` / `hfaccel.astream`.
+
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, ``/tokenize``,
+``/detokenize`` and ``/metrics``. Errors are OpenAI's error JSON with the status that fits (400 naming
+the field, 401, 404, 413, 429 with Retry-After). A request the engine does not serve is refused (400
+with the reason) rather than run on transformers' generate, which would block the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hfaccel.server.completions import (
+    ChatFlavour,
+    CompletionCall,
+    TextFlavour,
+    prepare_call,
+    run_call,
+    stream_call,
+)
+from hfaccel.server.metrics import ServerMetrics
+from hfaccel.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
+from hfaccel.server.sampling import Limits
+
+
+@dataclass
+class ServedModel:
+    """What one server serves: the model object (patched, or patched by the first request), its
+    tokenizer, the id clients name it by, the limits, and the API key (None: no key needed)."""
+
+    model: Any
+    tokenizer: Any
+    model_id: str
+    limits: Limits
+    api_key: str | None = None
+
+    def engine_stats(self) -> dict[str, Any] | None:
+        state = getattr(self.model, "_hfaccel", None)
+        engine = getattr(state, "engine", None)
+        return engine.stats() if engine is not None else None
+
+    def max_model_len(self) -> int:
+        state = getattr(self.model, "_hfaccel", None)
+        if state is not None:
+            return state.get_engine(self.model).max_model_len
+        from hfaccel.patches.models import max_model_len
+
+        return max_model_len(self.model, None)
+
+
+class Admission:
+    """The bound on requests admitted and not yet finished: beyond `limit`, 429 with Retry-After."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.pending = limit, 0
+
+    def enter(self, count: int) -> None:
+        if self.pending + count > self.limit:
+            raise APIError(
+                429,
+                f"the server has {self.pending} requests in flight (its limit is {self.limit}); retry shortly",
+                kind="rate_limit_error",
+                headers={"Retry-After": "1"},
+            )
+        self.pending += count
+
+    def leave(self, count: int) -> None:
+        self.pending -= count
+
+
+def make_app(served: ServedModel) -> FastAPI:
+    """The FastAPI app serving `served`."""
+    app = FastAPI(title="hfaccel", summary=f"OpenAI-compatible server for {served.model_id}")
+    metrics = ServerMetrics(served.engine_stats)
+    admission = Admission(served.limits.max_pending)
+    app.state.served, app.state.metrics, app.state.admission = served, metrics, admission
+
+    async def authorized(request: Request) -> None:
+        if served.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        expected = f"Bearer {served.api_key}"
+        if not secrets.compare_digest(given.encode(), expected.encode()):  # constant time
+            raise APIError(
+                401, "a valid API key is needed: Authorization: Bearer KEY", kind="authentication_error"
+            )
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > served.limits.max_body_bytes:
+            body = error_body(
+                f"the body is over {served.limits.max_body_bytes} bytes", "invalid_request_error", None, 413
+            )
+            return JSONResponse(body, status_code=413)
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0] if error.errors() else {}
+        location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(location) or None
+        message = (
+            f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid body"))
+        )
+        return JSONResponse(error_body(message, "invalid_request_error", param, 400), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        message = (
+            f"no route {request.method} {request.url.path}" if error.status_code == 404 else str(error.detail)
+        )
+        return JSONResponse(error_body(message, kind, None, error.status_code), status_code=error.status_code)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served.model_id:
+            text = f"the model {name!r} does not exist here; this server serves {served.model_id!r}"
+            raise APIError(404, text, "model", "not_found_error")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict[str, Any]:
+        card = {"id": served.model_id, "object": "model", "created": int(time.time()), "owned_by": "hfaccel"}
+        return {"object": "list", "data": [{**card, "max_model_len": served.max_model_len()}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            tokens = ChatFlavour.prompt_ids(served.tokenizer, body.messages, None)
+        else:
+            tokens = served.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": served.max_model_len()}
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        vocab = len(served.tokenizer)
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
+        return {"prompt": served.tokenizer.decode(body.tokens)}
+
+    async def complete(request: Request, body: Any, flavour: Any) -> Response:
+        check_model(body.model)
+        call = prepare_call(served, body, flavour)
+        admission.enter(call.count)
+        if body.stream:
+            chunks = stream_call(served, call, metrics, request.is_disconnected)
+            try:  # the first chunk once the first token is known: a refusal is still a plain error
+                head = await _until_disconnected(request, anext(chunks))
+            except BaseException:
+                admission.leave(call.count)
+                await chunks.aclose()
+                raise
+            return EventSourceResponse(_admitted_stream(head, chunks, admission, call))
+        try:
+            result = await _until_disconnected(request, run_call(served, call, metrics))
+        finally:
+            admission.leave(call.count)
+        return JSONResponse(result)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await complete(request, body, ChatFlavour)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await complete(request, body, TextFlavour)
+
+    return app
+
+
+async def _admitted_stream(
+    head: bytes, chunks: AsyncIterator[bytes], admission: Admission, call: CompletionCall
+) -> AsyncIterator[bytes]:
+    """The stream's chunks; its requests leave the admission count when it ends, however it ends (a
+    client that disconnects cancels the stream, and with it the requests: `stream_call`)."""
+    try:
+        yield head
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        admission.leave(call.count)
+        await chunks.aclose()
+
+
+async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, cancelling it (and so its engine requests) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "the client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"

@@ -1,0 +1,327 @@
+"""Chat and text completions: a request's prompt ids and `generate` arguments (`prepare_call`), its
+answer as one JSON body (`run_call`) or as OpenAI's stream of chunks (`stream_call`). The two flavours
+differ only in how the prompt is made and how a choice is written."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.sse import format_sse_event
+
+from hfaccel.api import agenerate, astream
+from hfaccel.patches.patch_state import strict_calls
+from hfaccel.server.protocol import APIError, ChatMessage, message_text
+from hfaccel.server.sampling import cut_at_stop, generate_kwargs, stop_strings
+
+
+class ChatFlavour:
+    """``/v1/chat/completions``: the chat template over the messages (and tools), choices of messages."""
+
+    endpoint, object, chunk_object, id_prefix = "chat", "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    @staticmethod
+    def prompt_ids(
+        tokenizer: Any, messages: list[ChatMessage], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise APIError(400, "the model's tokenizer has no chat template: use /v1/completions", "messages")
+        conversation = []
+        for i, message in enumerate(messages):
+            entry = message.model_dump(exclude_none=True)
+            entry["content"] = message_text(message, i) or ""
+            conversation.append(entry)
+        text = tokenizer.apply_chat_template(
+            conversation, tools=tools, add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    @staticmethod
+    def prompt(tokenizer: Any, body: Any) -> list[int]:
+        return ChatFlavour.prompt_ids(tokenizer, body.messages, body.tools)
+
+    @staticmethod
+    def max_tokens(body: Any) -> int | None:
+        return body.max_completion_tokens or body.max_tokens
+
+    @staticmethod
+    def logprobs(body: Any) -> bool | int:
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        return (body.top_logprobs or True) if body.logprobs else False
+
+    @staticmethod
+    def choice(
+        index: int, text: str, finish: str | None, logprobs: list[dict[str, Any]] | None
+    ) -> dict[str, Any]:
+        lp = None if logprobs is None else {"content": logprobs}
+        message = {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "finish_reason": finish, "logprobs": lp}
+
+    @staticmethod
+    def delta(
+        index: int, text: str | None, finish: str | None, logprobs: list[dict[str, Any]] | None
+    ) -> dict[str, Any]:
+        delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
+        lp = None if logprobs is None else {"content": logprobs}
+        return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
+
+
+class TextFlavour:
+    """``/v1/completions``: a text (or token-id) prompt, choices of text (``echo`` puts the prompt first)."""
+
+    endpoint, object, chunk_object, id_prefix = "completions", "text_completion", "text_completion", "cmpl"
+
+    @staticmethod
+    def prompt(tokenizer: Any, body: Any) -> list[int]:
+        if isinstance(body.prompt, str):
+            return tokenizer(body.prompt)["input_ids"]
+        bad = next((t for t in body.prompt if not 0 <= t < len(tokenizer)), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary", "prompt")
+        return list(body.prompt)
+
+    @staticmethod
+    def max_tokens(body: Any) -> int | None:
+        return body.max_tokens if body.max_tokens is not None else 16  # OpenAI's default for completions
+
+    @staticmethod
+    def logprobs(body: Any) -> bool | int:
+        return False if body.logprobs is None else (body.logprobs or True)
+
+    @staticmethod
+    def choice(
+        index: int, text: str, finish: str | None, logprobs: list[dict[str, Any]] | None
+    ) -> dict[str, Any]:
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": _legacy_logprobs(logprobs)}
+
+    @staticmethod
+    def delta(
+        index: int, text: str | None, finish: str | None, logprobs: list[dict[str, Any]] | None
+    ) -> dict[str, Any]:
+        return TextFlavour.choice(index, text or "", finish, logprobs)
+
+
+@dataclass
+class CompletionCall:
+    """One HTTP request made ready: its prompt ids, `generate` arguments, n and stop strings."""
+
+    flavour: Any
+    body: Any
+    prompt_ids: list[int]
+    kwargs: dict[str, Any]
+    logprobs: bool | int
+    stops: list[str]
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def count(self) -> int:
+        return self.body.n
+
+    def envelope(self, choices: list[dict[str, Any]], chunk: bool = False) -> dict[str, Any]:
+        kind = self.flavour.chunk_object if chunk else self.flavour.object
+        return {
+            "id": f"{self.flavour.id_prefix}-{self.id}",
+            "object": kind,
+            "created": self.created,
+            "model": self.body.model,
+            "choices": choices,
+        }
+
+    def usage(self, generated: int) -> dict[str, int]:
+        prompt = len(self.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+
+    def echo(self, tokenizer: Any) -> str:
+        return tokenizer.decode(self.prompt_ids) if getattr(self.body, "echo", False) else ""
+
+
+def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
+    ids = flavour.prompt(served.tokenizer, body)
+    kwargs = generate_kwargs(body, flavour.max_tokens(body), len(ids), served.max_model_len(), served.limits)
+    return CompletionCall(flavour, body, ids, kwargs, flavour.logprobs(body), stop_strings(body))
+
+
+async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str, Any]:
+    """The whole answer: every choice, usage, OpenAI's body."""
+    tokenizer, endpoint = served.tokenizer, call.flavour.endpoint
+    try:
+        with strict_calls():  # a call the engine does not serve is a 400, never HF's generate here
+            completions = await agenerate(
+                served.model, [call.prompt_ids] * call.count, tokenizer=tokenizer, seed=call.body.seed,
+                logprobs=call.logprobs, **call.kwargs,
+            )  # fmt: skip
+    except ValueError as error:
+        metrics.finished(endpoint, "error", len(call.prompt_ids), 0, {})
+        raise APIError(400, str(error)) from error
+    except BaseException:
+        metrics.finished(endpoint, "cancelled", len(call.prompt_ids), 0, {})
+        raise
+    choices, generated = [], 0
+    for i, completion in enumerate(completions):
+        text = completion.text or ""
+        if completion.finish_reason == "stop" and call.stops:
+            text = cut_at_stop(text, call.stops)
+        items = _logprob_items(
+            tokenizer, completion.token_ids, completion.logprobs, completion.top_logprobs, call
+        )
+        choices.append(call.flavour.choice(i, call.echo(tokenizer) + text, completion.finish_reason, items))
+        generated += len(completion.token_ids)
+    metrics.finished(endpoint, "ok", len(call.prompt_ids), generated, completions[0].metrics)
+    return {**call.envelope(choices), "usage": call.usage(generated)}
+
+
+async def stream_call(
+    served: Any, call: CompletionCall, metrics: Any, gone: Callable[[], Awaitable[bool]]
+) -> AsyncIterator[bytes]:
+    """OpenAI's stream: the role first (chat), then text deltas as tokens come (a stop string's possible
+    start is held back until it is known not to be one), a finish_reason per choice, usage if asked,
+    and ``[DONE]``. The first chunk comes once the first token is known, so a request the engine
+    refuses raises `APIError` before anything is sent. A client that disconnects (`gone`, asked at
+    least every `CHECK_S`) or a closed stream cancels the requests."""
+    tokenizer, endpoint, flavour = served.tokenizer, call.flavour.endpoint, call.flavour
+    start = time.perf_counter()
+    events = astream(
+        served.model, [call.prompt_ids] * call.count, tokenizer=tokenizer, seed=call.body.seed,
+        logprobs=call.logprobs, **call.kwargs,
+    )  # fmt: skip
+    try:
+        with strict_calls():  # planning runs here, on the first step of the stream: nothing yielded yet
+            first = await anext(events, None)
+    except ValueError as error:
+        await events.aclose()
+        metrics.finished(endpoint, "error", len(call.prompt_ids), 0, {})
+        raise APIError(400, str(error)) from error
+    hold = max((len(s) for s in call.stops), default=1) - 1
+    texts, sent = [""] * call.count, [0] * call.count
+    generated, first_token, outcome = 0, time.perf_counter(), "cancelled"
+    try:
+        if flavour is ChatFlavour:
+            for i in range(call.count):
+                yield _sse(call.envelope([flavour.delta(i, None, None, None)], chunk=True))
+        echo = call.echo(tokenizer)
+        for i in range(call.count if echo else 0):
+            yield _sse(call.envelope([flavour.delta(i, echo, None, None)], chunk=True))
+        pending = [] if first is None else [first]
+        async for event in _chain(pending, _while_connected(events, gone)):
+            i = event.index
+            generated += 1
+            texts[i] += event.text or ""
+            if event.finished:
+                final = texts[i]
+                if event.finish_reason == "stop" and call.stops:
+                    final = cut_at_stop(final, call.stops)
+                delta, sent[i] = final[sent[i] :], len(final)
+            else:
+                safe = max(sent[i], len(texts[i]) - hold)
+                delta, sent[i] = texts[i][sent[i] : safe], safe
+            logprob = None if event.logprob is None else [event.logprob]
+            top = None if event.top_logprobs is None else [event.top_logprobs]
+            items = _logprob_items(tokenizer, [event.token_id], logprob, top, call)
+            if delta or event.finished or items:
+                finish = event.finish_reason if event.finished else None
+                yield _sse(call.envelope([flavour.delta(i, delta, finish, items)], chunk=True))
+        options = call.body.stream_options
+        if options is not None and options.include_usage:
+            yield _sse({**call.envelope([], chunk=True), "usage": call.usage(generated)})
+        yield format_sse_event(data_str="[DONE]")
+        outcome = "ok"
+    finally:
+        await events.aclose()
+        times: dict[str, Any] = {"e2e_s": time.perf_counter() - start, "ttft_s": first_token - start}
+        if generated > call.count:
+            times["tpot_s"] = (time.perf_counter() - first_token) / (generated - call.count)
+        metrics.finished(endpoint, outcome, len(call.prompt_ids), generated, times)
+
+
+CHECK_S = 0.25  # how often a stream asks whether its client is still there
+
+
+async def _while_connected(
+    events: AsyncIterator[Any], gone: Callable[[], Awaitable[bool]]
+) -> AsyncIterator[Any]:
+    """`events` until they end or the client goes: asked every `CHECK_S` whether or not events come (a
+    token that adds no text sends nothing, so a closed socket would not be noticed by a failed send).
+    Going cancels the pending wait, which cancels the requests (`astream`)."""
+    checked = time.monotonic()
+    while True:
+        step = asyncio.ensure_future(anext(events, _END))
+        try:
+            while not step.done():
+                await asyncio.wait({step}, timeout=CHECK_S)
+                if time.monotonic() - checked >= CHECK_S:
+                    checked = time.monotonic()
+                    if await gone():
+                        return
+        finally:
+            if not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+        item = step.result()
+        if item is _END:
+            return
+        yield item
+
+
+_END = object()
+
+
+async def _chain(head: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    for item in head:
+        yield item
+    async for item in rest:
+        yield item
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return format_sse_event(data_str=json.dumps(payload, separators=(",", ":")))
+
+
+def _logprob_items(
+    tokenizer: Any,
+    token_ids: list[int],
+    logprobs: list[float] | None,
+    top: list[dict[int, float]] | None,
+    call: CompletionCall,
+) -> list[dict[str, Any]] | None:
+    """OpenAI's per-token logprobs (chat's ``content`` items), or None when not asked for."""
+    if call.logprobs is False or logprobs is None:
+        return None
+    k = 0 if call.logprobs is True else int(call.logprobs)
+    items = []
+    for j, (token, logprob) in enumerate(zip(token_ids, logprobs)):
+        ranked = sorted((top[j] if top else {}).items(), key=lambda kv: -kv[1])[:k]
+        items.append(
+            {
+                **_token(tokenizer, token, logprob),
+                "top_logprobs": [_token(tokenizer, t, lp) for t, lp in ranked],
+            }
+        )
+    return items
+
+
+def _token(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
+    text = tokenizer.decode([token])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def _legacy_logprobs(items: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The completions endpoint's logprobs layout, from the chat items."""
+    if items is None:
+        return None
+    offsets, at = [], 0
+    for item in items:
+        offsets.append(at)
+        at += len(item["token"])
+    return {
+        "tokens": [item["token"] for item in items],
+        "token_logprobs": [item["logprob"] for item in items],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in item["top_logprobs"]} for item in items],
+        "text_offset": offsets,
+    }

@@ -1,0 +1,95 @@
+"""An OpenAI request's sampling fields as `hfaccel.generate` keyword arguments (transformers' own
+`generate` arguments), each mistake a 400 naming its field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hfaccel.server.protocol import APIError, SamplingFields
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server (each a 400, or 413 for the prompt, beyond it)."""
+
+    max_tokens: int = 4096  # the most new tokens a request may ask for
+    max_n: int = 16  # the most choices a request may ask for
+    max_prompt_tokens: int | None = None  # None: the model's context
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_pending: int = 256  # requests admitted and not yet finished; beyond: 429
+
+
+def generate_kwargs(
+    request: SamplingFields,
+    max_tokens: int | None,
+    prompt_tokens: int,
+    max_model_len: int,
+    limits: Limits,
+) -> dict[str, Any]:
+    """The `generate` arguments of a request whose prompt has `prompt_tokens` tokens. Omitted fields
+    keep the model's generation config, as transformers' `generate` does; ``temperature=0`` is greedy."""
+    longest = min(max_model_len, limits.max_prompt_tokens or max_model_len)
+    if prompt_tokens >= longest:
+        raise APIError(
+            413,
+            f"the prompt has {prompt_tokens} tokens; this server takes prompts of fewer than {longest} "
+            f"(the model's context is {max_model_len} tokens)",
+            "messages" if hasattr(request, "messages") else "prompt",
+        )
+    room = max_model_len - prompt_tokens
+    name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
+    if max_tokens is None:
+        max_tokens = min(room, limits.max_tokens)
+    elif max_tokens > limits.max_tokens:
+        raise APIError(400, f"{name}={max_tokens} is above this server's limit of {limits.max_tokens}", name)
+    elif max_tokens > room:
+        raise APIError(
+            400,
+            f"the prompt's {prompt_tokens} tokens plus {name}={max_tokens} pass the model's context of "
+            f"{max_model_len} tokens",
+            name,
+        )
+    if request.n > limits.max_n:
+        raise APIError(400, f"n={request.n} is above this server's limit of {limits.max_n}", "n")
+    for field in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, field):  # 0 and None change nothing
+            raise APIError(
+                400,
+                f"{field} is not served (transformers has no such processor); use repetition_penalty",
+                field,
+            )
+    kwargs: dict[str, Any] = {"max_new_tokens": max_tokens}
+    if request.temperature is not None:
+        if request.temperature == 0:
+            kwargs["do_sample"] = False
+        else:
+            kwargs.update(do_sample=True, temperature=request.temperature)
+    for field in ("top_p", "top_k", "min_p", "repetition_penalty"):
+        value = getattr(request, field)
+        if value is not None:
+            kwargs[field] = value
+    if request.top_k is not None and request.top_k < 1:
+        kwargs.pop("top_k")  # vLLM's -1 / 0: no top-k
+    if request.min_tokens:
+        kwargs["min_new_tokens"] = min(request.min_tokens, max_tokens)
+    if request.ignore_eos:
+        kwargs["min_new_tokens"] = max_tokens  # EOS is suppressed until max_tokens
+    stops = stop_strings(request)
+    if stops:
+        kwargs["stop_strings"] = stops
+    return kwargs
+
+
+def stop_strings(request: SamplingFields) -> list[str]:
+    stop = request.stop
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stops):
+        raise APIError(400, "stop strings must not be empty", "stop")
+    return stops
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    """`text` up to the first stop string in it (OpenAI's output leaves the stop string out)."""
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return text[: min(cuts)] if cuts else text

@@ -1,0 +1,338 @@
+"""`hfaccel.serve` against a real server on 127.0.0.1, through the real `openai` client (and plain HTTP
+where the client hides what is checked): outputs equal to `hfaccel.generate`, streams, errors, limits,
+cancellation, a load of concurrent streaming clients, live weight changes and shutdown."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+import hfaccel  # noqa: E402
+from hfaccel.server import Limits  # noqa: E402
+from tests.helpers import tiny_model, tiny_tokenizer  # noqa: E402
+
+MODEL = "tiny-llama"
+CHAT = [{"role": "user", "content": "Hello there, how are you?"}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    limits = Limits(max_tokens=512, max_n=4, max_prompt_tokens=200, max_pending=80)
+    server = hfaccel.serve(model, tokenizer, port=0, model_id=MODEL, limits=limits, kv_cache_memory=8_000_000)
+    yield server, model, tokenizer
+    server.stop()
+    assert not server.running and getattr(model, "_hfaccel", None) is None  # serve patched it, stop unpatched
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)
+
+
+def post(server, path, body, headers=None):
+    """(status, headers, parsed JSON) of a plain POST."""
+    host, port = server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request(
+        "POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})}
+    )
+    response = connection.getresponse()
+    data = response.read()
+    connection.close()
+    return (
+        response.status,
+        {k.lower(): v for k, v in response.getheaders()},
+        json.loads(data) if data else None,
+    )
+
+
+def engine_idle(model):
+    stats = model._hfaccel.engine.stats()
+    return stats["running"] == 0 and stats["waiting"] == 0
+
+
+def test_greedy_chat_equals_hfaccel_generate_with_the_same_template(served, client):
+    server, model, tokenizer = served
+    answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    expected = hfaccel.generate(model, [CHAT], tokenizer=tokenizer, max_new_tokens=12, do_sample=False)[0]
+    assert answer.choices[0].message.content == expected.text
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].finish_reason == expected.finish_reason
+    prompt = len(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False))
+    assert answer.usage.prompt_tokens == prompt  # one character, one token
+    assert answer.usage.completion_tokens == len(expected.token_ids)
+    assert answer.usage.total_tokens == prompt + len(expected.token_ids)
+
+
+def test_streamed_deltas_join_to_the_whole_answer(served, client):
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_text_completions_with_echo_and_logprobs(served, client):
+    server, model, tokenizer = served
+    answer = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=6, temperature=0, logprobs=2, echo=True
+    )
+    expected = hfaccel.generate(
+        model, ["abc"], tokenizer=tokenizer, max_new_tokens=6, do_sample=False, logprobs=2
+    )[0]
+    choice = answer.choices[0]
+    assert choice.text == "abc" + expected.text
+    assert choice.logprobs.token_logprobs == pytest.approx(expected.logprobs)
+    # Keyed by token text (OpenAI's legacy layout): tokens that decode alike share a key.
+    assert all(1 <= len(top) <= 2 for top in choice.logprobs.top_logprobs)
+    assert len(choice.logprobs.top_logprobs) == len(expected.token_ids)
+
+
+def test_n_choices_and_a_seed_reproduce(served, client):
+    ask = dict(model=MODEL, messages=CHAT, max_tokens=10, temperature=1.0, n=3, seed=7)
+    first, second = client.chat.completions.create(**ask), client.chat.completions.create(**ask)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in second.choices]
+    assert len(set(texts)) > 1  # three samples, seeded seed, seed + 1, seed + 2
+
+
+def test_chat_logprobs_match_hfaccel_generate(served, client):
+    server, model, tokenizer = served
+    answer = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
+    expected = hfaccel.generate(
+        model, [CHAT], tokenizer=tokenizer, max_new_tokens=5, do_sample=False, logprobs=3
+    )[0]
+    content = answer.choices[0].logprobs.content
+    assert [item.logprob for item in content] == pytest.approx(expected.logprobs)
+    assert all(len(item.top_logprobs) == 3 for item in content)
+    assert [item.token for item in content] == [tokenizer.decode([t]) for t in expected.token_ids]
+
+
+def test_a_stop_string_ends_the_answer_and_is_left_out(served, client):
+    ask = dict(model=MODEL, prompt="abcdef", max_tokens=20, temperature=0)
+    full = client.completions.create(**ask).choices[0].text
+    stop = full[1:3]
+    assert len(stop) == 2 and full.find(stop) == 1, full
+    for stream in (False, True):
+        if stream:
+            chunks = list(client.completions.create(**ask, stop=[stop], stream=True))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        else:
+            answer = client.completions.create(**ask, stop=[stop])
+            text, finish = answer.choices[0].text, [answer.choices[0].finish_reason]
+        assert text == full[:1] and finish == ["stop"], (stream, text)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"temperature": 5}, 400, "temperature"),
+        ({"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+        ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"max_tokens": 513}, 400, "max_tokens"),
+        ({"n": 5}, 400, "n"),
+        ({"model": "gpt-4"}, 404, "model"),
+        ({"messages": [{"role": "user", "content": "x" * 300}]}, 413, "messages"),
+        ({"messages": []}, 400, "messages"),
+    ],
+)
+def test_each_mistake_gets_its_status_and_names_its_field(served, body, status, param):
+    request = {"model": MODEL, "messages": CHAT, "max_tokens": 4, **body}
+    code, _, answer = post(served[0], "/v1/chat/completions", request)
+    assert code == status, answer
+    assert answer["error"]["param"] == param and answer["error"]["message"]
+
+
+def test_unknown_routes_are_404_in_openai_form(served):
+    code, _, answer = post(served[0], "/v1/embeddings", {"model": MODEL, "input": "x"})
+    assert code == 404 and answer["error"]["type"] == "not_found_error"
+
+
+def test_models_health_tokenize_detokenize_and_metrics(served, client):
+    server, model, tokenizer = served
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    code, _, tokens = post(server, "/tokenize", {"prompt": "hi!", "add_special_tokens": False})
+    assert code == 200 and tokens["tokens"] == tokenizer("hi!", add_special_tokens=False)["input_ids"]
+    code, _, text = post(server, "/detokenize", {"tokens": tokens["tokens"]})
+    assert code == 200 and text["prompt"] == "hi!"
+    assert post(server, "/detokenize", {"tokens": [10**6]})[0] == 400
+    host, port = server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    connection.request("GET", "/metrics")
+    metrics = connection.getresponse().read().decode()
+    connection.request("GET", "/health")
+    assert connection.getresponse().status == 200
+    connection.close()
+    for name in (
+        "hfaccel_requests_total",
+        "hfaccel_time_to_first_token_seconds_bucket",
+        "hfaccel_kv_blocks_used",
+    ):
+        assert name in metrics
+    assert 'outcome="ok"' in metrics
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_killed_mid_request_frees_its_blocks_and_the_next_request_completes(stream):
+    """A request of 3,000 tokens (about 2 s here) whose client goes while it runs (streamed: after the
+    first event): it is cancelled (far fewer tokens generated), its blocks freed, and the server serves
+    the next one."""
+    model, tokenizer = tiny_model("llama", max_positions=4096), tiny_tokenizer()
+    limits = Limits(max_tokens=4000)
+    with hfaccel.serve(
+        model, tokenizer, port=0, model_id=MODEL, limits=limits, kv_cache_memory=8_000_000
+    ) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=2, temperature=0
+        )  # engine built
+        engine = model._hfaccel.engine
+        used_before, generated_before = (
+            engine.block_manager.num_used_blocks,
+            engine.stats()["generated_tokens"],
+        )
+        host, port = server.url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "a long one"}], "max_tokens": 3000,
+                "temperature": 0, "min_tokens": 3000, "stream": True}  # fmt: skip
+        connection.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        response = connection.getresponse()
+        assert response.status == 200
+        response.fp.readline()  # the first event has come: the request runs
+        connection.sock.shutdown(socket.SHUT_RDWR)  # killed
+        response.close()
+        connection.close()
+        deadline = time.monotonic() + 20
+        while not engine_idle(model) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine_idle(model)
+        assert engine.stats()["generated_tokens"] - generated_before < 2000  # cancelled, not run to its end
+        assert engine.block_manager.num_used_blocks <= used_before + 1  # prefix-cached blocks may stay
+        assert 'outcome="cancelled"' in server._server.config.app.state.metrics.render().decode()
+        answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+        assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+def test_sixty_four_concurrent_streaming_clients_all_complete_and_nothing_leaks(served):
+    server, model, _ = served
+    results, errors = [None] * 64, []
+
+    def one(i):
+        try:
+            local = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            messages = [{"role": "user", "content": f"client {i} asks"}]
+            stream = local.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True
+            )
+            results[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        except Exception as error:  # noqa: BLE001 - collected and asserted below
+            errors.append(error)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(64)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    assert not errors and all(r is not None for r in results)
+    assert engine_idle(model)
+    assert server._server.config.app.state.admission.pending == 0
+
+
+def test_the_live_model_is_served_as_it_is_now(served, client):
+    """Weights changed between requests (a training step): the next answer is the new model's, with no
+    KV computed from the old weights."""
+    server, model, tokenizer = served
+    ask = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=0)
+    before = client.chat.completions.create(**ask).choices[0].message.content
+    saved = model.lm_head.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(-1.0)
+        after = client.chat.completions.create(**ask).choices[0].message.content
+        expected = hfaccel.generate(model, [CHAT], tokenizer=tokenizer, max_new_tokens=8, do_sample=False)[
+            0
+        ].text
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(saved)
+    assert after == expected and after != before
+
+
+def test_an_api_key_is_required_when_set_and_compared_whole():
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    with hfaccel.serve(
+        model, tokenizer, port=0, model_id=MODEL, api_key="sesame", kv_cache_memory=4_000_000
+    ) as server:
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+        assert post(server, "/v1/chat/completions", body)[0] == 401
+        assert post(server, "/v1/chat/completions", body, {"Authorization": "Bearer sesam"})[0] == 401
+        assert post(server, "/v1/chat/completions", body, {"Authorization": "Bearer sesame"})[0] == 200
+        assert post(server, "/tokenize", {"prompt": "x"})[0] == 401
+
+
+def test_a_full_queue_answers_429_with_retry_after():
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    limits = Limits(max_pending=2)
+    with hfaccel.serve(
+        model, tokenizer, port=0, model_id=MODEL, limits=limits, kv_cache_memory=4_000_000
+    ) as server:
+        code, headers, answer = post(
+            server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "n": 3}
+        )
+        assert (
+            code == 429
+            and headers.get("retry-after") == "1"
+            and answer["error"]["type"] == "rate_limit_error"
+        )
+        assert (
+            post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "n": 2, "max_tokens": 2})[
+                0
+            ]
+            == 200
+        )
+
+
+def test_stop_lets_a_stream_in_flight_end_and_unpatches():
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    server = hfaccel.serve(model, tokenizer, port=0, model_id=MODEL, kv_cache_memory=4_000_000)
+    local = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    stream = local.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=40, stream=True, stream_options={"include_usage": True},
+        extra_body={"min_tokens": 40},
+    )  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)
+    stopper = threading.Thread(target=server.stop)
+    stopper.start()
+    rest = list(chunks)
+    stopper.join(30)
+    assert rest[-1].usage.completion_tokens == 40  # the stream in flight ran to its end
+    assert not server.running and getattr(model, "_hfaccel", None) is None
