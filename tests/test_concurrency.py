@@ -437,6 +437,25 @@ def test_generate_from_inside_the_models_own_step_is_refused_not_a_deadlock():
     assert _joined(lambda: model.generate(ids, max_new_tokens=3, do_sample=False))[0] == "ok"
 
 
+def test_two_models_whose_callbacks_generate_on_each_other_finish_or_refuse_at_once():
+    """A's criterion calls B.generate from A's step; B's criterion then calls A.generate from B's step,
+    which would wait on A's step, which waits on B's: refused at once with the reason, and everything
+    returns within the deadline. A call that closes no cycle (B's first criterion) is served."""
+    a = hfaccel.patch(tiny_model(seed=1), kv_cache_memory=4_000_000)
+    b = hfaccel.patch(tiny_model(seed=2), kv_cache_memory=4_000_000)
+    ids = torch.tensor([[5, 6, 7]])
+    back_to_a = _CallsGenerate(lambda: a.generate(ids, max_new_tokens=2, do_sample=False))
+    to_b = _CallsGenerate(
+        lambda: b.generate(ids, max_new_tokens=3, do_sample=False, stopping_criteria=[back_to_a])
+    )
+    status, _ = _joined(lambda: a.generate(ids, max_new_tokens=4, do_sample=False, stopping_criteria=[to_b]))
+    assert status == "ok"
+    assert to_b.result[0] == "ok"  # B served A's callback
+    assert back_to_a.result[0] == "raised" and "wait for each other forever" in str(back_to_a.result[1])
+    for model in (a, b):  # both loops still serve
+        assert _joined(lambda m=model: m.generate(ids, max_new_tokens=3, do_sample=False))[0] == "ok"
+
+
 def test_a_stream_closed_on_the_loop_thread_does_not_wait_for_the_loop():
     # The garbage collector closes an abandoned stream (in a reference cycle) on whichever thread it
     # collects, the engine loop's included: its cleanup must not wait for the loop, which is itself.

@@ -35,6 +35,12 @@ from hfaccel.engine.request import Request
 _POLL_S = 0.25  # a waiting caller wakes this often to check the loop is alive (and to take a Ctrl-C anywhere)
 _submission_ids = itertools.count()
 _loops: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
+# Which loop this thread steps (set on each loop's own thread), and which loop each loop thread is waiting
+# on from inside its step (a callback calling another model's generate): a call that would close a cycle
+# of such waits is refused at once instead of hanging every loop in it.
+_this_thread = threading.local()
+_waits_lock = threading.Lock()
+_waits: dict[int, EngineLoop] = {}  # id(waiting loop) -> the loop it waits on
 
 
 class LoopClosed(RuntimeError):
@@ -122,6 +128,7 @@ class Submission:
                 yield self._received(self._get())
             complete = True
         finally:
+            EngineLoop._wait_ended()
             if not complete:
                 # Wait for the cancellation to take effect (its blocks freed when this returns), except
                 # on KeyboardInterrupt (an interrupted caller gets control back at once) and on the loop
@@ -234,6 +241,27 @@ class EngineLoop:
                 "logits processor or stop check of one of its requests): it would wait for the step that "
                 "is waiting for it; call it from another thread, or after the outer call returns"
             )
+        waiter = getattr(_this_thread, "loop", None)  # a callback inside another model's step
+        if waiter is None:
+            return
+        with _waits_lock:
+            target: EngineLoop | None = self
+            while target is not None:
+                if target is waiter:
+                    raise RuntimeError(
+                        "generate was called from inside a model's engine step on a model whose step is, "
+                        "through callbacks calling generate, waiting for this one: the models would wait for "
+                        "each other forever; call it from another thread, or after the outer call returns"
+                    )
+                target = _waits.get(id(target))
+            _waits[id(waiter)] = self  # until this wait ends (`Submission._wait_ended`)
+
+    @staticmethod
+    def _wait_ended() -> None:
+        waiter = getattr(_this_thread, "loop", None)
+        if waiter is not None:
+            with _waits_lock:
+                _waits.pop(id(waiter), None)
 
     def submit_async(self, requests: Sequence[Request], *, stream: bool = False) -> Submission:
         """`submit` for the running event loop: consume with ``Submission.aupdates``."""
@@ -295,6 +323,7 @@ class EngineLoop:
     # ----------------------------------------------------------------- the loop thread
 
     def _main(self) -> None:
+        _this_thread.loop = self
         try:
             while self._serve_once():
                 pass
