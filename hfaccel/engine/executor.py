@@ -61,6 +61,7 @@ class ModelExecutor(Protocol):
     max_token_padding: int
     pipelined: bool
     sliding_window: bool  # some layer attends within a sliding window (its backend must serve one)
+    chunked_attention: bool  # some layer attends within a chunk (Llama 4)
 
     def check_adapter(self, name: str) -> None:
         """Raise ValueError unless the executor can apply LoRA adapter `name` per request."""
@@ -83,6 +84,7 @@ class ExecutorBase:
     max_token_padding: int = 0  # the most tokens `pad_tokens` adds to a step
     pipelined: bool = False  # a pipeline stage: steps go through `run_pipeline`, not `forward`
     sliding_window: bool = False  # some layer attends within a sliding window
+    chunked_attention: bool = False  # some layer attends within a chunk
 
     def check_adapter(self, name: str) -> None:
         raise ValueError(f"adapter {name!r}: this model's executor serves no adapters")

@@ -287,7 +287,7 @@ struct step {
     const int32_t *tables, *lens;
     int64_t width;
     void *out; /* of the query's type */
-    int64_t Hq, Hkv, D, block_size, max_len, window;
+    int64_t Hq, Hkv, D, block_size, max_len, window, chunk;
     float scale;
 };
 
@@ -296,7 +296,9 @@ struct step {
 INLINE void run_task(const struct step *s, int64_t b, int64_t h, float *restrict scores,
                      int32_t *restrict work, float *restrict qbuf, const int qt, const int ct) {
     const int64_t D = s->D, rep = s->Hq / s->Hkv, row = s->Hkv * D, len = s->lens[b];
-    const int64_t first = s->window > 0 && len > s->window ? len - s->window : 0; /* sliding window */
+    int64_t first = s->window > 0 && len > s->window ? len - s->window : 0; /* sliding window */
+    if (s->chunk > 0 && len > 0 && (len - 1) / s->chunk * s->chunk > first) /* chunked attention */
+        first = (len - 1) / s->chunk * s->chunk;
     char *ob = AT(s->out, (b * s->Hq + h * rep) * D, qt);
     if (len <= 0) {
         memset(ob, 0, (size_t)(rep * D * ESIZE(qt)));
@@ -327,7 +329,8 @@ INLINE void run_task(const struct step *s, int64_t b, int64_t h, float *restrict
    stored); out: a contiguous [B, Hq, D]; all four of type q_dtype. k_cache, v_cache: [blocks,
    block_size, Hkv, D] of type kv_dtype; tables: int32 [B, *], rows `width` apart; lens: int32 [B], the
    context length of each sequence with this step's token (0: padding); window > 0: each sequence sees
-   its last `window` positions only (a sliding window). A task is one (sequence, KV
+   its last `window` positions only (a sliding window); chunk > 0: the positions of its last token's
+   chunk of `chunk` positions only (chunked attention). A task is one (sequence, KV
    head): it stores that head's new K/V row and then reads the head's rows, so no task reads what another
    writes. Served types (q_dtype, kv_dtype): (F32, F32), (F32, BF16), (BF16, BF16). Returns 0, or
    (nothing done) -1 when rep * D exceeds MAX_ACC, -2 for types it does not serve. */
@@ -335,11 +338,12 @@ int hfaccel_paged_decode(int q_dtype, int kv_dtype, const void *q, int64_t q_st,
                          const void *key, const void *value, int64_t kv_st, int64_t kv_sh, const int64_t *slots,
                          void *k_cache, void *v_cache, const int32_t *tables, int64_t width,
                          const int32_t *lens, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                         int64_t block_size, float scale, int64_t max_len, int64_t window, int num_threads) {
+                         int64_t block_size, float scale, int64_t max_len, int64_t window, int64_t chunk,
+                         int num_threads) {
     for (int64_t b = 0; b < B; b++) /* the scratch rows hold the longest context, whatever max_len says */
         max_len = lens[b] > max_len ? lens[b] : max_len;
     const struct step s = {q, key, value, q_st, q_sh, kv_st, kv_sh, slots, k_cache, v_cache, tables, lens,
-                           width, out, Hq, Hkv, D, block_size, max_len, window, scale};
+                           width, out, Hq, Hkv, D, block_size, max_len, window, chunk, scale};
     const int64_t rep = Hq / Hkv;
     if (rep * D > MAX_ACC) return -1;
     const int f32 = q_dtype == F32 && kv_dtype == F32, f32_bf16 = q_dtype == F32 && kv_dtype == BF16;
@@ -408,6 +412,7 @@ _ARGTYPES = [
     ctypes.c_float,  # scale
     ctypes.c_int64,  # max_len
     ctypes.c_int64,  # window (0: none)
+    ctypes.c_int64,  # chunk (0: none)
     ctypes.c_int,  # num_threads
 ]
 
@@ -466,11 +471,12 @@ class DecodeCall:
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
         window: int = 0,
+        chunk: int = 0,
     ) -> torch.Tensor:
         """Attend ``query`` ``[B, Hq, D]`` (head rows contiguous) into ``out`` (a contiguous
         ``[B, Hq, D]`` in the query's dtype), first storing ``key``/``value`` ``[B, Hkv, D]`` at the
         bound slots when given (the kernel rounds them to a bf16 cache itself). `window` > 0: each
-        sequence attends to its last `window` positions only."""
+        sequence attends to its last `window` positions only; `chunk` > 0: to its last token's chunk."""
         batch, num_heads, head_dim = query.shape
         store = key is not None and self._slots is not None
         if not self._checked:  # every layer of a step has the same shapes and dtypes: check the first
@@ -509,6 +515,7 @@ class DecodeCall:
             scale,
             self._max_len,
             window,
+            chunk,
             torch.get_num_threads(),
         )
         if status == -2:
@@ -553,10 +560,11 @@ def paged_decode(
     scale: float,
     out: torch.Tensor,
     window: int = 0,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """One query token per sequence: ``query`` ``[B, Hq, D]`` attends to the first ``seq_lens[b]``
     tokens of sequence ``b``'s blocks (``block_tables`` int32 ``[B, width]``, rows may be strided; the
     last `window` of them only, where > 0); writes ``out`` (a contiguous ``[B, Hq, D]`` in the query's
     dtype; zero rows where ``seq_lens`` is 0) and returns it."""
     call = DecodeCall(block_tables, seq_lens, max_seq_len)
-    return call(query, k_cache, v_cache, scale, out, window=window)
+    return call(query, k_cache, v_cache, scale, out, window=window, chunk=chunk)

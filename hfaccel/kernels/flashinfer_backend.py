@@ -338,9 +338,12 @@ class FlashInferPagedAttention(AttentionBackend):
         meta: FlashInferMetadata,
         scale: float,
         window: int = 0,
+        chunk: int = 0,
     ) -> torch.Tensor:
-        if window > 0:  # never given one: `capabilities.sliding_window` is False (windows are planned)
-            raise ValueError("the flashinfer backend does not serve sliding-window layers; use 'triton'")
+        if window > 0 or chunk > 0:  # never given: its capabilities say it serves neither here
+            raise ValueError(
+                "the flashinfer backend serves no sliding-window or chunked layers; use 'triton'"
+            )
         if not math.isclose(scale, meta.sm_scale, rel_tol=1e-6):
             raise ValueError(
                 f"FlashInfer was planned with softmax scale {meta.sm_scale}, not {scale}: pass the model's "

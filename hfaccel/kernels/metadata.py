@@ -33,6 +33,7 @@ class BackendCapabilities:
             plain decoding; 1 + k lets speculative verification rows ride the decode path).
         sliding_window: whether `forward` serves a sliding ``window`` (per layer); a model whose layers
             use one is never given a backend that does not.
+        chunked_attention: the same for a ``chunk`` (Llama 4's chunked attention layers).
     """
 
     dtypes: frozenset[torch.dtype]
@@ -41,6 +42,7 @@ class BackendCapabilities:
     cuda_graph_decode: bool
     decode_query_len: int = 1
     sliding_window: bool = False
+    chunked_attention: bool = False
 
 
 @dataclass
@@ -303,12 +305,14 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        chunk: int = 0,
     ) -> torch.Tensor:
         """Store this step's ``key``/``value`` ``[T, Hkv, D]`` in `kv_cache` at ``meta.slot_mapping``, then
         return causal paged attention of ``query`` ``[T, Hq, D]`` over each sequence's context, as a new
         ``[T, Hq, D]`` tensor (padded rows: any finite value). `window` > 0 (the layer's sliding window;
         only where ``capabilities.sliding_window``): a query at position p sees keys in
-        ``(p - window, p]``."""
+        ``(p - window, p]``; `chunk` > 0 (only where ``capabilities.chunked_attention``): keys in
+        ``[p // chunk * chunk, p]``."""
 
 
 def num_leading_decodes(query_lens: Sequence[int], decode_query_len: int) -> int:

@@ -60,22 +60,29 @@ def current_forward_context() -> ForwardContext | None:
 
 _LIBRARY = torch.library.Library("hfaccel", "FRAGMENT")
 _LIBRARY.define(
-    "paged_attention(Tensor query, Tensor key, Tensor value, int layer_idx, float scale, int window=0) -> Tensor"
+    "paged_attention(Tensor query, Tensor key, Tensor value, int layer_idx, float scale, int window=0, int chunk=0)"
+    " -> Tensor"
 )
 
 
 def paged_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float, window: int = 0
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    window: int = 0,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Store ``key``/``value`` ``[T, Hkv, D]`` of layer `layer_idx` in the paged cache and return causal
-    paged attention of ``query`` ``[T, Hq, D]`` (within the layer's sliding `window` where > 0), as the
-    current forward context describes the step."""
+    paged attention of ``query`` ``[T, Hq, D]`` (within the layer's sliding `window`, or its `chunk`,
+    where > 0), as the current forward context describes the step."""
     try:
         context = current_forward_context()
         if context is None:
             raise RuntimeError("hfaccel::paged_attention runs only inside an hfaccel engine step")
         kv_cache = context.kv_caches[layer_idx]
-        return context.backend.forward(query, key, value, kv_cache, context.metadata, scale, window)
+        return context.backend.forward(query, key, value, kv_cache, context.metadata, scale, window, chunk)
     except BaseException as error:
         # A compiled graph's C++ wrapper replaces this by its own RuntimeError: keep the original for
         # the caller of the graph (`keep_errors`, `take_error`).
@@ -107,6 +114,12 @@ _LIBRARY.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("hfaccel::paged_attention", lib=_LIBRARY)
 def _(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scale: float, window: int = 0
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    window: int = 0,
+    chunk: int = 0,
 ) -> torch.Tensor:
     return torch.empty_like(query)

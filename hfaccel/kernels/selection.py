@@ -38,16 +38,23 @@ def backend_class(name: str) -> type[AttentionBackend]:
 
 
 def unavailable_reason(
-    name: str, device: torch.device, dtype: torch.dtype, head_dim: int, sliding_window: bool = False
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    sliding_window: bool = False,
+    chunked_attention: bool = False,
 ) -> str | None:
-    """Why backend `name` cannot serve this model here (None: it can). `sliding_window`: some layer of
-    the model attends within a sliding window."""
+    """Why backend `name` cannot serve this model here (None: it can). `sliding_window`,
+    `chunked_attention`: some layer of the model attends within a sliding window, or a chunk."""
     try:
         cls = backend_class(name)
     except ValueError as error:
         return str(error)
     if sliding_window and not cls.capabilities.sliding_window:
         return f"the {name} backend does not serve sliding-window attention layers"
+    if chunked_attention and not cls.capabilities.chunked_attention:
+        return f"the {name} backend does not serve chunked attention layers"
     return cls.unavailable_reason(torch.device(device), dtype, head_dim)
 
 
@@ -57,9 +64,10 @@ def get_backend(
     dtype: torch.dtype = torch.float32,
     head_dim: int = 64,
     sliding_window: bool = False,
+    chunked_attention: bool = False,
 ) -> AttentionBackend:
     """The backend called `name` for a model on `device` with KV `dtype` and `head_dim` (and layers that
-    attend within a sliding window, where `sliding_window`).
+    attend within a sliding window or a chunk, where `sliding_window` / `chunked_attention`).
 
     ``"auto"`` picks FlashInfer on CUDA where it imports and supports the model, else Triton on CUDA,
     else torch. A named backend that cannot run here raises ValueError saying why.
@@ -68,10 +76,11 @@ def get_backend(
     if name == "auto":
         candidates = ("flashinfer", "triton", "torch") if device.type == "cuda" else ("torch",)
         for candidate in candidates:
-            if unavailable_reason(candidate, device, dtype, head_dim, sliding_window) is None:
+            local = (sliding_window, chunked_attention)
+            if unavailable_reason(candidate, device, dtype, head_dim, *local) is None:
                 return backend_class(candidate)()
         name = "torch"
-    reason = unavailable_reason(name, device, dtype, head_dim, sliding_window)
+    reason = unavailable_reason(name, device, dtype, head_dim, sliding_window, chunked_attention)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} cannot run here: {reason}")
     return backend_class(name)()

@@ -38,19 +38,21 @@ class PrefillSpan:
     length: int  # its query tokens this step
     context_slots: torch.Tensor | None  # [ctx] cache slots when it continues a cached context
     mask: torch.Tensor | None  # [length, ctx] True where attention is allowed
-    # The mask within a sliding window, by window (made by the first layer of that window that asks).
-    _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    # The mask of a local layer, by (window, chunk) (made by the first layer of that kind that asks).
+    _local: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def window_mask(self, window: int, device: torch.device) -> torch.Tensor:
-        """``[length, ctx]`` True where a query sees a key causally and within `window` positions (key
-        position > query position - window, as transformers' sliding masks have it)."""
-        mask = self._windowed.get(window)
+    def local_mask(self, window: int, chunk: int, device: torch.device) -> torch.Tensor:
+        """``[length, ctx]`` True where a query sees a key causally and locally: within `window`
+        positions (key > query - window, transformers' sliding rule) and in the query's chunk of `chunk`
+        positions (key // chunk == query // chunk, its chunked rule); 0: no such limit."""
+        mask = self._local.get((window, chunk))
         if mask is None:
             context = self.length if self.context_slots is None else self.context_slots.shape[0]
             keys = torch.arange(context, device=device)
             queries = keys[context - self.length :, None]
-            mask = (keys[None, :] <= queries) & (keys[None, :] > queries - window)
-            self._windowed[window] = mask
+            mask = keys[None, :] >= local_start(queries, window, chunk)
+            mask &= keys[None, :] <= queries
+            self._local[(window, chunk)] = mask
         return mask
 
 
@@ -61,7 +63,7 @@ class TorchMetadata:
     common: AttentionMetadata
     decode_blocks: torch.Tensor | None = None  # [num_decodes * nb] block ids, nb = longest context's blocks
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, Q, nb * block_size]: True where visible
-    # Each decode query's own position ``[num_decodes, 1, Q, 1]`` (its sliding window ends there).
+    # Each decode query's own position ``[num_decodes, 1, Q, 1]`` (a local layer's window ends there).
     decode_last: torch.Tensor | None = None
     # Decode rows with up to Q > 1 queries (speculative verification): each sequence's queries padded to
     # Q (`decode_query_index` into the packed tokens), and where the real rows' outputs go.
@@ -76,7 +78,9 @@ class TorchMetadata:
     # The additive form of `decode_mask` (0 where visible, -inf elsewhere), rows repeated for the query
     # heads sharing a KV head: made by the first layer that asks (`decode_bias`) and shared by every
     # other layer of the step, so SDPA converts no boolean mask per layer.
-    _decode_bias: dict[tuple[torch.dtype, int, int], torch.Tensor] = field(default_factory=dict, repr=False)
+    _decode_bias: dict[tuple[torch.dtype, int, int, int], torch.Tensor] = field(
+        default_factory=dict, repr=False
+    )
     # The C kernel bound to this step's one-token decode rows, by the first layer that asks (False: the
     # kernel does not serve this step's decodes).
     _cpu_decode: cpu_decode.DecodeCall | bool | None = field(default=None, repr=False)
@@ -123,21 +127,32 @@ class TorchMetadata:
             )
         return self._cpu_rows or None
 
-    def decode_bias(self, dtype: torch.dtype, rep: int, window: int = 0) -> torch.Tensor:
+    def decode_bias(self, dtype: torch.dtype, rep: int, window: int = 0, chunk: int = 0) -> torch.Tensor:
         """``[num_decodes, 1, rep * Q, nb * block_size]`` additive mask in `dtype` (built once per step
-        and window); rows are ordered ``(head in group, query)`` as `_decode` lays out its queries.
-        `window` > 0: each query sees only the keys within that many positions of its own."""
-        key = (dtype, rep, window)
+        and kind of layer); rows are ordered ``(head in group, query)`` as `_decode` lays out its
+        queries. `window`, `chunk` > 0: each query sees only its local keys (`local_start`)."""
+        key = (dtype, rep, window, chunk)
         bias = self._decode_bias.get(key)
         if bias is None:
             mask = self.decode_mask
-            if window > 0:
+            if window > 0 or chunk > 0:
                 slots = torch.arange(mask.shape[-1], device=mask.device)
-                mask = mask & (slots > self.decode_last - window)
+                mask = mask & (slots >= local_start(self.decode_last, window, chunk))
             mask = mask if self.decode_queries == 1 else mask.repeat(1, 1, rep, 1)
             bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
             self._decode_bias[key] = bias
         return bias
+
+
+def local_start(position: torch.Tensor, window: int, chunk: int) -> torch.Tensor:
+    """The first key position a query at `position` sees in a local layer: the later of its sliding
+    window's start (``position - window + 1``) and its chunk's (``position // chunk * chunk``)."""
+    start = torch.zeros_like(position)
+    if window > 0:
+        start = torch.clamp(position - window + 1, min=0)
+    if chunk > 0:
+        start = torch.maximum(start, position // chunk * chunk)
+    return start
 
 
 def context_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -224,6 +239,7 @@ class TorchPagedAttention(AttentionBackend):
         cuda_graph_decode=False,  # gather sizes follow the longest context: not one shape per bucket
         decode_query_len=8,  # verification rows of 1 + k tokens (k <= 7) share the batched decode call
         sliding_window=True,
+        chunked_attention=True,
     )
     builder_class = TorchMetadataBuilder
     uses_scratch_block = True
@@ -237,6 +253,7 @@ class TorchPagedAttention(AttentionBackend):
         meta: TorchMetadata,
         scale: float,
         window: int = 0,
+        chunk: int = 0,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         common = meta.common
@@ -245,12 +262,14 @@ class TorchPagedAttention(AttentionBackend):
             # Decodes only: the kernel stores their K/V and attends in one call; padding rows stay zero.
             rows = common.num_decodes
             if rows == query.shape[0]:  # no padding: no views to make (30 layers a step)
-                return call(query, k_cache, v_cache, scale, torch.empty_like(query), key, value, window)
+                return call(
+                    query, k_cache, v_cache, scale, torch.empty_like(query), key, value, window, chunk
+                )
             out = torch.zeros_like(query)
-            call(query[:rows], k_cache, v_cache, scale, out[:rows], key[:rows], value[:rows], window)
+            call(query[:rows], k_cache, v_cache, scale, out[:rows], key[:rows], value[:rows], window, chunk)
             return out
         write_kv(k_cache, v_cache, key, value, meta.write_slots)
-        return attend(query, key, value, k_cache, v_cache, meta, scale, window)
+        return attend(query, key, value, k_cache, v_cache, meta, scale, window, chunk)
 
 
 def write_kv(
@@ -272,9 +291,11 @@ def attend(
     meta: TorchMetadata,
     scale: float,
     window: int = 0,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Causal paged attention; ``query`` ``[T, Hq, D]`` -> a new ``[T, Hq, D]``. `window` > 0: a sliding
-    window, each query seeing the keys of its last `window` positions (itself included)."""
+    window, each query seeing the keys of its last `window` positions (itself included); `chunk` > 0:
+    chunked attention, each query seeing the keys of its own chunk of `chunk` positions."""
     common = meta.common
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     # Decode rows on a CPU in the dtypes it serves go to the C kernel, which reads the blocks in place (no
@@ -290,23 +311,25 @@ def attend(
     ):
         # Every row is a one-token decode (no padding, no prefill): SDPA's output, viewed as [T, Hq, D], is
         # the result (contiguous, as the op's fake implementation promises a compiled graph).
-        return _decode(query, k_cache, v_cache, meta, scale, window)
+        return _decode(query, k_cache, v_cache, meta, scale, window, chunk)
     out = (
         torch.empty_like(query) if common.num_padded_tokens == common.num_tokens else torch.zeros_like(query)
     )
     if meta.decode_blocks is not None:  # padded sequences are skipped: their rows stay zero
         d = common.num_decodes
         if kernel is not None:  # their K/V are stored already (write_kv)
-            kernel(query[:d], k_cache, v_cache, scale, out[:d], window=window)
+            kernel(query[:d], k_cache, v_cache, scale, out[:d], window=window, chunk=chunk)
         elif meta.decode_queries == 1:
-            out[:d] = _decode(query[:d], k_cache, v_cache, meta, scale, window)
+            out[:d] = _decode(query[:d], k_cache, v_cache, meta, scale, window, chunk)
         elif (rows_kernel := meta.cpu_decode_rows_call(query, k_cache)) is not None:
             queries = query.index_select(0, meta.decode_out_dst)
-            rows = rows_kernel(queries, k_cache, v_cache, scale, torch.empty_like(queries), window=window)
+            rows = rows_kernel(
+                queries, k_cache, v_cache, scale, torch.empty_like(queries), window=window, chunk=chunk
+            )
             out.index_copy_(0, meta.decode_out_dst, rows)
         else:
             queries = query.index_select(0, meta.decode_query_index)
-            rows = _decode(queries, k_cache, v_cache, meta, scale, window)
+            rows = _decode(queries, k_cache, v_cache, meta, scale, window, chunk)
             out.index_copy_(0, meta.decode_out_dst, rows.index_select(0, meta.decode_out_src))
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
@@ -315,8 +338,8 @@ def attend(
         rows = slice(span.start, span.start + span.length)
         q = query[rows].transpose(0, 1)[None]  # [1, Hq, L, D]
         context = span.length if span.context_slots is None else span.context_slots.shape[0]
-        windowed = 0 < window < context  # some query cannot see every earlier key
-        mask = span.window_mask(window, query.device) if windowed else span.mask
+        local = 0 < window < context or 0 < chunk < context  # some query cannot see every earlier key
+        mask = span.local_mask(window, chunk, query.device) if local else span.mask
         if span.context_slots is None:
             k, v = key[rows].transpose(0, 1)[None], value[rows].transpose(0, 1)[None]
         else:
@@ -337,6 +360,7 @@ def _decode(
     meta: TorchMetadata,
     scale: float,
     window: int = 0,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """``query`` ``[B * Q, Hq, D]`` (Q queries per sequence) over each sequence's gathered blocks."""
     # Query heads sharing a KV head become rows of one [Hkv, rep * Q] group: no repeat of K/V is needed.
@@ -352,7 +376,7 @@ def _decode(
         k_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
     )  # [B, Hkv, S, D]
     v = v_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
-    bias = meta.decode_bias(q.dtype, rep, window)  # rows: (rep, Q); built by the step's first layer
+    bias = meta.decode_bias(q.dtype, rep, window, chunk)  # rows: (rep, Q); built by the step's first layer
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)  # [B, Hkv, rep * Q, D]
     o = o.view(num_seqs, num_kv_heads, rep, q_len, head_dim).permute(0, 3, 1, 2, 4)
     return o.reshape(rows, num_heads, head_dim)

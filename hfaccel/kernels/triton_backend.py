@@ -30,6 +30,7 @@ class TritonPagedAttention(AttentionBackend):
         cuda_graph_decode=True,
         decode_query_len=1,
         sliding_window=True,
+        chunked_attention=True,
     )
 
     @classmethod
@@ -52,6 +53,7 @@ class TritonPagedAttention(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int = 0,
+        chunk: int = 0,
     ) -> torch.Tensor:
         from hfaccel.kernels.triton import paged_decode, paged_prefill, store_kv
 
@@ -69,6 +71,7 @@ class TritonPagedAttention(AttentionBackend):
                 scale,
                 out=out[:rows],
                 window=window,
+                chunk=chunk,
             )
             return out
         out = torch.zeros_like(query) if meta.num_padded_tokens > meta.num_tokens else torch.empty_like(query)
@@ -83,4 +86,5 @@ class TritonPagedAttention(AttentionBackend):
             scale,
             out=out,
             window=window,
+            chunk=chunk,
         )

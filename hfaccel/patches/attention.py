@@ -61,11 +61,13 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    # The layer's sliding window, as transformers passes it (None for a full-attention layer).
+    # The layer's sliding window, as transformers passes it (None for a full-attention layer), and its
+    # chunk (chunked attention is told by the config only: transformers builds it into the mask).
     window = int(kwargs.get("sliding_window") or 0)
+    chunk = layer_chunk(module)
     device = q.device.type
     if not torch.is_autocast_enabled(device):
-        out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale), window)
+        out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale), window, chunk)
         return out.unsqueeze(0), None
     # Under autocast (accelerate wraps a trainer's model.forward in it, and HF's generate runs inside it)
     # the projections come out in the autocast dtype: attend in the KV cache's dtype, autocast off.
@@ -73,8 +75,18 @@ def paged_attention_forward(
     if cache_dtype.is_floating_point and cache_dtype.itemsize >= 2:
         q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
     with torch.autocast(device, enabled=False):
-        out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale), window)
+        out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale), window, chunk)
     return out.unsqueeze(0).to(query.dtype), None
+
+
+def layer_chunk(module: torch.nn.Module) -> int:
+    """The chunk of a chunked-attention layer (``layer_types[i] == "chunked_attention"``, of
+    ``attention_chunk_size`` positions, as Llama 4's), else 0."""
+    config = getattr(module, "config", None)
+    types = getattr(config, "layer_types", None)
+    if not types or module.layer_idx >= len(types) or types[module.layer_idx] != "chunked_attention":
+        return 0
+    return int(config.attention_chunk_size)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ class HFExecutor(ExecutorBase):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
         self.attention_scale = _attention_scale(model, self.head_dim)
         self.sliding_window = sliding_window(model) is not None
+        types = getattr(config, "layer_types", None) or ()
+        self.chunked_attention = "chunked_attention" in types
         self._state = ModelStateTracker(model)
         self._last_token: Hashable = None
         self._adapter_checks: dict[str, ValueError | None] = {}

@@ -6,8 +6,10 @@ window, where it has one: the kernels take it per layer). Anything else a layer 
 the sequences of a batch or differ from HF, so a model with such a layer is refused at `patch`, with
 the reason, instead of giving wrong tokens. Three checks, none of them a list of families:
 
-1. the config's ``layer_types``: only ``full_attention`` and ``sliding_attention`` (``chunked_attention``,
-   ``linear_attention``, ``hybrid``, ``mamba``, ``conv``, ``moe`` without attention... are refused);
+1. the config's ``layer_types``: only ``full_attention``, ``sliding_attention`` and
+   ``chunked_attention`` (with an ``attention_chunk_size``; the kernels take each layer's chunk,
+   `attention.layer_chunk`) are served (``linear_attention``, ``hybrid``, ``mamba``, ``conv``, ``moe``
+   without attention... are refused);
 2. the modules: no ``torch.nn.Conv1d``, the causal convolution over the sequence in recurrent and
    convolutional mixers (Mamba, Mamba 2, Jamba, Bamba, Falcon-H1, Zamba, Qwen3-Next's gated delta net,
    LFM2's short convolution). transformers' ``Conv1D`` (GPT-2's projection) is a linear layer, not one;
@@ -31,9 +33,8 @@ import torch
 
 from hfaccel.patches.attention import AttentionCall, recording_attention
 
-SERVED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+SERVED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
 LAYER_TYPE_REASONS = {
-    "chunked_attention": "chunked attention layers (attention_chunk_size, as in Llama 4)",
     "linear_attention": "linear-attention or recurrent layers (a per-sequence state)",
     "mamba": "Mamba layers (a per-sequence recurrent state)",
     "hybrid": "hybrid attention + recurrent layers (a per-sequence recurrent state)",
@@ -70,6 +71,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 def layer_types_reason(text_config: Any) -> str | None:
     """The first layer type in the config's ``layer_types`` the engine does not implement."""
     for index, kind in enumerate(getattr(text_config, "layer_types", None) or ()):
+        if kind == "chunked_attention" and not getattr(text_config, "attention_chunk_size", None):
+            return f"chunked attention layers without an attention_chunk_size (layer_types[{index}])"
         if kind not in SERVED_LAYER_TYPES:
             what = LAYER_TYPE_REASONS.get(kind, f"layers of type {kind!r}")
             return f"{what} are not implemented by the engine (layer_types[{index}] = {kind!r})"

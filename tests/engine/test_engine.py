@@ -255,9 +255,9 @@ def _greedy_through(model, kernel: bool, monkeypatch, **config) -> tuple[list[li
     seen = set()
     real = cpu_decode.DecodeCall.__call__
 
-    def spy(self, query, k_cache, v_cache, scale, out, key=None, value=None, window=0):
+    def spy(self, query, k_cache, v_cache, scale, out, key=None, value=None, *local, **by_name):
         seen.add((query.dtype, k_cache.dtype, key is not None))
-        return real(self, query, k_cache, v_cache, scale, out, key, value, window)
+        return real(self, query, k_cache, v_cache, scale, out, key, value, *local, **by_name)
 
     monkeypatch.setattr(cpu_decode.DecodeCall, "__call__", spy)
     monkeypatch.setenv("HFACCEL_CPU_DECODE_KERNEL", "1" if kernel else "0")

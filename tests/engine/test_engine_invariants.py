@@ -175,8 +175,11 @@ class DraftModelEngineMachine(EngineMachine):
     def teardown(self):
         super().teardown()
         stats = self.engine.stats()
+        # Stale draft K/V rejects most drafts. A few rejections are near-ties of this tiny random model
+        # (the draft scores one query a step, verification several: the last bits differ): hypothesis
+        # found 17 of 20 accepted with nothing stale (and the same on the commit before), so 0.75.
         if stats["spec_drafted"] >= 20:
-            assert stats["spec_accepted"] >= 0.9 * stats["spec_drafted"], stats
+            assert stats["spec_accepted"] >= 0.75 * stats["spec_drafted"], stats
 
 
 TestDraftModelEngineMachine = DraftModelEngineMachine.TestCase

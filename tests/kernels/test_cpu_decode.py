@@ -13,13 +13,14 @@ from hfaccel.kernels import cpu_decode
 )
 @pytest.mark.parametrize("heads", [(4, 2, 8), (6, 3, 64), (8, 8, 80), (9, 3, 64), (16, 2, 64), (18, 2, 64)])
 @pytest.mark.parametrize("block", [16, 5])
-@pytest.mark.parametrize("window", [0, 7, 20])
-def test_cpu_decode_kernel_matches_sdpa(heads, block, window):
+@pytest.mark.parametrize(("window", "chunk"), [(0, 0), (7, 0), (20, 0), (0, 8), (0, 13), (7, 13)])
+def test_cpu_decode_kernel_matches_sdpa(heads, block, window, chunk):
     """The kernel against SDPA over each sequence's own context: GQA ratios (8 query heads per KV head:
     the most the AVX-512 scoring takes; 9: the generic loop), head dims that are not a multiple of 16
     (the generic loop), lengths across and inside blocks, blocks of 5 tokens (the AVX-512 scoring's
     groups of 16 tokens span blocks), a strided block table and a padded sequence; with a sliding
-    `window`, only each sequence's last `window` positions (starting inside a block)."""
+    `window`, only each sequence's last `window` positions (starting inside a block); with a `chunk`,
+    only its last token's chunk."""
     hq, hkv, d = heads
     g = torch.Generator().manual_seed(1)
     blocks = 40 * 16 // block
@@ -44,12 +45,14 @@ def test_cpu_decode_kernel_matches_sdpa(heads, block, window):
         d**-0.5,
         out,
         window,
+        chunk,
     )
     for i, n in enumerate(lens):
         if n == 0:
             assert torch.equal(out[i], torch.zeros_like(out[i]))
             continue
         first = max(0, n - window) if window else 0
+        first = max(first, (n - 1) // chunk * chunk) if chunk else first
         slots = [int(table[i, p // block]) * block + p % block for p in range(first, n)]
         k = k_cache.view(-1, hkv, d)[slots].transpose(0, 1)[None]
         v = v_cache.view(-1, hkv, d)[slots].transpose(0, 1)[None]

@@ -10,13 +10,16 @@ BLOCK = 4
 HQ, HKV, D = 4, 2, 8
 
 
-def dense_reference(q, k, v, scale, window=0):
+def dense_reference(q, k, v, scale, window=0, chunk=0):
     """Causal attention of the last q.shape[0] positions over the full k/v of one sequence (within a
-    sliding `window` of positions where > 0)."""
+    sliding `window` of positions, and within each query's `chunk`, where > 0)."""
     lq, lk = q.shape[0], k.shape[0]
     mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
     if window > 0:
         mask &= ~torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq - window)
+    if chunk > 0:
+        queries, keys = torch.arange(lk - lq, lk)[:, None], torch.arange(lk)[None, :]
+        mask &= keys // chunk == queries // chunk
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).float(),
         k.transpose(0, 1).float(),
@@ -28,7 +31,7 @@ def dense_reference(q, k, v, scale, window=0):
     return out.transpose(0, 1)
 
 
-def run_step(seqs, dtype, seed=0, decode_query_len=1, window=0):
+def run_step(seqs, dtype, seed=0, decode_query_len=1, window=0, chunk=0):
     """seqs: list of (context_before, new_tokens). Returns packed output and the per-seq references."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = 64
@@ -54,7 +57,7 @@ def run_step(seqs, dtype, seed=0, decode_query_len=1, window=0):
         qsl.append(qsl[-1] + new)
         lens.append(total)
         tables.append(blocks)
-        refs.append(dense_reference(q, full_k, full_v, D**-0.5, window))
+        refs.append(dense_reference(q, full_k, full_v, D**-0.5, window, chunk))
     layout = StepLayout(
         query_lens=[seqs[i][1] for i in order],
         seq_lens=lens,
@@ -66,7 +69,7 @@ def run_step(seqs, dtype, seed=0, decode_query_len=1, window=0):
     builder = backend.make_builder(8, 64, 16, BLOCK, torch.device("cpu"), num_blocks=num_blocks)
     meta = builder.build(layout)
     key, value = torch.cat(keys), torch.cat(values)
-    out = backend.forward(torch.cat(queries), key, value, (k_cache, v_cache), meta, D**-0.5, window)
+    out = backend.forward(torch.cat(queries), key, value, (k_cache, v_cache), meta, D**-0.5, window, chunk)
     return out, torch.cat(refs)
 
 
@@ -119,6 +122,18 @@ def test_sliding_windows_match_dense_windowed_attention(window, decode_query_len
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     decodes_only = [(10, 1), (20, 1), (2, 1)]  # a step of decodes only: the kernel stores and attends
     out, ref = run_step(decodes_only, torch.float32, window=window)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("window", "chunk"), [(0, 4), (0, 5), (3, 4)])
+@pytest.mark.parametrize("decode_query_len", [1, 8])
+def test_chunked_attention_matches_dense_chunked_attention(window, chunk, decode_query_len, decode_path):
+    """Each query sees its own chunk only (and, with both, the later of its window's and chunk's
+    starts): on every path, chunks starting inside blocks (5 over blocks of 4)."""
+    seqs = [(10, 3), (20, 1), (4, 1), (0, 9), (7, 12)]
+    out, ref = run_step(seqs, torch.float32, decode_query_len=decode_query_len, window=window, chunk=chunk)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    out, ref = run_step([(10, 1), (20, 1), (2, 1), (7, 1)], torch.float32, window=window, chunk=chunk)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 

@@ -43,9 +43,9 @@ def family_model(model_type: str, **extra):
 
 REFUSED = {
     "gpt_oss": ({"num_local_experts": 4, "head_dim": 16, "sliding_window": 8}, "attention sinks"),
-    "llama4_text": (
-        {"head_dim": 16, "num_local_experts": 2, "intermediate_size_mlp": 64},
-        "chunked attention",
+    "llama4_text": (  # chunked layers without a chunk size
+        {"head_dim": 16, "num_local_experts": 2, "intermediate_size_mlp": 64, "attention_chunk_size": None},
+        "chunked attention layers without an attention_chunk_size",
     ),
     "jamba": ({"num_experts": 2, "attn_layer_period": 2, "attn_layer_offset": 1}, "recurrent"),
     "mamba2": ({"num_heads": 4, "head_dim": 32, "n_groups": 1, "state_size": 16}, "recurrent"),
@@ -150,6 +150,13 @@ WINDOWED = {
     "gemma3_text": {"head_dim": 16},  # sliding and full layers (layer_types)
     "cohere2": {"head_dim": 16},
     "mistral": {},  # one window, every layer, no layer_types
+    # chunked layers (of 8 positions) and a full one, MoE, no rope on the full layers
+    "llama4_text": {
+        "head_dim": 16,
+        "num_local_experts": 2,
+        "intermediate_size_mlp": 64,
+        "attention_chunk_size": 8,
+    },
     "qwen2": {  # sliding from layer 1 on
         "use_sliding_window": True,
         "layer_types": ["full_attention"] + ["sliding_attention"] * 3,
@@ -159,9 +166,9 @@ WINDOWED = {
 
 @pytest.mark.parametrize("model_type", sorted(WINDOWED))
 def test_window_families_give_hf_tokens_past_the_window(model_type):
-    """Sliding-window families are served on the engine (strict: no fallback) past their window: a
-    window of 8 tokens, prompts of 5-40 tokens and 12 new ones, so most sequences outgrow it in prefill,
-    in chunked prefill (a budget of 16 tokens a step) and while decoding."""
+    """Sliding-window and chunked-attention families are served on the engine (strict: no fallback) past
+    their window or chunk: 8 positions, prompts of 5-40 tokens and 12 new ones, so most sequences
+    outgrow it in prefill, in chunked prefill (a budget of 16 tokens a step) and while decoding."""
     model = family_model(model_type, sliding_window=8, vocab_size=256, **WINDOWED[model_type])
     with torch.no_grad():
         for p in model.parameters():

@@ -55,6 +55,7 @@ def _decode_split_kernel(
     part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, log2 domain
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
     window,  # > 0: a sliding window, the last `window` positions only
+    chunk,  # > 0: chunked attention, the positions of the last token's chunk only
     stride_qb,
     stride_qh,
     stride_kc_blk,
@@ -79,6 +80,8 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + seq)
     first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)  # first visible position
+    chunk_first = (tl.maximum(seq_len, 1) - 1) // tl.maximum(chunk, 1) * chunk
+    first = tl.where(chunk > 0, tl.maximum(first, chunk_first), first)
     # Share the sequence's visible tiles evenly among the splits; trailing splits may get none.
     first_tile = first // TILE_N
     num_tiles = tl.cdiv(seq_len, TILE_N)
@@ -167,9 +170,10 @@ def paged_decode(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     window: int = 0,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its whole paged context (its last `window`
-    positions, where `window` > 0: a sliding window).
+    positions, where `window` > 0: a sliding window; its own chunk of `chunk` positions, where > 0).
 
     Args:
         query: ``[B, Hq, D]``, the token at position ``seq_lens[b] - 1`` of each sequence.
@@ -221,6 +225,7 @@ def paged_decode(
         part_lse,
         scale * LOG2E,
         window,
+        chunk,
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),

@@ -39,6 +39,7 @@ def _prefill_kernel(
     out_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works with exp2
     window,  # > 0: a sliding window, keys within `window` positions of the query only
+    chunk,  # > 0: chunked attention, keys of the query's chunk only
     stride_qt,
     stride_qh,
     stride_ot,
@@ -93,7 +94,11 @@ def _prefill_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     cols = tl.arange(0, TILE)
     # Windowed: the block's first token sees nothing before its own position - window + 1.
-    kv_start = tl.where(window > 0, tl.maximum(first_pos + q_block * BLOCK_Q - window + 1, 0), 0)
+    block_first = first_pos + q_block * BLOCK_Q
+    kv_start = tl.where(window > 0, tl.maximum(block_first - window + 1, 0), 0)
+    kv_start = tl.where(
+        chunk > 0, tl.maximum(kv_start, block_first // tl.maximum(chunk, 1) * chunk), kv_start
+    )
     for tile in range(kv_start // TILE, tl.cdiv(kv_end, TILE)):
         pos = tile * TILE + cols
         valid = pos < kv_end
@@ -104,6 +109,8 @@ def _prefill_kernel(
         )  # fmt: skip
         allowed = row_ok[:, None] & valid[None, :] & (pos[None, :] <= q_pos[:, None])
         allowed = allowed & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
+        q_chunk_start = q_pos // tl.maximum(chunk, 1) * chunk
+        allowed = allowed & ((chunk <= 0) | (pos[None, :] >= q_chunk_start[:, None]))
         m_i, l_i, acc = online_softmax_update(q, k, v, allowed, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # rows with no context (padding) come out 0
@@ -125,9 +132,10 @@ def paged_prefill(
     scale: float,
     out: torch.Tensor | None = None,
     window: int = 0,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Causal attention of packed query tokens over their paged contexts (within a sliding `window`
-    of positions, where > 0).
+    of positions, and within each query's chunk of `chunk` positions, where > 0).
 
     Args:
         query: ``[T, Hq, D]``, the tokens of B sequences concatenated.
@@ -179,6 +187,7 @@ def paged_prefill(
         out,
         scale * LOG2E,
         window,
+        chunk,
         query.stride(0),
         query.stride(1),
         out.stride(0),

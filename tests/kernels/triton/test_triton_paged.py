@@ -35,7 +35,7 @@ FULL = settings(max_examples=60, deadline=None)
 
 
 def dense_reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int = 0, chunk: int = 0
 ) -> torch.Tensor:
     """fp32 causal attention of the last ``q.shape[0]`` positions of one sequence over its ``k``/``v``
     (within a sliding `window` of positions where > 0, as transformers' masks have it).
@@ -46,6 +46,9 @@ def dense_reference(
     mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
     if window > 0:
         mask &= ~torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq - window)
+    if chunk > 0:
+        queries, keys = torch.arange(lk - lq, lk)[:, None], torch.arange(lk)[None, :]
+        mask &= keys // chunk == queries // chunk
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).float(),
         k.transpose(0, 1).float(),
@@ -73,6 +76,7 @@ class Step:
     full_v: list[torch.Tensor]
     scale: float
     window: int = 0
+    chunk: int = 0
 
     def expected(self) -> list[torch.Tensor | None]:
         """Per sequence the reference output rows (None for a padded sequence)."""
@@ -80,7 +84,7 @@ class Step:
         for b, (k, v) in enumerate(zip(self.full_k, self.full_v)):
             start, end = self.query_start_loc[b].item(), self.query_start_loc[b + 1].item()
             query = self.query[start:end].cpu()
-            refs.append(dense_reference(query, k, v, self.scale, self.window) if len(k) else None)
+            refs.append(dense_reference(query, k, v, self.scale, self.window, self.chunk) if len(k) else None)
         return refs
 
 
@@ -174,6 +178,7 @@ def check_prefill(step: Step, dtype: torch.dtype) -> None:
         step.max_query_len,
         step.scale,
         window=step.window,
+        chunk=step.chunk,
     )
     assert_rows(out, step, dtype)
 
@@ -188,6 +193,7 @@ def check_decode(step: Step, dtype: torch.dtype, num_splits: int | None = None) 
         step.scale,
         num_splits=num_splits,
         window=step.window,
+        chunk=step.chunk,
     )
     assert_rows(out, step, dtype)
 
@@ -272,6 +278,20 @@ def test_decode_within_a_sliding_window(window, num_splits):
     """Splits share only the visible tiles; a window longer than the context sees all of it."""
     step = make_step([(0, 1), (15, 1), (31, 1), (76, 1), (200, 1)], num_padded=1, group=4)
     step.window = window
+    check_decode(step, torch.float32, num_splits)
+
+
+@pytest.mark.parametrize(
+    ("window", "chunk", "num_splits"), [(0, 16, None), (0, 20, 3), (9, 20, 4), (0, 300, None)]
+)
+def test_chunked_attention_in_prefill_and_decode(window, chunk, num_splits):
+    """Each query sees its own chunk only (chunks starting inside blocks and tiles; with a window too,
+    the later start); prefill rows of one query block may span two chunks."""
+    step = make_step([(0, 19), (37, 14), (50, 1)], num_padded=1, group=2)
+    step.window, step.chunk = window, chunk
+    check_prefill(step, torch.float32)
+    step = make_step([(0, 1), (15, 1), (31, 1), (76, 1), (200, 1)], num_padded=1, group=4)
+    step.window, step.chunk = window, chunk
     check_decode(step, torch.float32, num_splits)
 
 
