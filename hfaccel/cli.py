@@ -29,6 +29,7 @@ SUITES = (
     "tp",
     "goodput",
     "coverage",
+    "serve",
 )
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -130,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--max-n", type=_positive_int, default=16, help="most choices (n) a request asks")
     srv.add_argument("--max-pending", type=_positive_int, default=256, help="requests in flight before 429")
+    srv.add_argument(
+        "--max-prompt-tokens", type=_positive_int, default=None, help="longest prompt (default: context)"
+    )
 
     demo = sub.add_parser(
         "demo",
@@ -362,7 +366,12 @@ def run_serve(args: argparse.Namespace) -> None:
         )
         if value is not None
     }
-    limits = Limits(max_tokens=args.max_tokens_limit, max_n=args.max_n, max_pending=args.max_pending)
+    limits = Limits(
+        max_tokens=args.max_tokens_limit,
+        max_n=args.max_n,
+        max_pending=args.max_pending,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
     run_forever(
         model, tokenizer, host=args.host, port=args.port, api_key=args.api_key,
         model_id=name or "SmolLM2-135M-Instruct", limits=limits, **engine,
@@ -477,6 +486,16 @@ def run_bench(args: argparse.Namespace) -> None:
     serving = tuple(s for s in suites if s in ("prefix", "chunked", "batching"))
     if serving:
         run_serving_benchmarks(model, serving, dtype)
+    if "serve" in suites:
+        from hfaccel.bench.serve import run_serve_benchmark
+
+        run_serve_benchmark(
+            model,
+            tokenizer,
+            clients=tuple(int(c) for c in args.callers.split(",") if c.strip()),
+            per_client=args.requests_per_caller,
+            max_tokens=args.concurrency_new_tokens,
+        )
     if "concurrency" in suites:
         from hfaccel.bench.concurrency import run_concurrency_benchmark
 

@@ -26,9 +26,11 @@ def test_public_names():
         "plot_run",
         "release",
         "reset_prefix_cache",
+        "serve",
         "stream",
         "unpatch",
     ]
+    assert callable(hfaccel.serve) and hfaccel.serve.__module__ == "hfaccel.server.server"  # loaded when used
 
 
 def test_patch_is_idempotent_and_unpatch_restores_exactly():

@@ -30,7 +30,7 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # OpenAI: an int64
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

@@ -336,3 +336,35 @@ def test_stop_lets_a_stream_in_flight_end_and_unpatches():
     stopper.join(30)
     assert rest[-1].usage.completion_tokens == 40  # the stream in flight ran to its end
     assert not server.running and getattr(model, "_hfaccel", None) is None
+
+
+MALFORMED = [
+    b"{not json",
+    b"[1, 2, 3]",
+    b'{"model": "tiny-llama", "messages": "hello"}',
+    b'{"model": "tiny-llama", "messages": [{"role": "wizard", "content": "x"}]}',
+    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}',
+    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "n": 0}',
+    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "top_k": "many"}',
+    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "stop": [1, 2]}',
+    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "stop": [""]}',
+    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "seed": 1180591620717411303424}',
+    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "top_p": 0}',
+    b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "stream_options": {"x": 1}}',
+    b'{"model": "tiny-llama", "prompt": [999999999]}',
+]
+
+
+@pytest.mark.parametrize("body", MALFORMED, ids=range(len(MALFORMED)))
+def test_a_malformed_request_gets_a_4xx_and_the_server_keeps_serving(served, client, body):
+    server = served[0]
+    host, port = server.url.removeprefix("http://").split(":")
+    path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request("POST", path, body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    connection.close()
+    assert 400 <= response.status < 500 and answer["error"]["message"], answer
+    assert client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0).choices
