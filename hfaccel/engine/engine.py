@@ -63,8 +63,8 @@ class Engine:
         self.model_dtype = self.executor.dtype
         kv_dtype = self.config.kv_dtype(self.model_dtype)
         block_size = self.config.block_size
-        local = (self.executor.sliding_window, self.executor.chunked_attention)
-        backend = get_backend(self.config.backend, self.device, kv_dtype, self.executor.head_dim, *local)
+        needs = self.executor.attention_needs
+        backend = get_backend(self.config.backend, self.device, kv_dtype, self.executor.head_dim, needs)
         # --- tensor parallel (hfaccel/distributed/sync.py): ranks agree on the block count and the limits,
         # check that each step is the same step on every rank, and take rank 0's sampled tokens.
         self.step_sync = self.executor.step_sync
@@ -107,10 +107,10 @@ class Engine:
             self.proposer = make_proposer(self.config)
         else:
             # Its own runner (KV cache, buffers) over the same block ids: requests' block tables index both.
-            local = (draft.sliding_window, draft.chunked_attention)
+            needs = draft.attention_needs
             draft_runner = ModelRunner(
                 draft,
-                get_backend(self.config.backend, self.device, draft_kv_dtype, draft.head_dim, *local),
+                get_backend(self.config.backend, self.device, draft_kv_dtype, draft.head_dim, needs),
                 self.num_blocks,
                 block_size,
                 draft_kv_dtype,

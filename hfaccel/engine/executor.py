@@ -60,8 +60,9 @@ class ModelExecutor(Protocol):
     step_sync: Any
     max_token_padding: int
     pipelined: bool
-    sliding_window: bool  # some layer attends within a sliding window (its backend must serve one)
-    chunked_attention: bool  # some layer attends within a chunk (Llama 4)
+    # What the layers ask of an attention backend beyond causal attention (`kernels.selection`'s
+    # ATTENTION_NEEDS: sliding windows, chunks, soft-capping, sinks); its backend must serve all of it.
+    attention_needs: frozenset[str]
 
     def check_adapter(self, name: str) -> None:
         """Raise ValueError unless the executor can apply LoRA adapter `name` per request."""
@@ -83,8 +84,7 @@ class ExecutorBase:
     step_sync: Any = None  # the collectives that keep ranks in lock step (`distributed/sync.py`)
     max_token_padding: int = 0  # the most tokens `pad_tokens` adds to a step
     pipelined: bool = False  # a pipeline stage: steps go through `run_pipeline`, not `forward`
-    sliding_window: bool = False  # some layer attends within a sliding window
-    chunked_attention: bool = False  # some layer attends within a chunk
+    attention_needs: frozenset[str] = frozenset()  # plain causal attention
 
     def check_adapter(self, name: str) -> None:
         raise ValueError(f"adapter {name!r}: this model's executor serves no adapters")

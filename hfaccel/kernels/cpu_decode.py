@@ -37,6 +37,7 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #define MAX_ACC 4096 /* rep * D floats of output accumulators per task, on the stack */
@@ -191,8 +192,10 @@ INLINE void decode_task(
     const float *restrict qb, const void *restrict k_cache, const void *restrict v_cache,
     const int32_t *restrict table, int64_t len, int64_t first, void *restrict ob, float *restrict scores,
     int32_t *restrict work, const int64_t D, const int64_t rep, int64_t row, int64_t h, int64_t block_size,
-    float scale, int64_t max_len, const int ot, const int ct) {
-    /* Positions [first, len) are visible (first > 0: a sliding window); scores are indexed by position. */
+    float scale, int64_t max_len, const int ot, const int ct, float softcap, const float *restrict sinks) {
+    /* Positions [first, len) are visible (first > 0: a sliding window or chunk); scores are indexed by
+       position. softcap > 0: scores become softcap * tanh(score / softcap) (Gemma 2); sinks (NULL: none):
+       the rep heads' attention-sink logits, one more term of each softmax's denominator (gpt-oss). */
     /* A bf16 K or V row widened to float once for the rep query heads that read it (measured faster
        than widening inside each head's dot and axpy). */
     float rowbuf[MAX_ACC];
@@ -245,14 +248,17 @@ INLINE void decode_task(
     const int64_t seen = len - first; /* the visible positions' count */
     for (int64_t r = 0; r < rep; r++) {
         float *sr = scores + r * max_len + first;
+        if (softcap > 0.0f)
+            for (int64_t s = 0; s < seen; s++) sr[s] = softcap * tanhf(sr[s] / softcap);
         float m = sr[0];
         for (int64_t s = 1; s < seen; s++) m = sr[s] > m ? sr[s] : m;
+        if (sinks != NULL && sinks[r] > m) m = sinks[r];
         exp_shifted(sr, work, seen, m);
         float lanes[16] = {0};
         int64_t s = 0;
         for (; s + 16 <= seen; s += 16)
             for (int l = 0; l < 16; l++) lanes[l] += sr[s + l];
-        float total = 0.0f;
+        float total = sinks != NULL ? expf(sinks[r] - m) : 0.0f;
         for (int l = 0; l < 16; l++) total += lanes[l];
         for (; s < seen; s++) total += sr[s];
         const float inv = 1.0f / total;
@@ -288,7 +294,8 @@ struct step {
     int64_t width;
     void *out; /* of the query's type */
     int64_t Hq, Hkv, D, block_size, max_len, window, chunk;
-    float scale;
+    float scale, softcap;
+    const float *sinks; /* [Hq] float32, or NULL */
 };
 
 /* Task (b, h) with query type qt and cache type ct: store sequence b's new K/V row of KV head h, then
@@ -313,8 +320,9 @@ INLINE void run_task(const struct step *s, int64_t b, int64_t h, float *restrict
         copy_row(qbuf + r * D, F32, AT(s->q, b * s->q_st + (h * rep + r) * s->q_sh, qt), qt, D);
     const float *qb = qbuf;
     const int32_t *table = s->tables + b * s->width;
+    const float *sinks = s->sinks != NULL ? s->sinks + h * rep : NULL;
 #define TASK(DD, RR) decode_task(qb, s->k_cache, s->v_cache, table, len, first, ob, scores, work, DD, RR, row, h, \
-                                 s->block_size, s->scale, s->max_len, qt, ct)
+                                 s->block_size, s->scale, s->max_len, qt, ct, s->softcap, sinks)
     if (D == 64 && rep == 3) TASK(64, 3);
     else if (D == 64 && rep == 4) TASK(64, 4);
     else if (D == 128 && rep == 4) TASK(128, 4);
@@ -330,7 +338,8 @@ INLINE void run_task(const struct step *s, int64_t b, int64_t h, float *restrict
    block_size, Hkv, D] of type kv_dtype; tables: int32 [B, *], rows `width` apart; lens: int32 [B], the
    context length of each sequence with this step's token (0: padding); window > 0: each sequence sees
    its last `window` positions only (a sliding window); chunk > 0: the positions of its last token's
-   chunk of `chunk` positions only (chunked attention). A task is one (sequence, KV
+   chunk of `chunk` positions only (chunked attention); softcap > 0: logit soft-capping; sinks: [Hq]
+   float32 attention-sink logits (NULL: none). A task is one (sequence, KV
    head): it stores that head's new K/V row and then reads the head's rows, so no task reads what another
    writes. Served types (q_dtype, kv_dtype): (F32, F32), (F32, BF16), (BF16, BF16). Returns 0, or
    (nothing done) -1 when rep * D exceeds MAX_ACC, -2 for types it does not serve. */
@@ -339,11 +348,11 @@ int hfaccel_paged_decode(int q_dtype, int kv_dtype, const void *q, int64_t q_st,
                          void *k_cache, void *v_cache, const int32_t *tables, int64_t width,
                          const int32_t *lens, void *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
                          int64_t block_size, float scale, int64_t max_len, int64_t window, int64_t chunk,
-                         int num_threads) {
+                         float softcap, const float *sinks, int num_threads) {
     for (int64_t b = 0; b < B; b++) /* the scratch rows hold the longest context, whatever max_len says */
         max_len = lens[b] > max_len ? lens[b] : max_len;
     const struct step s = {q, key, value, q_st, q_sh, kv_st, kv_sh, slots, k_cache, v_cache, tables, lens,
-                           width, out, Hq, Hkv, D, block_size, max_len, window, chunk, scale};
+                           width, out, Hq, Hkv, D, block_size, max_len, window, chunk, scale, softcap, sinks};
     const int64_t rep = Hq / Hkv;
     if (rep * D > MAX_ACC) return -1;
     const int f32 = q_dtype == F32 && kv_dtype == F32, f32_bf16 = q_dtype == F32 && kv_dtype == BF16;
@@ -413,6 +422,8 @@ _ARGTYPES = [
     ctypes.c_int64,  # max_len
     ctypes.c_int64,  # window (0: none)
     ctypes.c_int64,  # chunk (0: none)
+    ctypes.c_float,  # softcap (0: none)
+    ctypes.c_void_p,  # sinks (float32 [Hq]; NULL: none)
     ctypes.c_int,  # num_threads
 ]
 
@@ -472,11 +483,14 @@ class DecodeCall:
         value: torch.Tensor | None = None,
         window: int = 0,
         chunk: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attend ``query`` ``[B, Hq, D]`` (head rows contiguous) into ``out`` (a contiguous
         ``[B, Hq, D]`` in the query's dtype), first storing ``key``/``value`` ``[B, Hkv, D]`` at the
         bound slots when given (the kernel rounds them to a bf16 cache itself). `window` > 0: each
-        sequence attends to its last `window` positions only; `chunk` > 0: to its last token's chunk."""
+        sequence attends to its last `window` positions only; `chunk` > 0: to its last token's chunk;
+        `softcap` > 0: scores soft-capped; `sinks` ``[Hq]``: attention-sink logits."""
         batch, num_heads, head_dim = query.shape
         store = key is not None and self._slots is not None
         if not self._checked:  # every layer of a step has the same shapes and dtypes: check the first
@@ -516,6 +530,8 @@ class DecodeCall:
             self._max_len,
             window,
             chunk,
+            softcap,
+            None if sinks is None else self._sinks(sinks),
             torch.get_num_threads(),
         )
         if status == -2:
@@ -525,6 +541,13 @@ class DecodeCall:
                 f"{num_heads // k_cache.shape[2]} query heads per KV head of dim {head_dim} is too large"
             )
         return out
+
+    def _sinks(self, sinks: torch.Tensor) -> int:
+        """The address of `sinks` as contiguous float32, kept alive for the call (and the step)."""
+        if sinks.dtype != torch.float32 or not sinks.is_contiguous():
+            sinks = sinks.detach().float().contiguous()
+        self._keep = sinks
+        return sinks.data_ptr()
 
 
 def _check_call(
@@ -561,10 +584,12 @@ def paged_decode(
     out: torch.Tensor,
     window: int = 0,
     chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: ``query`` ``[B, Hq, D]`` attends to the first ``seq_lens[b]``
     tokens of sequence ``b``'s blocks (``block_tables`` int32 ``[B, width]``, rows may be strided; the
     last `window` of them only, where > 0); writes ``out`` (a contiguous ``[B, Hq, D]`` in the query's
     dtype; zero rows where ``seq_lens`` is 0) and returns it."""
     call = DecodeCall(block_tables, seq_lens, max_seq_len)
-    return call(query, k_cache, v_cache, scale, out, window=window, chunk=chunk)
+    return call(query, k_cache, v_cache, scale, out, None, None, window, chunk, softcap, sinks)

@@ -339,8 +339,12 @@ class FlashInferPagedAttention(AttentionBackend):
         scale: float,
         window: int = 0,
         chunk: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if window > 0 or chunk > 0:  # never given: its capabilities say it serves neither here
+        if (
+            window > 0 or chunk > 0 or softcap > 0 or sinks is not None
+        ):  # never given: not in its capabilities
             raise ValueError(
                 "the flashinfer backend serves no sliding-window or chunked layers; use 'triton'"
             )

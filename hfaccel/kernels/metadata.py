@@ -34,6 +34,8 @@ class BackendCapabilities:
         sliding_window: whether `forward` serves a sliding ``window`` (per layer); a model whose layers
             use one is never given a backend that does not.
         chunked_attention: the same for a ``chunk`` (Llama 4's chunked attention layers).
+        logit_softcap: the same for a ``softcap`` of the scores (Gemma 2).
+        attention_sinks: the same for ``sinks``, per-head attention-sink logits (gpt-oss).
     """
 
     dtypes: frozenset[torch.dtype]
@@ -43,6 +45,8 @@ class BackendCapabilities:
     decode_query_len: int = 1
     sliding_window: bool = False
     chunked_attention: bool = False
+    logit_softcap: bool = False
+    attention_sinks: bool = False
 
 
 @dataclass
@@ -306,13 +310,16 @@ class AttentionBackend(ABC):
         scale: float,
         window: int = 0,
         chunk: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store this step's ``key``/``value`` ``[T, Hkv, D]`` in `kv_cache` at ``meta.slot_mapping``, then
         return causal paged attention of ``query`` ``[T, Hq, D]`` over each sequence's context, as a new
         ``[T, Hq, D]`` tensor (padded rows: any finite value). `window` > 0 (the layer's sliding window;
         only where ``capabilities.sliding_window``): a query at position p sees keys in
         ``(p - window, p]``; `chunk` > 0 (only where ``capabilities.chunked_attention``): keys in
-        ``[p // chunk * chunk, p]``."""
+        ``[p // chunk * chunk, p]``; `softcap` > 0 and `sinks` ``[Hq]`` likewise only where the
+        capabilities say so."""
 
 
 def num_leading_decodes(query_lens: Sequence[int], decode_query_len: int) -> int:

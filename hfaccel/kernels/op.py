@@ -59,9 +59,14 @@ def current_forward_context() -> ForwardContext | None:
 # --- The op.
 
 _LIBRARY = torch.library.Library("hfaccel", "FRAGMENT")
+# The op's name carries its schema's version: inductor's on-disk cache keys a graph by its text, which
+# leaves out default arguments, so a schema grown under the same name would replay compiled code that
+# calls the op the old way (a segfault in the C++ wrapper). Bump it with every schema change.
+OP_NAME = "paged_attention_v2"
 _LIBRARY.define(
-    "paged_attention(Tensor query, Tensor key, Tensor value, int layer_idx, float scale, int window=0, int chunk=0)"
-    " -> Tensor"
+    OP_NAME
+    + "(Tensor query, Tensor key, Tensor value, int layer_idx, float scale, int window=0, int chunk=0,"
+    " float softcap=0., Tensor? sinks=None) -> Tensor"
 )
 
 
@@ -73,15 +78,21 @@ def paged_attention(
     scale: float,
     window: int = 0,
     chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Store ``key``/``value`` ``[T, Hkv, D]`` of layer `layer_idx` in the paged cache and return causal
     paged attention of ``query`` ``[T, Hq, D]`` (within the layer's sliding `window`, or its `chunk`,
-    where > 0), as the current forward context describes the step."""
+    where > 0; its scores soft-capped at `softcap` where > 0; with per-head attention `sinks`), as the
+    current forward context describes the step."""
     try:
         context = current_forward_context()
         if context is None:
             raise RuntimeError("hfaccel::paged_attention runs only inside an hfaccel engine step")
         kv_cache = context.kv_caches[layer_idx]
+        if softcap > 0 or sinks is not None:
+            local = (window, chunk, softcap, sinks)
+            return context.backend.forward(query, key, value, kv_cache, context.metadata, scale, *local)
         return context.backend.forward(query, key, value, kv_cache, context.metadata, scale, window, chunk)
     except BaseException as error:
         # A compiled graph's C++ wrapper replaces this by its own RuntimeError: keep the original for
@@ -109,10 +120,10 @@ def take_error() -> BaseException | None:
     return error
 
 
-_LIBRARY.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")
+_LIBRARY.impl(OP_NAME, paged_attention, "CompositeExplicitAutograd")
 
 
-@torch.library.register_fake("hfaccel::paged_attention", lib=_LIBRARY)
+@torch.library.register_fake("hfaccel::" + OP_NAME, lib=_LIBRARY)
 def _(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -121,5 +132,7 @@ def _(
     scale: float,
     window: int = 0,
     chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return torch.empty_like(query)

@@ -37,24 +37,31 @@ def backend_class(name: str) -> type[AttentionBackend]:
         raise ValueError(f"attention backend {name!r} needs {package}: {error}") from error
 
 
+# What a model's layers may need of a backend beyond causal attention (`BackendCapabilities` fields).
+ATTENTION_NEEDS = {
+    "sliding_window": "sliding-window attention layers",
+    "chunked_attention": "chunked attention layers",
+    "logit_softcap": "attention logit soft-capping",
+    "attention_sinks": "attention sinks",
+}
+
+
 def unavailable_reason(
     name: str,
     device: torch.device,
     dtype: torch.dtype,
     head_dim: int,
-    sliding_window: bool = False,
-    chunked_attention: bool = False,
+    needs: frozenset[str] = frozenset(),
 ) -> str | None:
-    """Why backend `name` cannot serve this model here (None: it can). `sliding_window`,
-    `chunked_attention`: some layer of the model attends within a sliding window, or a chunk."""
+    """Why backend `name` cannot serve this model here (None: it can). `needs`: what the model's layers
+    ask beyond causal attention (`ATTENTION_NEEDS` names)."""
     try:
         cls = backend_class(name)
     except ValueError as error:
         return str(error)
-    if sliding_window and not cls.capabilities.sliding_window:
-        return f"the {name} backend does not serve sliding-window attention layers"
-    if chunked_attention and not cls.capabilities.chunked_attention:
-        return f"the {name} backend does not serve chunked attention layers"
+    for need in sorted(needs):
+        if not getattr(cls.capabilities, need):
+            return f"the {name} backend does not serve {ATTENTION_NEEDS[need]}"
     return cls.unavailable_reason(torch.device(device), dtype, head_dim)
 
 
@@ -63,11 +70,10 @@ def get_backend(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     head_dim: int = 64,
-    sliding_window: bool = False,
-    chunked_attention: bool = False,
+    needs: frozenset[str] = frozenset(),
 ) -> AttentionBackend:
-    """The backend called `name` for a model on `device` with KV `dtype` and `head_dim` (and layers that
-    attend within a sliding window or a chunk, where `sliding_window` / `chunked_attention`).
+    """The backend called `name` for a model on `device` with KV `dtype` and `head_dim` whose layers need
+    `needs` (`ATTENTION_NEEDS`: windows, chunks, soft-capping, sinks).
 
     ``"auto"`` picks FlashInfer on CUDA where it imports and supports the model, else Triton on CUDA,
     else torch. A named backend that cannot run here raises ValueError saying why.
@@ -76,11 +82,10 @@ def get_backend(
     if name == "auto":
         candidates = ("flashinfer", "triton", "torch") if device.type == "cuda" else ("torch",)
         for candidate in candidates:
-            local = (sliding_window, chunked_attention)
-            if unavailable_reason(candidate, device, dtype, head_dim, *local) is None:
+            if unavailable_reason(candidate, device, dtype, head_dim, needs) is None:
                 return backend_class(candidate)()
         name = "torch"
-    reason = unavailable_reason(name, device, dtype, head_dim, sliding_window, chunked_attention)
+    reason = unavailable_reason(name, device, dtype, head_dim, needs)
     if reason is not None:
         raise ValueError(f"attention backend {name!r} cannot run here: {reason}")
     return backend_class(name)()

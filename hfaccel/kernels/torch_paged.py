@@ -240,6 +240,8 @@ class TorchPagedAttention(AttentionBackend):
         decode_query_len=8,  # verification rows of 1 + k tokens (k <= 7) share the batched decode call
         sliding_window=True,
         chunked_attention=True,
+        logit_softcap=True,
+        attention_sinks=True,
     )
     builder_class = TorchMetadataBuilder
     uses_scratch_block = True
@@ -254,22 +256,23 @@ class TorchPagedAttention(AttentionBackend):
         scale: float,
         window: int = 0,
         chunk: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         common = meta.common
+        local = (window, chunk, softcap, sinks)
         call = meta.cpu_decode_call(query, k_cache)
         if call is not None and common.num_decodes == common.num_seqs:
             # Decodes only: the kernel stores their K/V and attends in one call; padding rows stay zero.
             rows = common.num_decodes
             if rows == query.shape[0]:  # no padding: no views to make (30 layers a step)
-                return call(
-                    query, k_cache, v_cache, scale, torch.empty_like(query), key, value, window, chunk
-                )
+                return call(query, k_cache, v_cache, scale, torch.empty_like(query), key, value, *local)
             out = torch.zeros_like(query)
-            call(query[:rows], k_cache, v_cache, scale, out[:rows], key[:rows], value[:rows], window, chunk)
+            call(query[:rows], k_cache, v_cache, scale, out[:rows], key[:rows], value[:rows], *local)
             return out
         write_kv(k_cache, v_cache, key, value, meta.write_slots)
-        return attend(query, key, value, k_cache, v_cache, meta, scale, window, chunk)
+        return attend(query, key, value, k_cache, v_cache, meta, scale, *local)
 
 
 def write_kv(
@@ -292,10 +295,15 @@ def attend(
     scale: float,
     window: int = 0,
     chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention; ``query`` ``[T, Hq, D]`` -> a new ``[T, Hq, D]``. `window` > 0: a sliding
     window, each query seeing the keys of its last `window` positions (itself included); `chunk` > 0:
-    chunked attention, each query seeing the keys of its own chunk of `chunk` positions."""
+    chunked attention, each query seeing the keys of its own chunk of `chunk` positions; `softcap` > 0:
+    scores soft-capped (``softcap * tanh(score / softcap)``, Gemma 2); `sinks` ``[Hq]``: each head's
+    attention-sink logit joins its softmax's denominator (gpt-oss)."""
+    exact = (softcap, sinks)  # beyond what SDPA computes: the explicit softmax (`_softmax_attention`)
     common = meta.common
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     # Decode rows on a CPU in the dtypes it serves go to the C kernel, which reads the blocks in place (no
@@ -311,25 +319,25 @@ def attend(
     ):
         # Every row is a one-token decode (no padding, no prefill): SDPA's output, viewed as [T, Hq, D], is
         # the result (contiguous, as the op's fake implementation promises a compiled graph).
-        return _decode(query, k_cache, v_cache, meta, scale, window, chunk)
+        return _decode(query, k_cache, v_cache, meta, scale, window, chunk, *exact)
     out = (
         torch.empty_like(query) if common.num_padded_tokens == common.num_tokens else torch.zeros_like(query)
     )
     if meta.decode_blocks is not None:  # padded sequences are skipped: their rows stay zero
         d = common.num_decodes
         if kernel is not None:  # their K/V are stored already (write_kv)
-            kernel(query[:d], k_cache, v_cache, scale, out[:d], window=window, chunk=chunk)
+            kernel(query[:d], k_cache, v_cache, scale, out[:d], None, None, window, chunk, *exact)
         elif meta.decode_queries == 1:
-            out[:d] = _decode(query[:d], k_cache, v_cache, meta, scale, window, chunk)
+            out[:d] = _decode(query[:d], k_cache, v_cache, meta, scale, window, chunk, *exact)
         elif (rows_kernel := meta.cpu_decode_rows_call(query, k_cache)) is not None:
             queries = query.index_select(0, meta.decode_out_dst)
             rows = rows_kernel(
-                queries, k_cache, v_cache, scale, torch.empty_like(queries), window=window, chunk=chunk
+                queries, k_cache, v_cache, scale, torch.empty_like(queries), None, None, window, chunk, *exact
             )
             out.index_copy_(0, meta.decode_out_dst, rows)
         else:
             queries = query.index_select(0, meta.decode_query_index)
-            rows = _decode(queries, k_cache, v_cache, meta, scale, window, chunk)
+            rows = _decode(queries, k_cache, v_cache, meta, scale, window, chunk, *exact)
             out.index_copy_(0, meta.decode_out_dst, rows.index_select(0, meta.decode_out_src))
     flat_k = k_cache.view(-1, num_kv_heads, head_dim)
     flat_v = v_cache.view(-1, num_kv_heads, head_dim)
@@ -345,12 +353,45 @@ def attend(
         else:
             k = flat_k[span.context_slots].transpose(0, 1)[None].to(q.dtype)
             v = flat_v[span.context_slots].transpose(0, 1)[None].to(q.dtype)
-        if mask is None:
+        if softcap > 0 or sinks is not None:
+            if mask is None:
+                mask = torch.ones(span.length, context, dtype=torch.bool, device=q.device).tril(
+                    context - span.length
+                )
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            row_sinks = None if sinks is None else sinks.view(1, -1, 1, 1)
+            o = _softmax_attention(q, k, v, torch.where(mask, 0.0, float("-inf")), scale, softcap, row_sinks)
+        elif mask is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out
+
+
+def _softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention written out, in transformers' eager order: scaled scores, soft-capped, masked (additive
+    `bias`), then a softmax whose denominator also holds each row's attention-sink logit (`sinks`,
+    broadcast to ``[..., rows, 1]``), in float32."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap > 0:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + bias
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs, v.float()).to(q.dtype)
 
 
 def _decode(
@@ -361,6 +402,8 @@ def _decode(
     scale: float,
     window: int = 0,
     chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``query`` ``[B * Q, Hq, D]`` (Q queries per sequence) over each sequence's gathered blocks."""
     # Query heads sharing a KV head become rows of one [Hkv, rep * Q] group: no repeat of K/V is needed.
@@ -377,6 +420,13 @@ def _decode(
     )  # [B, Hkv, S, D]
     v = v_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
     bias = meta.decode_bias(q.dtype, rep, window, chunk)  # rows: (rep, Q); built by the step's first layer
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)  # [B, Hkv, rep * Q, D]
+    if softcap > 0 or sinks is not None:  # rows (rep, Q): head h * rep + r's sink on its Q rows
+        row_sinks = (
+            None if sinks is None else sinks.view(1, num_kv_heads, rep, 1, 1).expand(-1, -1, -1, q_len, 1)
+        )
+        row_sinks = None if row_sinks is None else row_sinks.reshape(1, num_kv_heads, rep * q_len, 1)
+        o = _softmax_attention(q, k, v, bias, scale, softcap, row_sinks)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)  # [B, Hkv, rep * Q, D]
     o = o.view(num_seqs, num_kv_heads, rep, q_len, head_dim).permute(0, 3, 1, 2, 4)
     return o.reshape(rows, num_heads, head_dim)

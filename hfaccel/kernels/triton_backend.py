@@ -54,7 +54,13 @@ class TritonPagedAttention(AttentionBackend):
         scale: float,
         window: int = 0,
         chunk: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if softcap > 0 or sinks is not None:  # never given: its capabilities say it serves neither
+            raise ValueError(
+                "the triton backend serves no logit soft-capping or attention sinks; use 'torch'"
+            )
         from hfaccel.kernels.triton import paged_decode, paged_prefill, store_kv
 
         k_cache, v_cache = kv_cache

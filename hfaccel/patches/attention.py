@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface, PreTrainedConfig
 
-import hfaccel.kernels.op  # noqa: F401  (registers torch.ops.hfaccel.paged_attention)
+import hfaccel.kernels.op  # noqa: F401  (registers torch.ops.hfaccel.paged_attention_v2)
 from hfaccel.kernels.op import current_forward_context
 
 ATTENTION_NAME = "hfaccel"
@@ -65,9 +65,12 @@ def paged_attention_forward(
     # chunk (chunked attention is told by the config only: transformers builds it into the mask).
     window = int(kwargs.get("sliding_window") or 0)
     chunk = layer_chunk(module)
+    # Logit soft-capping (Gemma 2) and attention sinks (gpt-oss's s_aux, one logit per query head).
+    softcap, sinks = float(kwargs.get("softcap") or 0.0), kwargs.get("s_aux")
+    local = (window, chunk, softcap, sinks)
     device = q.device.type
     if not torch.is_autocast_enabled(device):
-        out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale), window, chunk)
+        out = torch.ops.hfaccel.paged_attention_v2(q, k, v, module.layer_idx, float(scale), *local)
         return out.unsqueeze(0), None
     # Under autocast (accelerate wraps a trainer's model.forward in it, and HF's generate runs inside it)
     # the projections come out in the autocast dtype: attend in the KV cache's dtype, autocast off.
@@ -75,7 +78,7 @@ def paged_attention_forward(
     if cache_dtype.is_floating_point and cache_dtype.itemsize >= 2:
         q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
     with torch.autocast(device, enabled=False):
-        out = torch.ops.hfaccel.paged_attention(q, k, v, module.layer_idx, float(scale), window, chunk)
+        out = torch.ops.hfaccel.paged_attention_v2(q, k, v, module.layer_idx, float(scale), *local)
     return out.unsqueeze(0).to(query.dtype), None
 
 

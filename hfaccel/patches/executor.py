@@ -13,9 +13,9 @@ from hfaccel.engine.executor import ExecutorBase
 from hfaccel.patches import lora
 from hfaccel.patches.attention import engine_attention, register_attention
 from hfaccel.patches.compiled_forward import CompiledForward, own_code
+from hfaccel.patches.layer_support import attention_needs
 from hfaccel.patches.model_state import ModelStateTracker
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
-from hfaccel.patches.models import sliding_window
 
 
 class HFExecutor(ExecutorBase):
@@ -36,9 +36,7 @@ class HFExecutor(ExecutorBase):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_q_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
         self.attention_scale = _attention_scale(model, self.head_dim)
-        self.sliding_window = sliding_window(model) is not None
-        types = getattr(config, "layer_types", None) or ()
-        self.chunked_attention = "chunked_attention" in types
+        self.attention_needs = attention_needs(model)
         self._state = ModelStateTracker(model)
         self._last_token: Hashable = None
         self._adapter_checks: dict[str, ValueError | None] = {}

@@ -16,11 +16,13 @@ the reason, instead of giving wrong tokens. Three checks, none of them a list of
 3. one forward of a few tokens with the attention function recording what it is handed: every decoder
    layer calls it exactly once, with K and V shapes one paged cache holds (every layer the same KV
    heads and head dim; K, V and Q of one width, which multi-head latent attention breaks), and no
-   argument the kernels do not implement (attention sinks ``s_aux``, logit ``softcap``, a non-causal
-   call), and each layer's ``sliding_window`` the one its mask uses (the config's window on its sliding
-   layers, none on the others: the kernels attend within the window they are handed, so a layer whose
-   mask slides without saying so would be served full). A layer that never calls it (RWKV, MiniMax's
-   lightning attention) mixes tokens some other way.
+   argument the kernels do not implement (a non-causal call, sinks other than one logit per query
+   head; soft-capping ``softcap`` and attention sinks ``s_aux`` are served), and each layer's
+   ``sliding_window`` the one its mask uses (the config's window on its sliding layers, none on the
+   others: the kernels attend within the window they are handed, so a layer whose mask slides without
+   saying so would be served full). What the layers ask beyond causal attention (windows, chunks,
+   soft-capping, sinks) is recorded too (`attention_needs`): the engine picks a backend that serves it.
+   A layer that never calls it (RWKV, MiniMax's lightning attention) mixes tokens some other way.
 """
 
 from __future__ import annotations
@@ -52,20 +54,35 @@ NEUTRAL_ARGUMENTS = frozenset(
 )
 PROBE_TOKENS = 4
 
-_verdicts: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str | None]] = weakref.WeakKeyDictionary()
+_verdicts: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str | None, frozenset[str]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why the engine cannot serve this model's layers exactly (None: it can). Kept per model and config
     object: the probe runs one forward of a few tokens."""
+    return _verdict(model)[0]
+
+
+def attention_needs(model: torch.nn.Module) -> frozenset[str]:
+    """What the model's layers ask of an attention backend beyond causal attention, as the probe saw them
+    (`kernels.selection.ATTENTION_NEEDS`): sliding windows, chunks, soft-capping, sinks."""
+    return _verdict(model)[1]
+
+
+def _verdict(model: torch.nn.Module) -> tuple[str | None, frozenset[str]]:
     config = model.config
     cached = _verdicts.get(model)
     if cached is not None and cached[0] is config:
-        return cached[1]
+        return cached[1], cached[2]
     text_config = config.get_text_config(decoder=True)
-    reason = layer_types_reason(text_config) or module_reason(model) or probe_reason(model, text_config)
-    _verdicts[model] = (config, reason)
-    return reason
+    needs: set[str] = set()
+    reason = (
+        layer_types_reason(text_config) or module_reason(model) or probe_reason(model, text_config, needs)
+    )
+    _verdicts[model] = (config, reason, frozenset(needs))
+    return reason, frozenset(needs)
 
 
 def layer_types_reason(text_config: Any) -> str | None:
@@ -104,7 +121,7 @@ def layer_windows(text_config: Any) -> list[int | None]:
     return [int(window) if kind == "sliding_attention" else None for kind in types]
 
 
-def probe_reason(model: torch.nn.Module, text_config: Any) -> str | None:
+def probe_reason(model: torch.nn.Module, text_config: Any, needs: set[str] | None = None) -> str | None:
     """Run the model on a few tokens with the attention function recording, and check what it saw."""
     param = next(model.parameters())
     vocab = model.get_input_embeddings()
@@ -117,7 +134,24 @@ def probe_reason(model: torch.nn.Module, text_config: Any) -> str | None:
     except Exception as error:  # a model whose forward needs what the engine never gives it
         failure = f"{type(error).__name__}: {error}"
         return f"a forward of {PROBE_TOKENS} tokens with the engine's attention failed ({failure})"
+    if needs is not None:
+        needs.update(calls_needs(calls, text_config))
     return calls_reason(calls, text_config.num_hidden_layers, layer_windows(text_config))
+
+
+def calls_needs(calls: list[AttentionCall], text_config: Any) -> set[str]:
+    """What the recorded calls (and the config's chunked layers) ask of the kernels."""
+    needs = set()
+    if "chunked_attention" in (getattr(text_config, "layer_types", None) or ()):
+        needs.add("chunked_attention")
+    for call in calls:
+        if call.kwargs.get("sliding_window"):
+            needs.add("sliding_window")
+        if call.kwargs.get("softcap"):
+            needs.add("logit_softcap")
+        if call.kwargs.get("s_aux") is not None:
+            needs.add("attention_sinks")
+    return needs
 
 
 def calls_reason(
@@ -171,9 +205,15 @@ def arguments_reason(call: AttentionCall, window: int | None) -> str | None:
         if name in NEUTRAL_ARGUMENTS or value is None:
             continue
         if name == "s_aux":
-            return f"layer {call.layer_idx} passes attention sinks (s_aux, as in gpt-oss), which the kernels ignore"
-        if name == "softcap":
-            return f"layer {call.layer_idx} soft-caps attention logits (softcap={value}), which the kernels do not"
+            if (
+                not isinstance(value, torch.Tensor)
+                or value.dim() != 1
+                or value.shape[0] != call.query_shape[1]
+            ):
+                return f"layer {call.layer_idx} passes attention sinks (s_aux) that are not one logit per query head"
+            continue
+        if name == "softcap":  # served: the kernels soft-cap the scores
+            continue
         if name == "sliding_window":  # checked above against the layer's mask
             continue
         if name == "is_causal":

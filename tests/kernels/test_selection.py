@@ -32,21 +32,23 @@ def test_every_backend_name_is_known():
     assert set(BACKEND_NAMES) == {"auto", "torch", "triton", "flashinfer"}
 
 
-def test_a_model_with_sliding_windows_never_gets_a_backend_without_them(monkeypatch):
-    """FlashInfer plans no per-layer window here: "auto" passes over it for a windowed model (even where
-    it would run) and a request for it by name is refused with the reason."""
-    from hfaccel.kernels import selection
+def test_a_model_gets_only_a_backend_that_serves_what_its_layers_need(monkeypatch):
+    """Windows, chunks, soft-capping and sinks (what the guard's probe records, `attention_needs`): a
+    backend whose capabilities lack one is passed over by "auto" (FlashInfer, even where it would run;
+    Triton, for soft-capping and sinks) and refused by name with the reason."""
     from hfaccel.kernels.flashinfer_backend import FlashInferPagedAttention
+    from hfaccel.kernels.triton_backend import TritonPagedAttention
 
+    cuda, half = torch.device("cuda"), torch.float16
+    window = frozenset({"sliding_window"})
     assert not FlashInferPagedAttention.capabilities.sliding_window
-    assert TorchPagedAttention.capabilities.sliding_window
-    reason = unavailable_reason("flashinfer", torch.device("cuda"), torch.float16, 64, sliding_window=True)
+    reason = unavailable_reason("flashinfer", cuda, half, 64, window)
     assert reason == "the flashinfer backend does not serve sliding-window attention layers"
     monkeypatch.setattr(FlashInferPagedAttention, "unavailable_reason", classmethod(lambda *a: None))
-    chosen = [
-        name
-        for name in ("flashinfer", "triton", "torch")
-        if selection.unavailable_reason(name, torch.device("cuda"), torch.float16, 64, True) is None
-    ]
-    assert "flashinfer" not in chosen
-    assert selection.unavailable_reason("flashinfer", torch.device("cuda"), torch.float16, 64, False) is None
+    monkeypatch.setattr(TritonPagedAttention, "unavailable_reason", classmethod(lambda *a: None))
+    assert unavailable_reason("flashinfer", cuda, half, 64) is None
+    assert get_backend("auto", cuda, half, 64, window).name == "triton"
+    assert get_backend("auto", cuda, half, 64, frozenset({"chunked_attention"})).name == "triton"
+    for need in ("logit_softcap", "attention_sinks"):
+        assert get_backend("auto", cuda, half, 64, frozenset({need, "sliding_window"})).name == "torch"
+        assert "does not serve" in unavailable_reason("triton", cuda, half, 64, frozenset({need}))

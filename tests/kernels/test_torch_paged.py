@@ -10,9 +10,10 @@ BLOCK = 4
 HQ, HKV, D = 4, 2, 8
 
 
-def dense_reference(q, k, v, scale, window=0, chunk=0):
+def dense_reference(q, k, v, scale, window=0, chunk=0, softcap=0.0, sinks=None):
     """Causal attention of the last q.shape[0] positions over the full k/v of one sequence (within a
-    sliding `window` of positions, and within each query's `chunk`, where > 0)."""
+    sliding `window` of positions, and within each query's `chunk`, where > 0; soft-capped scores and
+    attention sinks written out as transformers' eager Gemma 2 and gpt-oss attention do)."""
     lq, lk = q.shape[0], k.shape[0]
     mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq)
     if window > 0:
@@ -20,6 +21,17 @@ def dense_reference(q, k, v, scale, window=0, chunk=0):
     if chunk > 0:
         queries, keys = torch.arange(lk - lq, lk)[:, None], torch.arange(lk)[None, :]
         mask &= keys // chunk == queries // chunk
+    if softcap or sinks is not None:
+        rep = q.shape[1] // k.shape[1]
+        qf, kf = q.transpose(0, 1).float(), k.transpose(0, 1).float().repeat_interleave(rep, 0)
+        scores = qf @ kf.transpose(-1, -2) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float().view(-1, 1, 1).expand(-1, lq, 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :lk]
+        return (probs @ v.transpose(0, 1).float().repeat_interleave(rep, 0)).transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).float(),
         k.transpose(0, 1).float(),
@@ -31,7 +43,7 @@ def dense_reference(q, k, v, scale, window=0, chunk=0):
     return out.transpose(0, 1)
 
 
-def run_step(seqs, dtype, seed=0, decode_query_len=1, window=0, chunk=0):
+def run_step(seqs, dtype, seed=0, decode_query_len=1, window=0, chunk=0, softcap=0.0, sinks=None):
     """seqs: list of (context_before, new_tokens). Returns packed output and the per-seq references."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = 64
@@ -57,7 +69,7 @@ def run_step(seqs, dtype, seed=0, decode_query_len=1, window=0, chunk=0):
         qsl.append(qsl[-1] + new)
         lens.append(total)
         tables.append(blocks)
-        refs.append(dense_reference(q, full_k, full_v, D**-0.5, window, chunk))
+        refs.append(dense_reference(q, full_k, full_v, D**-0.5, window, chunk, softcap, sinks))
     layout = StepLayout(
         query_lens=[seqs[i][1] for i in order],
         seq_lens=lens,
@@ -69,7 +81,9 @@ def run_step(seqs, dtype, seed=0, decode_query_len=1, window=0, chunk=0):
     builder = backend.make_builder(8, 64, 16, BLOCK, torch.device("cpu"), num_blocks=num_blocks)
     meta = builder.build(layout)
     key, value = torch.cat(keys), torch.cat(values)
-    out = backend.forward(torch.cat(queries), key, value, (k_cache, v_cache), meta, D**-0.5, window, chunk)
+    out = backend.forward(
+        torch.cat(queries), key, value, (k_cache, v_cache), meta, D**-0.5, window, chunk, softcap, sinks
+    )
     return out, torch.cat(refs)
 
 
@@ -137,6 +151,32 @@ def test_chunked_attention_matches_dense_chunked_attention(window, chunk, decode
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("softcap", "with_sinks"), [(0.5, False), (0.0, True), (0.5, True)])
+@pytest.mark.parametrize("decode_query_len", [1, 8])
+def test_softcapping_and_sinks_match_the_written_out_attention(
+    softcap, with_sinks, decode_query_len, decode_path
+):
+    """Gemma 2's soft-capped scores and gpt-oss's attention sinks (one logit per query head, large), on
+    every path (the C kernel, the batched decode, verification rows, fresh and continued prefill), with
+    a sliding window too."""
+    sinks = torch.tensor([1.5, -0.5, 3.0, 0.0]) if with_sinks else None
+    seqs = [(10, 3), (20, 1), (4, 1), (0, 9), (7, 12)]
+    for window in (0, 5):
+        out, ref = run_step(
+            seqs,
+            torch.float32,
+            decode_query_len=decode_query_len,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
+        )
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        out, ref = run_step(
+            [(10, 1), (20, 1), (2, 1)], torch.float32, window=window, softcap=softcap, sinks=sinks
+        )
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 def _one_step(slots, padded_seqs=None, padded_tokens=None, num_blocks=4):
     backend = TorchPagedAttention()
     k_cache = torch.zeros(backend.kv_cache_shape(num_blocks, BLOCK, HKV, D))
@@ -197,7 +237,7 @@ def test_custom_op_has_a_fake_implementation_for_compile():
 
     with FakeTensorMode():
         q, k = torch.empty(5, HQ, D), torch.empty(5, HKV, D)
-        out = torch.ops.hfaccel.paged_attention(q, k, k, 0, 0.1)
+        out = torch.ops.hfaccel.paged_attention_v2(q, k, k, 0, 0.1)
     assert out.shape == (5, HQ, D)
 
 
@@ -205,7 +245,7 @@ def test_custom_op_outside_an_engine_step_raises():
     import hfaccel.kernels.op  # noqa: F401
 
     with pytest.raises(RuntimeError, match="only inside an hfaccel engine step"):
-        torch.ops.hfaccel.paged_attention(
+        torch.ops.hfaccel.paged_attention_v2(
             torch.randn(1, HQ, D), torch.randn(1, HKV, D), torch.randn(1, HKV, D), 0, 0.1
         )
 

@@ -42,7 +42,6 @@ def family_model(model_type: str, **extra):
 
 
 REFUSED = {
-    "gpt_oss": ({"num_local_experts": 4, "head_dim": 16, "sliding_window": 8}, "attention sinks"),
     "llama4_text": (  # chunked layers without a chunk size
         {"head_dim": 16, "num_local_experts": 2, "intermediate_size_mlp": 64, "attention_chunk_size": None},
         "chunked attention layers without an attention_chunk_size",
@@ -72,7 +71,6 @@ REFUSED = {
         },
         "multi-head latent attention",
     ),
-    "gemma2": ({"head_dim": 16, "attn_logit_softcapping": 50.0}, "soft-caps attention logits"),
 }
 
 
@@ -114,7 +112,8 @@ def call(layer=0, q=(1, 4, 4, 16), k=(1, 2, 4, 16), v=(1, 2, 4, 16), **kwargs):
 
 def test_unknown_attention_arguments_are_refused_and_neutral_ones_pass():
     assert arguments_reason(call(position_ids=torch.zeros(1, 4), use_cache=False, softcap=None), None) is None
-    assert "s_aux" in arguments_reason(call(s_aux=torch.zeros(4)), None)
+    assert arguments_reason(call(s_aux=torch.zeros(4), softcap=30.0), None) is None  # served
+    assert "not one logit per query head" in arguments_reason(call(s_aux=torch.zeros(2)), None)
     assert "passes mystery_bias=1.5" in arguments_reason(call(mystery_bias=1.5), None)
     assert "is_causal=False" in arguments_reason(call(is_causal=False), None)
 
@@ -157,6 +156,10 @@ WINDOWED = {
         "intermediate_size_mlp": 64,
         "attention_chunk_size": 8,
     },
+    # soft-capped scores (a cap of 0.3: the scores of these weights are capped hard), sliding and full layers
+    "gemma2": {"head_dim": 16, "attn_logit_softcapping": 0.3},
+    # attention sinks (one logit per query head, set large below), sliding and full layers, MoE
+    "gpt_oss": {"num_local_experts": 4, "head_dim": 16},
     "qwen2": {  # sliding from layer 1 on
         "use_sliding_window": True,
         "layer_types": ["full_attention"] + ["sliding_attention"] * 3,
@@ -166,14 +169,17 @@ WINDOWED = {
 
 @pytest.mark.parametrize("model_type", sorted(WINDOWED))
 def test_window_families_give_hf_tokens_past_the_window(model_type):
-    """Sliding-window and chunked-attention families are served on the engine (strict: no fallback) past
-    their window or chunk: 8 positions, prompts of 5-40 tokens and 12 new ones, so most sequences
-    outgrow it in prefill, in chunked prefill (a budget of 16 tokens a step) and while decoding."""
+    """Sliding-window and chunked-attention families (with soft-capping, Gemma 2, and attention sinks,
+    gpt-oss) are served on the engine (strict: no fallback) past their window or chunk: 8 positions,
+    prompts of 5-40 tokens and 12 new ones, so most sequences outgrow it in prefill, in chunked prefill (a
+    budget of 16 tokens a step) and while decoding."""
     model = family_model(model_type, sliding_window=8, vocab_size=256, **WINDOWED[model_type])
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+            if name.endswith(".sinks"):  # large enough to take much of each softmax
+                p.normal_(0.0, 2.0)
     prompts = varied_prompts(6, seed=3)
     assert max(map(len, prompts)) > 20
     hfaccel.patch(model, strict=True, max_num_batched_tokens=16, max_num_seqs=4)
