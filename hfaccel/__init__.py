@@ -4,6 +4,7 @@ import hfaccel
 model = hfaccel.patch(model)      # model.generate(...) and pipelines now run on the engine
 hfaccel.generate(model, prompts, tokenizer=tok, max_new_tokens=64)   # many prompts at once
 hfaccel.release(model)            # free the KV cache (rebuilt by the next generate)
+print(hfaccel.check(model))       # before patching: what of this model runs on the engine, and why not
 await hfaccel.agenerate(model, prompts, tokenizer=tok)                 # the same, from asyncio
 server = hfaccel.serve(model, tok, port=8000)   # an OpenAI-compatible server over the live model
 
@@ -17,6 +18,7 @@ from hfaccel.api import (
     StreamEvent,
     agenerate,
     astream,
+    check,
     generate,
     group_by_prompt,
     patch,
@@ -37,6 +39,7 @@ __all__ = [
     "StreamEvent",
     "agenerate",
     "astream",
+    "check",
     "engine_state",
     "generate",
     "group_by_prompt",

@@ -158,11 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard the model over N processes: torchrun --nproc-per-node N -m hfaccel demo --tensor-parallel-size N",
     )
 
-    sub.add_parser(
+    doctor = sub.add_parser(
         "doctor",
         help="what this machine can run, and a correctness check of every attention backend",
         description="What this machine can run (devices, backends, dtypes), and a correctness check of every "
-        "attention backend against the torch reference.",
+        "attention backend against the torch reference. With --model: what of that model runs on the engine.",
+    )
+    doctor.add_argument(
+        "--model", metavar="PATH", default=None, help="also check a local model folder (hfaccel.check)"
     )
 
     bench = sub.add_parser(
@@ -297,6 +300,12 @@ def _run(args: argparse.Namespace) -> None:
             )
 
         reports = run_doctor()
+        if args.model is not None:
+            import hfaccel
+
+            model, _ = _load(args.model, torch.float32)
+            print()
+            print(hfaccel.check(model))
         raise SystemExit(1 if any(r.status == "FAIL" for r in reports) else 0)
     if args.command == "demo":
         from hfaccel.bench.demo import run_demo

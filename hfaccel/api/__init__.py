@@ -3,9 +3,11 @@
 any thread.
 
 One module a concept: `patching` (the patch lifecycle), `prompts` (what a prompt may be), `planning`
-(prompts -> engine requests), `offline` (generate), `streaming` (stream) and `results` (what comes back).
+(prompts -> engine requests), `offline` (generate), `streaming` (stream), `results` (what comes back)
+and `check` (what of a model the engine serves, before it runs).
 """
 
+from hfaccel.api.check import ModelCheck, check
 from hfaccel.api.offline import agenerate, generate
 from hfaccel.api.patching import is_patched, patch, release, reset_prefix_cache, unpatch
 from hfaccel.api.results import Completion, RequestError, StreamEvent, group_by_prompt, prompt_logprobs_of
@@ -13,10 +15,12 @@ from hfaccel.api.streaming import astream, stream
 
 __all__ = [
     "Completion",
+    "ModelCheck",
     "RequestError",
     "StreamEvent",
     "agenerate",
     "astream",
+    "check",
     "generate",
     "group_by_prompt",
     "is_patched",

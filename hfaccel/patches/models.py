@@ -15,29 +15,33 @@ TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral",
 
 def check_model(model: torch.nn.Module) -> None:
     """Raise ValueError for a model the engine cannot serve; warn once for an untested family."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(model, "generate"):
-        raise ValueError("hfaccel.patch expects a transformers causal-LM model (with .config and .generate)")
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"{type(model).__name__} is an encoder-decoder model; hfaccel serves decoder-only models"
-        )
-    can_set = getattr(type(model), "_can_set_attn_implementation", None)
-    if can_set is not None and not can_set():
-        raise ValueError(
-            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
-            "so hfaccel cannot serve it"
-        )
-    reason = unsupported_reason(model)
+    reason = model_reason(model)
     if reason is not None:
-        raise ValueError(f"hfaccel cannot serve {type(model).__name__}: {reason}")
-    model_type = getattr(config.get_text_config(decoder=True), "model_type", None)
+        raise ValueError(reason)
+    model_type = getattr(model.config.get_text_config(decoder=True), "model_type", None)
     if model_type not in TESTED_MODEL_TYPES:
         warnings.warn(
             f"hfaccel is tested on {sorted(TESTED_MODEL_TYPES)}; model_type {model_type!r} should work if it "
             "uses standard causal attention, but its outputs are not checked by hfaccel's test suite",
             stacklevel=3,
         )
+
+
+def model_reason(model: torch.nn.Module) -> str | None:
+    """Why `patch` refuses this model (None: the engine serves it)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generate"):
+        return "hfaccel.patch expects a transformers causal-LM model (with .config and .generate)"
+    if getattr(config, "is_encoder_decoder", False):
+        return f"{type(model).__name__} is an encoder-decoder model; hfaccel serves decoder-only models"
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        return (
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
+            "so hfaccel cannot serve it"
+        )
+    reason = unsupported_reason(model)
+    return None if reason is None else f"hfaccel cannot serve {type(model).__name__}: {reason}"
 
 
 def sliding_window(model: torch.nn.Module) -> int | None:

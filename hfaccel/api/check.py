@@ -1,0 +1,77 @@
+"""`hfaccel.check(model)`: before the first `generate`, what of this model runs on the engine (per layer
+kind and per attention backend), and what will not and why."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from hfaccel.kernels.selection import ATTENTION_NEEDS, BACKEND_NAMES, get_backend, unavailable_reason
+from hfaccel.patches.layer_support import attention_needs
+from hfaccel.patches.models import max_model_len, model_reason
+
+# Calls that go to transformers' generate whatever the model (patches/planner.py's gates), for the report.
+ALWAYS_FALLS_BACK = (
+    "output_attentions / output_hidden_states",
+    "beam sampling, diverse and constrained beam search, beams with return_dict_in_generate",
+    "prefix_allowed_tokens_fn, negative prompts (classifier-free guidance), custom_generate",
+    "right-padded attention masks",
+)
+
+
+@dataclass
+class ModelCheck:
+    """What `check` found. `served`: `patch` accepts the model (else `reason`). `layers`: decoder layers
+    by kind. `needs`: what they ask of an attention backend beyond causal attention. `backends`: each
+    backend's answer here (None: it serves the model), `backend`: the one ``"auto"`` picks."""
+
+    model: str
+    served: bool
+    reason: str | None
+    layers: dict[str, int] = field(default_factory=dict)
+    needs: list[str] = field(default_factory=list)
+    backends: dict[str, str | None] = field(default_factory=dict)
+    backend: str | None = None
+    max_model_len: int | None = None
+
+    def __str__(self) -> str:
+        lines = [f"hfaccel.check: {self.model}"]
+        if not self.served:
+            lines.append(f"  refused at patch: {self.reason}")
+            return "\n".join(lines)
+        kinds = ", ".join(f"{count} {kind}" for kind, count in self.layers.items())
+        lines.append(f"  served on the engine: {kinds}; up to {self.max_model_len} tokens")
+        wanted = ", ".join(ATTENTION_NEEDS[n] for n in self.needs) or "plain causal attention"
+        lines.append(f"  attention: {wanted}")
+        for name, answer in self.backends.items():
+            mark = "picked by 'auto'" if name == self.backend else ("serves it" if answer is None else answer)
+            lines.append(f"    {name:<11} {mark}")
+        lines.append(
+            "  falls back to transformers' generate (one warning naming the reason), whatever the model:"
+        )
+        lines.extend(f"    {item}" for item in ALWAYS_FALLS_BACK)
+        return "\n".join(lines)
+
+
+def check(model: Any) -> ModelCheck:
+    """Say what of `model` runs on the engine before the first `generate` (runs the guard's 4-token
+    probe forward once; nothing is patched)."""
+    name = f"{type(model).__name__} ({getattr(getattr(model, 'config', None), 'model_type', '?')})"
+    reason = model_reason(model)
+    if reason is not None:
+        return ModelCheck(name, False, reason)
+    text_config = model.config.get_text_config(decoder=True)
+    types = list(getattr(text_config, "layer_types", None) or ())[: text_config.num_hidden_layers]
+    layers = dict(Counter(types)) if types else {"full_attention": text_config.num_hidden_layers}
+    needs = attention_needs(model)
+    param = next(model.parameters())
+    heads = text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    backends = {
+        backend: unavailable_reason(backend, param.device, param.dtype, head_dim, needs)
+        for backend in BACKEND_NAMES
+        if backend != "auto"
+    }
+    chosen = get_backend("auto", param.device, param.dtype, head_dim, needs).name
+    return ModelCheck(name, True, None, layers, sorted(needs), backends, chosen, max_model_len(model, None))
