@@ -205,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--coverage-out", default="bench-results", help="coverage: folder for coverage.md and coverage.png"
     )
     bench.add_argument(
+        "--families",
+        action="store_true",
+        help="coverage: the family matrix instead (every decoder-only family: served with HF's tokens, or refused)",
+    )
+    bench.add_argument(
         "--threads",
         type=_positive_int,
         default=None,
@@ -438,7 +443,12 @@ def run_bench(args: argparse.Namespace) -> None:
     if "coverage" in suites:  # a tiny random model of its own, seconds
         from hfaccel.bench.coverage import run_coverage
 
-        run_coverage(args.coverage_out)
+        if args.families:
+            from hfaccel.bench.families import run_families
+
+            run_families(args.coverage_out)
+        else:
+            run_coverage(args.coverage_out)
         suites = [s for s in suites if s != "coverage"]
         if not suites:
             return
