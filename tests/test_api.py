@@ -205,7 +205,7 @@ def test_fallen_back_copies_lose_hf_padding_and_say_they_stopped():
 
 
 def test_check_says_what_of_a_model_the_engine_serves_before_it_runs():
-    from tests.patches.test_layer_support import family_model
+    from hfaccel.bench.families import family_model
 
     model = tiny_model("llama")
     report = hfaccel.check(model)
@@ -213,9 +213,9 @@ def test_check_says_what_of_a_model_the_engine_serves_before_it_runs():
     assert report.served and report.reason is None and report.layers == {"full_attention": 2}
     assert report.needs == [] and report.backend == "torch" and report.backends["torch"] is None
     assert "served on the engine: 2 full_attention" in str(report)
-    sinks = hfaccel.check(family_model("gpt_oss", num_local_experts=4, head_dim=16, sliding_window=8))
+    sinks = hfaccel.check(family_model("gpt_oss"))
     assert sinks.served and sinks.needs == ["attention_sinks", "sliding_window"]
     assert sinks.backends["triton"] == "the triton backend does not serve attention sinks"
-    refused = hfaccel.check(family_model("mamba2", num_heads=4, head_dim=32, n_groups=1, state_size=16))
+    refused = hfaccel.check(family_model("mamba2"))
     assert not refused.served and "recurrent layers" in refused.reason
     assert "refused at patch" in str(refused)

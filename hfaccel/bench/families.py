@@ -103,11 +103,12 @@ class FamilyRow:
     prompts: int = 0
 
 
-def family_model(model_type: str) -> Any:
-    """A tiny random model of `model_type`: its default config with SMALL's values where it has them."""
+def family_model(model_type: str, **changes: Any) -> Any:
+    """A tiny random model of `model_type`: its default config with SMALL's values where it has them, its
+    `FAMILIES` entry, and `changes` on top (a value of None unsets a SMALL one)."""
     import transformers
 
-    extra = FAMILIES.get(model_type, {})
+    extra = {**FAMILIES.get(model_type, {}), **changes}
     config = transformers.AutoConfig.for_model(model_type)
     for key, value in {**SMALL, **extra}.items():
         if key in extra or hasattr(config, key):

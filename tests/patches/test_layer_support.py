@@ -3,74 +3,28 @@ is refused with the reason, never run with wrong tokens."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-import transformers
 
 import hfaccel
+from hfaccel.bench.families import family_model
 from hfaccel.patches.attention import AttentionCall
 from hfaccel.patches.layer_support import arguments_reason, calls_reason
 from tests.helpers import assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
 
-# Small values in the spirit of transformers' model testers (hidden sizes kept at multiples of 16: the
-# MoE kernels need aligned strides), two or four layers so a hybrid has both kinds.
-SMALL = {
-    "vocab_size": 99,
-    "hidden_size": 64,
-    "intermediate_size": 64,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
-
-def family_model(model_type: str, **extra):
-    """A tiny random model of `model_type` from its default config with SMALL's values (where the config
-    has them and lets them be set) and `extra`."""
-    config = transformers.AutoConfig.for_model(model_type)
-    for key, value in {**SMALL, **extra}.items():
-        if key in extra or hasattr(config, key):
-            with contextlib.suppress(AttributeError):  # a derived property (Jamba's layer_types, for one)
-                setattr(config, key, value)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
-
-
+# Tiny random models of each family (transformers' testers' sizes, weights large enough that every
+# layer matters): the family matrix's own (`bench/families.py`), with a test's changes on top.
 REFUSED = {
-    "llama4_text": (  # chunked layers without a chunk size
-        {"head_dim": 16, "num_local_experts": 2, "intermediate_size_mlp": 64, "attention_chunk_size": None},
+    "llama4_text": (
+        {"attention_chunk_size": None},
         "chunked attention layers without an attention_chunk_size",
     ),
-    "jamba": ({"num_experts": 2, "attn_layer_period": 2, "attn_layer_offset": 1}, "recurrent"),
-    "mamba2": ({"num_heads": 4, "head_dim": 32, "n_groups": 1, "state_size": 16}, "recurrent"),
-    "qwen3_next": (
-        {"head_dim": 16, "num_experts": 4, "moe_intermediate_size": 32, "linear_num_value_heads": 4},
-        "linear-attention",
-    ),
-    "falcon_h1": ({"head_dim": 16, "mamba_d_head": 16, "mamba_n_heads": 8}, "recurrent"),
-    "lfm2": ({"layer_types": ["conv", "full_attention", "conv", "full_attention"]}, "'conv'"),
-    "deepseek_v3": (
-        {
-            "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 8,
-            "head_dim": 8,
-            "v_head_dim": 16,
-            "kv_lora_rank": 16,
-            "q_lora_rank": None,
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "first_k_dense_replace": 1,
-            "n_group": 1,
-            "topk_group": 1,
-        },
-        "multi-head latent attention",
-    ),
+    "jamba": ({}, "recurrent"),
+    "mamba2": ({}, "recurrent"),
+    "qwen3_next": ({}, "linear-attention"),
+    "falcon_h1": ({}, "recurrent"),
+    "lfm2": ({}, "'conv'"),
+    "deepseek_v3": ({}, "multi-head latent attention"),
 }
 
 
@@ -145,41 +99,25 @@ def test_layer_shapes_one_paged_cache_cannot_hold_are_refused():
     assert "one paged cache holds one shape" in mixed
 
 
-WINDOWED = {
-    "gemma3_text": {"head_dim": 16},  # sliding and full layers (layer_types)
-    "cohere2": {"head_dim": 16},
-    "mistral": {},  # one window, every layer, no layer_types
-    # chunked layers (of 8 positions) and a full one, MoE, no rope on the full layers
-    "llama4_text": {
-        "head_dim": 16,
-        "num_local_experts": 2,
-        "intermediate_size_mlp": 64,
-        "attention_chunk_size": 8,
-    },
-    # soft-capped scores (a cap of 0.3: the scores of these weights are capped hard), sliding and full layers
-    "gemma2": {"head_dim": 16, "attn_logit_softcapping": 0.3},
-    # attention sinks (one logit per query head, set large below), sliding and full layers, MoE
-    "gpt_oss": {"num_local_experts": 4, "head_dim": 16},
-    "qwen2": {  # sliding from layer 1 on
-        "use_sliding_window": True,
-        "layer_types": ["full_attention"] + ["sliding_attention"] * 3,
-    },
-}
+# Windows and chunks of 8 positions (the family matrix's sizes); what each family brings besides:
+WINDOWED = (
+    "gemma3_text",  # sliding and full layers (layer_types)
+    "cohere2",
+    "mistral",  # one window, every layer, no layer_types
+    "llama4_text",  # chunked layers and a full one, MoE, no rope on the full layers
+    "gemma2",  # soft-capped scores (a cap of 0.3: the scores of these weights are capped hard)
+    "gpt_oss",  # attention sinks (one logit per query head, large), sliding and full layers, MoE
+    "qwen2",  # sliding from layer 1 on
+)
 
 
-@pytest.mark.parametrize("model_type", sorted(WINDOWED))
+@pytest.mark.parametrize("model_type", WINDOWED)
 def test_window_families_give_hf_tokens_past_the_window(model_type):
     """Sliding-window and chunked-attention families (with soft-capping, Gemma 2, and attention sinks,
     gpt-oss) are served on the engine (strict: no fallback) past their window or chunk: 8 positions,
     prompts of 5-40 tokens and 12 new ones, so most sequences outgrow it in prefill, in chunked prefill (a
     budget of 16 tokens a step) and while decoding."""
-    model = family_model(model_type, sliding_window=8, vocab_size=256, **WINDOWED[model_type])
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-            if name.endswith(".sinks"):  # large enough to take much of each softmax
-                p.normal_(0.0, 2.0)
+    model = family_model(model_type)  # weights N(0, 0.08), sinks N(0, 2)
     prompts = varied_prompts(6, seed=3)
     assert max(map(len, prompts)) > 20
     hfaccel.patch(model, strict=True, max_num_batched_tokens=16, max_num_seqs=4)
