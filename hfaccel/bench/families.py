@@ -115,7 +115,8 @@ def family_model(model_type: str, **changes: Any) -> Any:
             with contextlib.suppress(AttributeError, ValueError):  # a derived property
                 setattr(config, key, value)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    # transformers' eager attention: its reference (sdpa ignores Gemma 2's soft-capping on 5.17)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.dim() >= 2:

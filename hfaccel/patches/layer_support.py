@@ -136,6 +136,14 @@ def probe_reason(model: torch.nn.Module, text_config: Any, needs: set[str] | Non
         return f"a forward of {PROBE_TOKENS} tokens with the engine's attention failed ({failure})"
     if needs is not None:
         needs.update(calls_needs(calls, text_config))
+    implementation = getattr(text_config, "_attn_implementation", None)
+    capped = next((call for call in calls if call.kwargs.get("softcap")), None)
+    if capped is not None and implementation == "sdpa":  # transformers' sdpa attention drops the cap
+        return (
+            f"layer {capped.layer_idx} soft-caps attention logits (softcap={capped.kwargs['softcap']}), but the "
+            "model runs transformers' sdpa attention, which ignores soft-capping, so transformers' own output "
+            "is not soft-capped; load it with attn_implementation='eager' to serve it exactly"
+        )
     return calls_reason(calls, text_config.num_hidden_layers, layer_windows(text_config))
 
 

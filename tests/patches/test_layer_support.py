@@ -38,6 +38,18 @@ def test_families_the_engine_would_run_wrong_are_refused_at_patch(model_type):
     assert not hasattr(model, "_hfaccel") and model.generate == original  # nothing was patched
 
 
+def test_soft_capping_under_transformers_sdpa_attention_is_refused():
+    """transformers' sdpa attention ignores `softcap` (5.17 runs Gemma 2 on it; 5.24 forces eager): its
+    own output is not soft-capped, so the engine, which caps, would differ. Refused, saying what to do."""
+    model = family_model("gemma2")
+    model.config._attn_implementation = "sdpa"
+    with pytest.raises(
+        ValueError, match="sdpa attention, which ignores soft-capping.*attn_implementation='eager'"
+    ):
+        hfaccel.patch(model)
+    hfaccel.unpatch(hfaccel.patch(family_model("gemma2")))  # eager: served
+
+
 def test_a_made_up_layer_type_is_refused():
     model = tiny_model("llama", layers=2)
     model.config.layer_types = ["full_attention", "telepathic_attention"]
@@ -117,7 +129,7 @@ def test_window_families_give_hf_tokens_past_the_window(model_type):
     gpt-oss) are served on the engine (strict: no fallback) past their window or chunk: 8 positions,
     prompts of 5-40 tokens and 12 new ones, so most sequences outgrow it in prefill, in chunked prefill (a
     budget of 16 tokens a step) and while decoding."""
-    model = family_model(model_type)  # weights N(0, 0.08), sinks N(0, 2)
+    model = family_model(model_type)  # eager attention, weights N(0, 0.08), sinks N(0, 2)
     prompts = varied_prompts(6, seed=3)
     assert max(map(len, prompts)) > 20
     hfaccel.patch(model, strict=True, max_num_batched_tokens=16, max_num_seqs=4)
