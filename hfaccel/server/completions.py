@@ -209,29 +209,32 @@ async def stream_call(
         for i in range(call.count if echo else 0):
             yield _sse(call.envelope([flavour.delta(i, echo, None, None)], chunk=True))
         pending = [] if first is None else [first]
-        async for event in _chain(pending, _while_connected(events, gone)):
-            i = event.index
-            generated += 1
-            texts[i] += event.text or ""
-            if event.finished:
-                final = texts[i]
-                if event.finish_reason == "stop" and call.stops:
-                    final = cut_at_stop(final, call.stops)
-                delta, sent[i] = final[sent[i] :], len(final)
-            else:
-                safe = max(sent[i], len(texts[i]) - hold)
-                delta, sent[i] = texts[i][sent[i] : safe], safe
-            logprob = None if event.logprob is None else [event.logprob]
-            top = None if event.top_logprobs is None else [event.top_logprobs]
-            items = _logprob_items(tokenizer, [event.token_id], logprob, top, call)
-            if delta or event.finished or items:
-                finish = event.finish_reason if event.finished else None
-                yield _sse(call.envelope([flavour.delta(i, delta, finish, items)], chunk=True))
-        options = call.body.stream_options
-        if options is not None and options.include_usage:
-            yield _sse({**call.envelope([], chunk=True), "usage": call.usage(generated)})
-        yield format_sse_event(data_str="[DONE]")
-        outcome = "ok"
+        try:
+            async for event in _chain(pending, _while_connected(events, gone)):
+                i = event.index
+                generated += 1
+                texts[i] += event.text or ""
+                if event.finished:
+                    final = texts[i]
+                    if event.finish_reason == "stop" and call.stops:
+                        final = cut_at_stop(final, call.stops)
+                    delta, sent[i] = final[sent[i] :], len(final)
+                else:
+                    safe = max(sent[i], len(texts[i]) - hold)
+                    delta, sent[i] = texts[i][sent[i] : safe], safe
+                logprob = None if event.logprob is None else [event.logprob]
+                top = None if event.top_logprobs is None else [event.top_logprobs]
+                items = _logprob_items(tokenizer, [event.token_id], logprob, top, call)
+                if delta or event.finished or items:
+                    finish = event.finish_reason if event.finished else None
+                    yield _sse(call.envelope([flavour.delta(i, delta, finish, items)], chunk=True))
+            options = call.body.stream_options
+            if options is not None and options.include_usage:
+                yield _sse({**call.envelope([], chunk=True), "usage": call.usage(generated)})
+            yield format_sse_event(data_str="[DONE]")
+            outcome = "ok"
+        except ClientGone:  # its requests are cancelled: nothing more to send
+            return
     finally:
         await events.aclose()
         times: dict[str, Any] = {"e2e_s": time.perf_counter() - start, "ttft_s": first_token - start}
@@ -248,7 +251,7 @@ async def _while_connected(
 ) -> AsyncIterator[Any]:
     """`events` until they end or the client goes: asked every `CHECK_S` whether or not events come (a
     token that adds no text sends nothing, so a closed socket would not be noticed by a failed send).
-    Going cancels the pending wait, which cancels the requests (`astream`)."""
+    Going cancels the pending wait, which cancels the requests (`astream`), and raises `ClientGone`."""
     checked = time.monotonic()
     while True:
         step = asyncio.ensure_future(anext(events, _END))
@@ -258,7 +261,7 @@ async def _while_connected(
                 if time.monotonic() - checked >= CHECK_S:
                     checked = time.monotonic()
                     if await gone():
-                        return
+                        raise ClientGone
         finally:
             if not step.done():
                 step.cancel()
@@ -270,6 +273,10 @@ async def _while_connected(
 
 
 _END = object()
+
+
+class ClientGone(Exception):
+    """The client of a stream disconnected: the stream ends without its closing chunks."""
 
 
 async def _chain(head: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
