@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
@@ -234,7 +233,3 @@ async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
     finally:
         if not task.done():
             task.cancel()
-
-
-def request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
