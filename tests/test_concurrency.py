@@ -162,6 +162,16 @@ def test_astream_gives_the_events_of_stream_and_a_cancelled_task_cancels_its_req
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="needs the main thread")
 def test_ctrl_c_in_a_waiting_caller_cancels_only_its_requests():
+    # Python's own Ctrl-C handler, whatever this process inherited (a shell starts background jobs with
+    # SIGINT ignored, and Python then leaves it ignored).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_in_a_waiting_caller()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_in_a_waiting_caller():
     model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
     prompts = varied_prompts(6, seed=7)
     refs = [hf_greedy(model, p, 30) for p in prompts]
