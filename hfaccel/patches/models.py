@@ -44,13 +44,6 @@ def model_reason(model: torch.nn.Module) -> str | None:
     return None if reason is None else f"hfaccel cannot serve {type(model).__name__}: {reason}"
 
 
-def sliding_window(model: torch.nn.Module) -> int | None:
-    """The attention window of a model whose layers use one (None: full attention)."""
-    config = model.config.get_text_config(decoder=True)
-    window = getattr(config, "sliding_window", None)
-    return int(window) if window and getattr(config, "use_sliding_window", True) else None
-
-
 def max_model_len(model: torch.nn.Module, requested: int | None) -> int:
     """Longest sequence the engine serves for this model: its context (``max_position_embeddings``), or
     `requested` where it fits. Sliding windows do not shorten it: the kernels attend within each layer's

@@ -59,27 +59,14 @@ def test_triton_refuses_an_unsupported_head_dim():
         get_backend("triton", "cpu", torch.float32, 48)
 
 
-def test_triton_backend_serves_sliding_windows_as_the_torch_backend_does():
-    """A Mistral-style model with a window of 8 tokens, chunked prefill: the Triton kernels attend within
-    each layer's window as the torch backend does (which is checked against HF in patches/)."""
-    from transformers import MistralConfig, MistralForCausalLM
+@pytest.mark.parametrize("model_type", ["mistral", "llama4_text"])
+def test_triton_backend_serves_windows_and_chunks_as_the_torch_backend_does(model_type):
+    """The family matrix's tiny Mistral (a window of 8 positions) and Llama 4 (chunks of 8), chunked
+    prefill: the Triton kernels attend within each layer's window or chunk as the torch backend does
+    (which is checked against HF in patches/)."""
+    from hfaccel.bench.families import family_model
 
-    config = MistralConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        sliding_window=8,
-    )
-    torch.manual_seed(0)
-    model = MistralForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
+    model = family_model(model_type)
     prompts = varied_prompts(6, seed=3)
     chunked = {"max_num_batched_tokens": 16, "kv_cache_memory": 4_000_000}
     reference, _ = _tokens(model, prompts, max_new_tokens=10, backend="torch", **chunked)
