@@ -73,6 +73,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "minimax": {"num_local_experts": 2},
     "mamba2": {"num_heads": 4, "head_dim": 32, "n_groups": 1, "state_size": 16},
     "deepseek_v3": {
+        "num_key_value_heads": 4,  # K and V expanded to every head, as the real model (HF's eager repeats them else)
         "qk_nope_head_dim": 16,
         "qk_rope_head_dim": 8,
         "head_dim": 8,
@@ -85,6 +86,19 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1,
         "n_group": 1,
         "topk_group": 1,
+    },  # fmt: skip
+    "deepseek_v2": {
+        "num_key_value_heads": 4,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "head_dim": 8,
+        "v_head_dim": 16,
+        "kv_lora_rank": 16,
+        "q_lora_rank": None,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "first_k_dense_replace": 1,
     },  # fmt: skip
     "gptj": {"n_embd": 64, "n_layer": 4, "n_head": 4, "rotary_dim": 8, "n_positions": 512},
     "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2},

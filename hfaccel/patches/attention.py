@@ -60,6 +60,9 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
+    value_dim = v.shape[-1]
+    if value_dim < k.shape[-1]:  # multi-head latent attention: the cache holds values padded to K's width
+        v = torch.nn.functional.pad(v, (0, k.shape[-1] - value_dim))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     # The layer's sliding window, as transformers passes it (None for a full-attention layer), and its
     # chunk (chunked attention is told by the config only: transformers builds it into the mask).
@@ -71,7 +74,7 @@ def paged_attention_forward(
     device = q.device.type
     if not torch.is_autocast_enabled(device):
         out = torch.ops.hfaccel.paged_attention_v2(q, k, v, module.layer_idx, float(scale), *local)
-        return out.unsqueeze(0), None
+        return out[..., :value_dim].unsqueeze(0), None
     # Under autocast (accelerate wraps a trainer's model.forward in it, and HF's generate runs inside it)
     # the projections come out in the autocast dtype: attend in the KV cache's dtype, autocast off.
     cache_dtype = context.kv_caches[module.layer_idx][0].dtype
@@ -79,7 +82,7 @@ def paged_attention_forward(
         q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
     with torch.autocast(device, enabled=False):
         out = torch.ops.hfaccel.paged_attention_v2(q, k, v, module.layer_idx, float(scale), *local)
-    return out.unsqueeze(0).to(query.dtype), None
+    return out[..., :value_dim].unsqueeze(0).to(query.dtype), None
 
 
 def layer_chunk(module: torch.nn.Module) -> int:

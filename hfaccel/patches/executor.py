@@ -13,7 +13,7 @@ from hfaccel.engine.executor import ExecutorBase
 from hfaccel.patches import lora
 from hfaccel.patches.attention import engine_attention, register_attention
 from hfaccel.patches.compiled_forward import CompiledForward, own_code
-from hfaccel.patches.layer_support import attention_needs
+from hfaccel.patches.layer_support import attention_needs, attention_shape
 from hfaccel.patches.model_state import ModelStateTracker
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
 
@@ -35,6 +35,9 @@ class HFExecutor(ExecutorBase):
         self.num_q_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_q_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
+        shape = attention_shape(model)  # what the layers hand attention: DeepSeek-V3's config says otherwise
+        if shape is not None:
+            self.num_kv_heads, self.head_dim = shape.num_kv_heads, shape.head_dim
         self.attention_scale = _attention_scale(model, self.head_dim)
         self.attention_needs = attention_needs(model)
         self._state = ModelStateTracker(model)

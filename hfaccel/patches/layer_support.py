@@ -15,7 +15,8 @@ the reason, instead of giving wrong tokens. Three checks, none of them a list of
    LFM2's short convolution). transformers' ``Conv1D`` (GPT-2's projection) is a linear layer, not one;
 3. one forward of a few tokens with the attention function recording what it is handed: every decoder
    layer calls it exactly once, with K and V shapes one paged cache holds (every layer the same KV
-   heads and head dim; K, V and Q of one width, which multi-head latent attention breaks), and no
+   heads and head dims; Q as wide as K, V no wider: multi-head latent attention's narrower values are
+   padded), and no
    argument the kernels do not implement (a non-causal call, sinks other than one logit per query
    head; soft-capping ``softcap`` and attention sinks ``s_aux`` are served), and each layer's
    ``sliding_window`` the one its mask uses (the config's window on its sliding layers, none on the
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,35 +56,64 @@ NEUTRAL_ARGUMENTS = frozenset(
 )
 PROBE_TOKENS = 4
 
-_verdicts: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, str | None, frozenset[str]]] = (
-    weakref.WeakKeyDictionary()
-)
+_verdicts: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, _Verdict]] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What every layer hands attention, as the probe saw it: KV heads, the key (and query) head dim,
+    and the value head dim, which multi-head latent attention (DeepSeek-V2/V3) makes narrower."""
+
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    reason: str | None
+    needs: frozenset[str]
+    shape: AttentionShape | None
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why the engine cannot serve this model's layers exactly (None: it can). Kept per model and config
     object: the probe runs one forward of a few tokens."""
-    return _verdict(model)[0]
+    return _verdict(model).reason
 
 
 def attention_needs(model: torch.nn.Module) -> frozenset[str]:
     """What the model's layers ask of an attention backend beyond causal attention, as the probe saw them
     (`kernels.selection.ATTENTION_NEEDS`): sliding windows, chunks, soft-capping, sinks."""
-    return _verdict(model)[1]
+    return _verdict(model).needs
 
 
-def _verdict(model: torch.nn.Module) -> tuple[str | None, frozenset[str]]:
+def attention_shape(model: torch.nn.Module) -> AttentionShape | None:
+    """The KV heads and head dims the layers hand attention (None: the probe did not run or saw no call).
+    The config's ``head_dim`` need not be it: DeepSeek-V3's is its rotary part only."""
+    return _verdict(model).shape
+
+
+def _verdict(model: torch.nn.Module) -> _Verdict:
     config = model.config
     cached = _verdicts.get(model)
     if cached is not None and cached[0] is config:
-        return cached[1], cached[2]
+        return cached[1]
     text_config = config.get_text_config(decoder=True)
     needs: set[str] = set()
+    calls: list[AttentionCall] = []
     reason = (
-        layer_types_reason(text_config) or module_reason(model) or probe_reason(model, text_config, needs)
+        layer_types_reason(text_config)
+        or module_reason(model)
+        or probe_reason(model, text_config, needs, calls)
     )
-    _verdicts[model] = (config, reason, frozenset(needs))
-    return reason, frozenset(needs)
+    shape = None
+    if calls:
+        key, value = calls[0].key_shape, calls[0].value_shape
+        shape = AttentionShape(int(key[1]), int(key[-1]), int(value[-1]))
+    verdict = _Verdict(reason, frozenset(needs), shape)
+    _verdicts[model] = (config, verdict)
+    return verdict
 
 
 def layer_types_reason(text_config: Any) -> str | None:
@@ -121,8 +152,14 @@ def layer_windows(text_config: Any) -> list[int | None]:
     return [int(window) if kind == "sliding_attention" else None for kind in types]
 
 
-def probe_reason(model: torch.nn.Module, text_config: Any, needs: set[str] | None = None) -> str | None:
-    """Run the model on a few tokens with the attention function recording, and check what it saw."""
+def probe_reason(
+    model: torch.nn.Module,
+    text_config: Any,
+    needs: set[str] | None = None,
+    seen: list[AttentionCall] | None = None,
+) -> str | None:
+    """Run the model on a few tokens with the attention function recording, and check what it saw
+    (the calls are appended to `seen`, when given)."""
     param = next(model.parameters())
     vocab = model.get_input_embeddings()
     vocab_size = getattr(vocab, "base_layer", vocab).num_embeddings
@@ -134,6 +171,8 @@ def probe_reason(model: torch.nn.Module, text_config: Any, needs: set[str] | Non
     except Exception as error:  # a model whose forward needs what the engine never gives it
         failure = f"{type(error).__name__}: {error}"
         return f"a forward of {PROBE_TOKENS} tokens with the engine's attention failed ({failure})"
+    if seen is not None:
+        seen.extend(calls)
     if needs is not None:
         needs.update(calls_needs(calls, text_config))
     implementation = getattr(text_config, "_attn_implementation", None)
@@ -182,13 +221,19 @@ def calls_reason(
         return f"layers {_spans(repeated)} call attention more than once a forward, or are past num_hidden_layers"
     first = calls[0]
     for call in calls:
-        if call.value_shape[-1] != call.key_shape[-1] or call.key_shape[-1] != call.query_shape[-1]:
+        # Values narrower than keys (multi-head latent attention, DeepSeek-V2/V3) are served: the cache
+        # holds them zero-padded to the key width, and the output is cut back (as HF's flash path does).
+        if call.key_shape[-1] != call.query_shape[-1] or call.value_shape[-1] > call.key_shape[-1]:
             return (
-                f"layer {call.layer_idx} has queries, keys and values of different head dims "
-                f"({call.query_shape[-1]}, {call.key_shape[-1]}, {call.value_shape[-1]}: multi-head latent "
-                "attention, as in DeepSeek-V2/V3), which the paged cache does not hold"
+                f"layer {call.layer_idx} has queries, keys and values of head dims {call.query_shape[-1]}, "
+                f"{call.key_shape[-1]}, {call.value_shape[-1]}: the kernels need queries as wide as keys, "
+                "and values no wider"
             )
-        if call.key_shape[1] != first.key_shape[1] or call.key_shape[-1] != first.key_shape[-1]:
+        if (
+            call.key_shape[1] != first.key_shape[1]
+            or call.key_shape[-1] != first.key_shape[-1]
+            or call.value_shape[-1] != first.value_shape[-1]
+        ):
             return (
                 f"layer {call.layer_idx} has {call.key_shape[1]} KV heads of {call.key_shape[-1]} dims, layer "
                 f"{first.layer_idx} {first.key_shape[1]} of {first.key_shape[-1]}: one paged cache holds one shape"

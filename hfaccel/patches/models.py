@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from hfaccel.distributed.layout import parallel_layout
-from hfaccel.patches.layer_support import unsupported_reason
+from hfaccel.patches.layer_support import attention_shape, unsupported_reason
 
 TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"})
 
@@ -61,10 +61,21 @@ def kv_bytes_per_token(model: torch.nn.Module, kv_dtype: torch.dtype) -> int:
     """Bytes of K and V one token takes across all layers, from the model's config alone (the same
     count the engine's runner makes)."""
     config = model.config.get_text_config(decoder=True)
+    num_kv_heads, head_dim = attention_dims(model)
+    return 2 * config.num_hidden_layers * num_kv_heads * head_dim * kv_dtype.itemsize
+
+
+def attention_dims(model: torch.nn.Module) -> tuple[int, int]:
+    """(KV heads, head dim) of the whole model's K/V, as the patch-time probe (run before any sharding)
+    saw the layers hand them to attention, else from the config. The config is not always right:
+    DeepSeek-V3's ``head_dim`` is its rotary part, and its layers expand K and V to every query head."""
+    shape = attention_shape(model)
+    if shape is not None:
+        return shape.num_kv_heads, shape.head_dim
+    config = model.config.get_text_config(decoder=True)
     num_q_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
-    return 2 * config.num_hidden_layers * num_kv_heads * head_dim * kv_dtype.itemsize
+    return num_kv_heads, getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
 
 
 def check_engine_config(model: torch.nn.Module, config: Any) -> None:
@@ -77,10 +88,7 @@ def check_engine_config(model: torch.nn.Module, config: Any) -> None:
     context = max_model_len(model, config.max_model_len)
     param = next(model.parameters())
     kv_dtype = config.kv_dtype(param.dtype)
-    config_text = model.config.get_text_config(decoder=True)
-    head_dim = (
-        getattr(config_text, "head_dim", None) or config_text.hidden_size // config_text.num_attention_heads
-    )
+    head_dim = attention_dims(model)[1]
     if config.backend != "auto":
         reason = unavailable_reason(config.backend, param.device, kv_dtype, head_dim)
         if reason is not None:
@@ -88,7 +96,7 @@ def check_engine_config(model: torch.nn.Module, config: Any) -> None:
     block_bytes = kv_bytes_per_token(model, kv_dtype) * config.block_size
     tp = parallel_layout(model).tp
     if tp is not None and getattr(tp, "size", 1) > 1:  # a rank holds its share of the KV heads
-        kv_heads = getattr(config_text, "num_key_value_heads", None) or config_text.num_attention_heads
+        kv_heads = attention_dims(model)[0]
         block_bytes = block_bytes * max(1, kv_heads // tp.size) // kv_heads
     memory = config.kv_cache_memory
     budget = int(memory * free_memory_bytes(param.device)) if isinstance(memory, float) else memory

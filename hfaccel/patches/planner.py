@@ -27,6 +27,7 @@ from hfaccel.patches import embeds as embeds_in
 from hfaccel.patches import model_kwargs as extra_inputs
 from hfaccel.patches.arguments import CACHE_NAME
 from hfaccel.patches.beam import beam_limits_reason, beam_unsupported_reason, is_beam_search
+from hfaccel.patches.layer_support import attention_shape
 from hfaccel.patches.params import (
     has_default_lengths,
     prepare_config,
@@ -227,6 +228,15 @@ def _ids_gate(call: GenerateCall) -> str | None:
 
 
 def _cache_gate(call: GenerateCall) -> str | None:
+    """A cache given (of a type the engine imports) or returned (`return_dict_in_generate`), on a model
+    whose transformers cache holds what the engine's does: not multi-head latent attention's, which
+    holds compressed latents where the engine keeps expanded K and padded V."""
+    returned = call.config.return_dict_in_generate and call.config.use_cache is not False
+    if call.cache is None and not returned:
+        return None
+    shape = attention_shape(call.model)
+    if shape is not None and shape.value_head_dim != shape.head_dim:
+        return "a cache given or returned, with multi-head latent attention (its cache holds latents)"
     return None if call.cache is None else cache_in.type_reason(call.cache)
 
 

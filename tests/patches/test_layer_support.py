@@ -24,7 +24,6 @@ REFUSED = {
     "qwen3_next": ({}, "linear-attention"),
     "falcon_h1": ({}, "recurrent"),
     "lfm2": ({}, "'conv'"),
-    "deepseek_v3": ({}, "multi-head latent attention"),
 }
 
 
@@ -105,8 +104,13 @@ def test_layer_shapes_one_paged_cache_cannot_hold_are_refused():
     assert "layers [1, 2, 3, 4, 5, 6] (and 2 more) never call" in calls_reason([call(0)], 9, None)
     assert "more than once" in calls_reason([call(0), call(0), call(1)], 2, None)
     assert "without a layer_idx" in calls_reason([call(None)], 1, None)
-    mla = calls_reason([call(0, q=(1, 4, 4, 24), k=(1, 4, 4, 24), v=(1, 4, 4, 16))], 1, None)
-    assert "multi-head latent attention" in mla
+    # Multi-head latent attention's values, narrower than its keys, are served (padded in the cache)
+    assert calls_reason([call(0, q=(1, 4, 4, 24), k=(1, 4, 4, 24), v=(1, 4, 4, 16))], 1, None) is None
+    wide = calls_reason([call(0, q=(1, 4, 4, 16), k=(1, 2, 4, 16), v=(1, 2, 4, 24))], 1, None)
+    assert "head dims 16, 16, 24: the kernels need queries as wide as keys, and values no wider" in wide
+    assert "queries as wide as keys" in calls_reason([call(0, q=(1, 4, 4, 8))], 1, None)
+    values = calls_reason([call(0), call(1, v=(1, 2, 4, 8))], 2, None)
+    assert "one paged cache holds one shape" in values
     mixed = calls_reason([call(0), call(1, k=(1, 4, 4, 16), v=(1, 4, 4, 16))], 2, None)
     assert "one paged cache holds one shape" in mixed
 
@@ -139,3 +143,40 @@ def test_window_families_give_hf_tokens_past_the_window(model_type):
         hfaccel.unpatch(model)
     for prompt, completion in zip(prompts, completions):
         assert_same_or_near_tie(model, prompt, completion.token_ids, hf_greedy(model, prompt, 12))
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_latent_attention_families_give_hf_tokens(model_type):
+    """Multi-head latent attention (DeepSeek-V2/V3): keys of 24 dims (16 without rope, 8 with), values of
+    16, K and V expanded to every head; the config's head_dim (8, the rotary part) is not the cache's.
+    Served strictly, in chunked prefill, with prefix-cache hits on a shared start."""
+    model = family_model(model_type)
+    assert hfaccel.check(model).served
+    prompts = varied_prompts(8, seed=3)  # a 40-token start shared by prompts 4-6, the second call's hits
+    hfaccel.patch(model, strict=True, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        completions = hfaccel.generate(model, prompts[:5], max_new_tokens=12, progress=False)
+        completions += hfaccel.generate(model, prompts[5:], max_new_tokens=12, progress=False)
+        engine = model._hfaccel.get_engine(model)
+        assert engine.executor.head_dim == 24 and engine.executor.num_kv_heads == 4
+        assert engine.block_manager.stats.hit_tokens > 0
+    finally:
+        hfaccel.unpatch(model)
+    for prompt, completion in zip(prompts, completions):
+        assert_same_or_near_tie(model, prompt, completion.token_ids, hf_greedy(model, prompt, 12))
+
+
+def test_latent_attention_returns_transformers_own_cache():
+    """DeepSeek's transformers cache holds compressed latents, the engine's expanded K and padded V: a
+    call returning the cache falls back (with the reason), so the cache returned is transformers' own."""
+    model = family_model("deepseek_v3")
+    ids = torch.tensor([varied_prompts(3, seed=3)[2]])
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    hfaccel.patch(model)
+    try:
+        with pytest.warns(UserWarning, match="multi-head latent attention"):
+            out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert type(out.past_key_values) is type(expected.past_key_values)
