@@ -9,7 +9,7 @@ from typing import Any
 
 from hfaccel.kernels.selection import ATTENTION_NEEDS, BACKEND_NAMES, get_backend, unavailable_reason
 from hfaccel.patches.layer_support import attention_needs
-from hfaccel.patches.models import max_model_len, model_reason
+from hfaccel.patches.models import attention_dims, max_model_len, model_reason
 
 # Calls that go to transformers' generate whatever the model (patches/planner.py's gates), for the report.
 ALWAYS_FALLS_BACK = (
@@ -66,8 +66,7 @@ def check(model: Any) -> ModelCheck:
     layers = dict(Counter(types)) if types else {"full_attention": text_config.num_hidden_layers}
     needs = attention_needs(model)
     param = next(model.parameters())
-    heads = text_config.num_attention_heads
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    head_dim = attention_dims(model)[1]
     backends = {
         backend: unavailable_reason(backend, param.device, param.dtype, head_dim, needs)
         for backend in BACKEND_NAMES

@@ -22,6 +22,7 @@ from hfaccel.patches.generate import patched_generate
 from hfaccel.patches.models import check_engine_config, check_model
 from hfaccel.patches.patch_state import PatchState
 from hfaccel.patches.pipeline import install_pipeline_batching
+from hfaccel.patches.recurrent import restore_mixers
 from hfaccel.patches.tp_plan import setup_tensor_parallel
 
 
@@ -191,6 +192,7 @@ def unpatch(model: Any) -> Any:
             model.generate = state.instance_generate
     state.release("hfaccel.unpatch released the engine")
     restore_attention(model)
+    restore_mixers(model)
     return model
 
 

@@ -102,9 +102,11 @@ class StepPacker:
         self.seq_lens: list[int] = []
         self.tables: list[list[int]] = []
         self.logits_indices: list[int] = []
+        self.state_slots: list[int] = []
 
-    def add(self, tokens: list[int], start: int, blocks: list[int]) -> None:
-        """One sequence's `tokens` at positions ``start..``, its K/V written into `blocks`."""
+    def add(self, tokens: list[int], start: int, blocks: list[int], state_slot: int | None = None) -> None:
+        """One sequence's `tokens` at positions ``start..``, its K/V written into `blocks` (its recurrent
+        state into row `state_slot`, for a model with recurrent layers)."""
         end = start + len(tokens)
         size = self.block_size
         self.input_ids.extend(tokens)
@@ -113,6 +115,8 @@ class StepPacker:
         self.query_lens.append(len(tokens))
         self.seq_lens.append(end)
         self.tables.append(blocks)
+        if state_slot is not None:
+            self.state_slots.append(state_slot)
 
     def layout(self, decode_query_len: int) -> StepLayout:
         return StepLayout(
@@ -121,6 +125,7 @@ class StepPacker:
             block_tables=self.tables,
             slot_mapping=self.slots,
             num_decodes=num_leading_decodes(self.query_lens, decode_query_len),
+            state_slots=self.state_slots if len(self.state_slots) == len(self.tables) else None,
         )
 
 
@@ -148,7 +153,7 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
             tokens = [request.token_at(start), *drafts]
         else:
             tokens = request.all_token_ids[start:end]
-        packer.add(tokens, start, request.block_ids)
+        packer.add(tokens, start, request.block_ids, request.state_slot)
         if adapters is not None:
             adapters.extend([request.adapter] * count)
         if verifying:

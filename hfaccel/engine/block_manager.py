@@ -57,7 +57,13 @@ class BlockManager:
     so overwritten). Requests grow their block table all or nothing: a failed allocation changes nothing.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        num_state_slots: int = 0,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -72,6 +78,15 @@ class BlockManager:
         self.stats = PrefixCacheStats()
         # Copy-on-write: (source, destination) block copies the next forward must be preceded by.
         self.pending_copies: list[tuple[int, int]] = []
+        # Rows of a recurrent model's per-sequence state (`patches/recurrent.py`): a request takes one
+        # with its first block and gives it back with its blocks, so a slot outlives no request and a
+        # request that holds blocks always holds one. 0: the model has no recurrent layers.
+        self.num_state_slots = num_state_slots
+        self._free_slots: list[int] = list(reversed(range(num_state_slots)))
+
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_slots)
 
     @property
     def num_free_blocks(self) -> int:
@@ -120,6 +135,10 @@ class BlockManager:
         grow = max(0, total - len(request.block_ids))
         if grow + len(shared) > len(self._free):
             return False
+        if self.num_state_slots and request.state_slot is None:
+            if not self._free_slots:
+                return False
+            request.state_slot = self._free_slots.pop()
         blocks = list(islice(self._free, grow + len(shared)))
         for block_id in blocks:  # counted before the request lists them: never held uncounted
             self._ref_counts[block_id] = 1
@@ -141,6 +160,8 @@ class BlockManager:
 
         Counted before listed, unlisted before uncounted: an interruption leaves blocks counted too high
         (a leak `repair` reclaims), never a block held but counted free."""
+        if self.num_state_slots:  # the planner sends beams of recurrent models to transformers
+            raise NotImplementedError("forking a sequence with recurrent-layer state is not implemented")
         tables = [(list(p.block_ids), p.num_hashed_blocks, p.prefix_hash, p.cache_epoch) for p in parents]
         for blocks, *_ in tables:
             for block_id in blocks:
@@ -253,6 +274,9 @@ class BlockManager:
         """
         blocks = request.block_ids
         request.block_ids = []
+        slot, request.state_slot = request.state_slot, None
+        if slot is not None:
+            self._free_slots.append(slot)
         request.num_hashed_blocks, request.prefix_hash = 0, 0
         request.speculation.draft_computed = (
             0  # a draft model's KV lives in the same block ids: gone with them
@@ -288,9 +312,18 @@ class BlockManager:
         A cache entry survives only if the block and the index agree on its key.
         """
         counts = [0] * self.num_blocks
+        holders = list(holders)
         for request in holders:
             for block_id in request.block_ids:
                 counts[block_id] += 1
+        # State slots: a holder without blocks gives its slot back; every slot nobody holds is free.
+        held = set()
+        for request in holders:
+            if request.state_slot is not None and (not request.block_ids or request.state_slot in held):
+                request.state_slot = None
+            if request.state_slot is not None:
+                held.add(request.state_slot)
+        self._free_slots = [s for s in reversed(range(self.num_state_slots)) if s not in held]
         free = OrderedDict((b, None) for b in self._free if counts[b] == 0)
         free.update((b, None) for b in range(self.num_blocks) if counts[b] == 0 and b not in free)
         cached = {key: b for key, b in self._cached.items() if self._block_key[b] == key}
@@ -301,12 +334,21 @@ class BlockManager:
         self.pending_copies = []  # the step they were for failed
 
     def check(self, holders: Iterable[Request]) -> None:
-        """Raise AssertionError unless the counts, the free queue and the cache index match `holders`."""
+        """Raise AssertionError unless the counts, the free queue, the cache index and the state slots
+        match `holders`."""
+        holders = list(holders)
         counts = [0] * self.num_blocks
         for request in holders:
             for block_id in request.block_ids:
                 counts[block_id] += 1
         assert self._ref_counts == counts, "reference counts differ from the requests' block tables"
+        if self.num_state_slots:
+            held = [r.state_slot for r in holders if r.state_slot is not None]
+            assert len(held) == len(set(held)), "a state slot is held twice"
+            assert all(r.state_slot is not None for r in holders if r.block_ids), (
+                "blocks without a state slot"
+            )
+            assert sorted(held + self._free_slots) == list(range(self.num_state_slots)), "state slots leak"
         assert set(self._free) == {b for b in range(self.num_blocks) if counts[b] == 0}, "free queue is off"
         for key, b in self._cached.items():
             assert self._block_key[b] == key, f"cache index and block {b} disagree"

@@ -82,7 +82,10 @@ class Engine:
             budget = self.step_sync.min_int(budget)
         self.limits = self._resolve_limits(budget, per_token)
         self.num_blocks = self._num_blocks(per_token * block_size, budget)
-        self.block_manager = BlockManager(self.num_blocks, block_size, self.config.enable_prefix_caching)
+        state_slots = self._recurrent_state_slots()
+        self.block_manager = BlockManager(
+            self.num_blocks, block_size, self.config.enable_prefix_caching, state_slots
+        )
         self._cost_model = StepCostModel()
         self._cost_model_seen = 0  # the last step the model was fed (step 0 never is)
         self.scheduler = Scheduler(self.block_manager, self.config, self.max_model_len, self._cost_model)
@@ -139,6 +142,23 @@ class Engine:
         self.num_generated_tokens = 0
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
         self._next_id = itertools.count()  # next() is atomic: callers in any thread may make requests
+
+    def _recurrent_state_slots(self) -> int:
+        """State slots for a model with recurrent layers (one per sequence it may run), else 0. Such a
+        sequence cannot resume from its KV alone: the prefix cache is off, and drafts and compile too
+        (the per-sequence mixers run eager)."""
+        if not getattr(self.executor, "recurrent", False):
+            return 0
+        if self.config.speculative is not None:
+            raise ValueError(
+                "speculative: a model with recurrent layers (Mamba and its kin) cannot roll its state back "
+                "over rejected drafts; leave speculative unset"
+            )
+        self.config = self.config.with_overrides(
+            enable_prefix_caching=False, compile="off", cuda_graphs=False
+        )
+        self.executor.reserve_state_slots(self.config.max_num_seqs)
+        return self.config.max_num_seqs
 
     def _draft_executor(self) -> ModelExecutor | None:
         """The draft model of ``speculative=<model>`` as an executor, checked against the target (same

@@ -76,6 +76,15 @@ class ModelExecutor(Protocol):
     def run_pipeline(self, parts: list[Any], prepare: Callable[[Any], Any]) -> torch.Tensor:
         """A pipeline stage's step over its microbatches (`pipelined` executors only)."""
 
+    # Layers with a per-sequence recurrent state (Mamba and its kin) beside the paged KV: the engine
+    # gives each running request a state slot (`Request.state_slot`, in the step layout's
+    # ``state_slots``), and never resumes a sequence from KV alone (no prefix-cache hits, no drafts to
+    # roll back, no forked beams).
+    recurrent: bool
+
+    def reserve_state_slots(self, num_slots: int) -> None:
+        """Hold recurrent state for `num_slots` sequences (`recurrent` executors only)."""
+
 
 class ExecutorBase:
     """The defaults of `ModelExecutor`'s optional parts, for an executor that runs the whole model in one
@@ -85,6 +94,10 @@ class ExecutorBase:
     max_token_padding: int = 0  # the most tokens `pad_tokens` adds to a step
     pipelined: bool = False  # a pipeline stage: steps go through `run_pipeline`, not `forward`
     attention_needs: frozenset[str] = frozenset()  # plain causal attention
+    recurrent: bool = False  # no recurrent layers
+
+    def reserve_state_slots(self, num_slots: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no recurrent layers")
 
     def check_adapter(self, name: str) -> None:
         raise ValueError(f"adapter {name!r}: this model's executor serves no adapters")

@@ -45,6 +45,7 @@ def split_microbatches(packed: PackedStep, count: int, decode_query_len: int = 1
             block_tables=layout.block_tables[lo:hi],
             slot_mapping=layout.slot_mapping[t0:t1],
             num_decodes=num_leading_decodes(query_lens, decode_query_len),
+            state_slots=None if layout.state_slots is None else layout.state_slots[lo:hi],
         )
         indices, requests, sub_rows = [], [], []
         for position, request, n in sampled_by_end:

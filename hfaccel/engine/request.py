@@ -166,6 +166,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # The row of the model's recurrent-layer state it holds (models with recurrent layers only): taken
+    # with its first block, given back with its blocks.
+    state_slot: int | None = None
     num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
     prefix_hash: int = 0  # hash chain value after those blocks
     cache_epoch: int = 0  # the block manager's prefix-cache epoch when the request was admitted

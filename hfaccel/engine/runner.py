@@ -175,7 +175,8 @@ class ModelRunner:
         positions = self._stage("positions", packed.positions, tokens)
         logits_indices = self._stage("logits_indices", packed.logits_indices, len(packed.logits_indices))
         metadata = self.builder.build(packed.layout, None, tokens)
-        return input_ids, positions, logits_indices, ForwardContext(self.backend, metadata, self.kv_caches)
+        context = ForwardContext(self.backend, metadata, self.kv_caches, packed.layout)
+        return input_ids, positions, logits_indices, context
 
     def _run_one(self, packed: PackedStep, bucket: int | None) -> torch.Tensor:
         if self._copied is not None:
@@ -202,7 +203,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        context = ForwardContext(self.backend, metadata, self.kv_caches)
+        context = ForwardContext(self.backend, metadata, self.kv_caches, packed.layout)
         key = self._graph_key(bucket, metadata) if bucket is not None and self.cuda_graphs else None
         if key is not None and key not in self.graphs:
             self._capture(key, context, input_ids, positions, logits_indices)

@@ -62,6 +62,8 @@ class StepLayout:
     block_tables: list[list[int]]
     slot_mapping: list[int]
     num_decodes: int
+    # Each sequence's row of a recurrent model's state (`Request.state_slot`); None for other models.
+    state_slots: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -33,11 +33,13 @@ _local = threading.local()
 
 @dataclass
 class ForwardContext:
-    """The step's attention backend, its metadata, and every layer's ``(k_cache, v_cache)``."""
+    """The step's attention backend, its metadata, every layer's ``(k_cache, v_cache)``, and its host
+    layout (what a recurrent layer splits the packed tokens by)."""
 
     backend: Any  # AttentionBackend
     metadata: Any  # the backend's metadata for this step
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    layout: Any = None  # StepLayout
 
 
 @contextmanager

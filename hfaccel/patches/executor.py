@@ -16,6 +16,7 @@ from hfaccel.patches.compiled_forward import CompiledForward, own_code
 from hfaccel.patches.layer_support import attention_needs, attention_shape
 from hfaccel.patches.model_state import ModelStateTracker
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
+from hfaccel.patches.recurrent import SlotStates, install_mixers, recurrent_mixers
 
 
 class HFExecutor(ExecutorBase):
@@ -40,6 +41,7 @@ class HFExecutor(ExecutorBase):
             self.num_kv_heads, self.head_dim = shape.num_kv_heads, shape.head_dim
         self.attention_scale = _attention_scale(model, self.head_dim)
         self.attention_needs = attention_needs(model)
+        self.recurrent = bool(recurrent_mixers(model))
         self._state = ModelStateTracker(model)
         self._last_token: Hashable = None
         self._adapter_checks: dict[str, ValueError | None] = {}
@@ -63,6 +65,10 @@ class HFExecutor(ExecutorBase):
                 return self._model_forward(input_ids, positions, logits_indices, prompt_embeds)
             with lora.adapter_step(token_adapters, self.device):  # each token gets its request's LoRA
                 return self._model_forward(input_ids, positions, logits_indices, prompt_embeds)
+
+    def reserve_state_slots(self, num_slots: int) -> None:
+        """Wrap the model's recurrent mixers to run per sequence over `num_slots` state rows."""
+        install_mixers(self.model, SlotStates(num_slots))
 
     def prompt_inputs_reason(self) -> str | None:
         """Why this executor cannot take prompt embeddings or imported K/V (None: it can). A sharded

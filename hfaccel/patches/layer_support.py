@@ -2,28 +2,35 @@
 
 An engine step runs every decoder layer once over a packed batch of many sequences, with attention
 replaced by paged causal attention over each sequence's own KV blocks (within the layer's sliding
-window, where it has one: the kernels take it per layer). Anything else a layer does across tokens would mix
-the sequences of a batch or differ from HF, so a model with such a layer is refused at `patch`, with
-the reason, instead of giving wrong tokens. Three checks, none of them a list of families:
+window, where it has one: the kernels take it per layer), and each recurrent or convolutional token
+mixer run per sequence on its own state row (`patches/recurrent.py`). Anything else a layer does across
+tokens would mix the sequences of a batch or differ from HF, so a model with such a layer is refused
+at `patch`, with the reason, instead of giving wrong tokens. Three checks, none of them a list of
+families:
 
-1. the config's ``layer_types``: only ``full_attention``, ``sliding_attention`` and
-   ``chunked_attention`` (with an ``attention_chunk_size``; the kernels take each layer's chunk,
-   `attention.layer_chunk`) are served (``linear_attention``, ``hybrid``, ``mamba``, ``conv``, ``moe``
-   without attention... are refused);
-2. the modules: no ``torch.nn.Conv1d``, the causal convolution over the sequence in recurrent and
-   convolutional mixers (Mamba, Mamba 2, Jamba, Bamba, Falcon-H1, Zamba, Qwen3-Next's gated delta net,
-   LFM2's short convolution). transformers' ``Conv1D`` (GPT-2's projection) is a linear layer, not one;
+1. the config's ``layer_types``: ``full_attention``, ``sliding_attention`` and ``chunked_attention``
+   (with an ``attention_chunk_size``; the kernels take each layer's chunk, `attention.layer_chunk`);
+   ``mlp`` and ``moe`` (no token mixing); the recurrent kinds (``linear_attention``, ``mamba``,
+   ``hybrid``, ``conv``) where the model has recurrent mixers for the probe to check. Any other
+   type is refused;
+2. the recurrent mixers (the modules owning a ``torch.nn.Conv1d``, the causal convolution over the
+   sequence of Mamba, Mamba 2, gated delta nets and short convolutions; transformers' ``Conv1D``,
+   GPT-2's projection, is a linear layer): each needs a ``layer_idx`` and a cache argument, and
+   transformers' linear-attention cache API to be handed its state through (transformers 5.24 has
+   it, 5.17 does not);
 3. one forward of a few tokens with the attention function recording what it is handed: every decoder
-   layer calls it exactly once, with K and V shapes one paged cache holds (every layer the same KV
-   heads and head dims; Q as wide as K, V no wider: multi-head latent attention's narrower values are
-   padded), and no
-   argument the kernels do not implement (a non-causal call, sinks other than one logit per query
-   head; soft-capping ``softcap`` and attention sinks ``s_aux`` are served), and each layer's
-   ``sliding_window`` the one its mask uses (the config's window on its sliding layers, none on the
-   others: the kernels attend within the window they are handed, so a layer whose mask slides without
-   saying so would be served full). What the layers ask beyond causal attention (windows, chunks,
-   soft-capping, sinks) is recorded too (`attention_needs`): the engine picks a backend that serves it.
-   A layer that never calls it (RWKV, MiniMax's lightning attention) mixes tokens some other way.
+   layer without a recurrent mixer or a token-wise type calls it exactly once, with K and V shapes one
+   paged cache holds (every layer the same KV heads and head dims; Q as wide as K, V no wider:
+   multi-head latent attention's narrower values are padded), and no argument the kernels do not
+   implement (a non-causal call, sinks other than one logit per query head; soft-capping ``softcap``
+   and attention sinks ``s_aux`` are served), and each layer's ``sliding_window`` the one its mask
+   uses (the config's window on its sliding layers, none on the others: the kernels attend within the
+   window they are handed, so a layer whose mask slides without saying so would be served full). What
+   the layers ask beyond causal attention (windows, chunks, soft-capping, sinks) is recorded too
+   (`attention_needs`): the engine picks a backend that serves it. A layer that never calls it (RWKV,
+   MiniMax's lightning attention) mixes tokens some other way. Each recurrent mixer's call in that
+   forward is replayed per sequence from its state (`recurrent.round_trip_reason`): a mixer whose
+   state lives anywhere else gives other outputs, and is refused.
 """
 
 from __future__ import annotations
@@ -31,17 +38,27 @@ from __future__ import annotations
 import weakref
 from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
+import transformers
+from transformers import DynamicCache
 
 from hfaccel.patches.attention import AttentionCall, recording_attention
+from hfaccel.patches.recurrent import mixer_reason, recurrent_mixers, round_trip_reason
 
 SERVED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# Layer types whose token mixer keeps a per-sequence state: served when the model's mixers run per
+# sequence through transformers' cache API (`patches/recurrent.py`, checked at the probe).
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "mamba", "hybrid", "conv"})
+# Layer types that mix no tokens at all (Nemotron-H's MLP and MoE layers): nothing to attend or keep.
+TOKENWISE_LAYER_TYPES = frozenset({"mlp", "moe"})
 LAYER_TYPE_REASONS = {
     "linear_attention": "linear-attention or recurrent layers (a per-sequence state)",
     "mamba": "Mamba layers (a per-sequence recurrent state)",
     "hybrid": "hybrid attention + recurrent layers (a per-sequence recurrent state)",
+    "conv": "short-convolution layers (a per-sequence state)",
 }
 # Keyword arguments that carry nothing the kernels must implement, whatever their value.
 NEUTRAL_ARGUMENTS = frozenset(
@@ -74,6 +91,7 @@ class _Verdict:
     reason: str | None
     needs: frozenset[str]
     shape: AttentionShape | None
+    recurrent: bool
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -94,6 +112,12 @@ def attention_shape(model: torch.nn.Module) -> AttentionShape | None:
     return _verdict(model).shape
 
 
+def has_recurrent_layers(model: torch.nn.Module) -> bool:
+    """Whether the model has recurrent or convolutional token mixers (served with a per-sequence state
+    slot, `patches/recurrent.py`: a sequence cannot be resumed from KV alone)."""
+    return _verdict(model).recurrent
+
+
 def _verdict(model: torch.nn.Module) -> _Verdict:
     config = model.config
     cached = _verdicts.get(model)
@@ -102,8 +126,9 @@ def _verdict(model: torch.nn.Module) -> _Verdict:
     text_config = config.get_text_config(decoder=True)
     needs: set[str] = set()
     calls: list[AttentionCall] = []
+    mixers = recurrent_mixers(model)
     reason = (
-        layer_types_reason(text_config)
+        layer_types_reason(text_config, bool(mixers))
         or module_reason(model)
         or probe_reason(model, text_config, needs, calls)
     )
@@ -111,16 +136,19 @@ def _verdict(model: torch.nn.Module) -> _Verdict:
     if calls:
         key, value = calls[0].key_shape, calls[0].value_shape
         shape = AttentionShape(int(key[1]), int(key[-1]), int(value[-1]))
-    verdict = _Verdict(reason, frozenset(needs), shape)
+    verdict = _Verdict(reason, frozenset(needs), shape, bool(mixers))
     _verdicts[model] = (config, verdict)
     return verdict
 
 
-def layer_types_reason(text_config: Any) -> str | None:
-    """The first layer type in the config's ``layer_types`` the engine does not implement."""
+def layer_types_reason(text_config: Any, has_mixers: bool = False) -> str | None:
+    """The first layer type in the config's ``layer_types`` the engine does not implement (recurrent
+    kinds pass when the model has recurrent mixers: the probe checks those)."""
     for index, kind in enumerate(getattr(text_config, "layer_types", None) or ()):
         if kind == "chunked_attention" and not getattr(text_config, "attention_chunk_size", None):
             return f"chunked attention layers without an attention_chunk_size (layer_types[{index}])"
+        if (kind in RECURRENT_LAYER_TYPES and has_mixers) or kind in TOKENWISE_LAYER_TYPES:
+            continue
         if kind not in SERVED_LAYER_TYPES:
             what = LAYER_TYPE_REASONS.get(kind, f"layers of type {kind!r}")
             return f"{what} are not implemented by the engine (layer_types[{index}] = {kind!r})"
@@ -128,14 +156,18 @@ def layer_types_reason(text_config: Any) -> str | None:
 
 
 def module_reason(model: torch.nn.Module) -> str | None:
-    """A module that mixes tokens outside attention: a convolution over the sequence."""
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Conv1d):
-            return (
-                f"{name} ({type(module).__name__}) convolves over the sequence: a recurrent or convolutional "
-                "token mixer, which the engine does not implement (it keeps no per-sequence state)"
-            )
-    return None
+    """A module that mixes tokens outside attention (convolves over the sequence) that the engine cannot
+    run per sequence: one without a layer index or a cache argument, or any, on a transformers whose
+    cache has no linear-attention API to hand it its state through."""
+    mixers = recurrent_mixers(model)
+    if mixers and not hasattr(DynamicCache, "get_conv_state"):
+        name, module = mixers[0]
+        return (
+            f"{name} ({type(module).__name__}) convolves over the sequence: a recurrent or convolutional token "
+            f"mixer, which the engine serves through transformers' linear-attention cache API, which "
+            f"transformers {transformers.__version__} does not have"
+        )
+    return next((reason for name, module in mixers if (reason := mixer_reason(name, module))), None)
 
 
 def layer_windows(text_config: Any) -> list[int | None]:
@@ -165,12 +197,26 @@ def probe_reason(
     vocab_size = getattr(vocab, "base_layer", vocab).num_embeddings
     ids = (torch.arange(1, PROBE_TOKENS + 1) % vocab_size).unsqueeze(0).to(param.device)
     positions = torch.arange(PROBE_TOKENS, device=param.device).unsqueeze(0)
+    mixers = recurrent_mixers(model)
+    mixer_calls: dict[str, tuple[tuple, dict[str, Any]]] = {}
+    hooks = [
+        module.register_forward_pre_hook(partial(_record_mixer_call, mixer_calls, name), with_kwargs=True)
+        for name, module in mixers
+    ]
     try:
         with torch.no_grad(), recording_attention(model) as calls:
             model(input_ids=ids, position_ids=positions, use_cache=False)
     except Exception as error:  # a model whose forward needs what the engine never gives it
         failure = f"{type(error).__name__}: {error}"
         return f"a forward of {PROBE_TOKENS} tokens with the engine's attention failed ({failure})"
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for name, module in mixers:
+        if name not in mixer_calls:
+            return f"{name} ({type(module).__name__}) convolves over the sequence but was not called"
+        if (reason := round_trip_reason(name, module, *mixer_calls[name])) is not None:
+            return reason
     if seen is not None:
         seen.extend(calls)
     if needs is not None:
@@ -183,7 +229,16 @@ def probe_reason(
             "model runs transformers' sdpa attention, which ignores soft-capping, so transformers' own output "
             "is not soft-capped; load it with attn_implementation='eager' to serve it exactly"
         )
-    return calls_reason(calls, text_config.num_hidden_layers, layer_windows(text_config))
+    recurrent = {int(module.layer_idx) for _, module in mixers}
+    types = list(getattr(text_config, "layer_types", None) or ())
+    recurrent |= {index for index, kind in enumerate(types) if kind in TOKENWISE_LAYER_TYPES}
+    return calls_reason(calls, text_config.num_hidden_layers, layer_windows(text_config), recurrent)
+
+
+def _record_mixer_call(
+    calls: dict[str, tuple[tuple, dict[str, Any]]], name: str, module: Any, args: tuple, kwargs: dict
+) -> None:
+    calls.setdefault(name, (args, dict(kwargs)))
 
 
 def calls_needs(calls: list[AttentionCall], text_config: Any) -> set[str]:
@@ -202,15 +257,19 @@ def calls_needs(calls: list[AttentionCall], text_config: Any) -> set[str]:
 
 
 def calls_reason(
-    calls: list[AttentionCall], num_layers: int, windows: list[int | None] | None = None
+    calls: list[AttentionCall],
+    num_layers: int,
+    windows: list[int | None] | None = None,
+    recurrent: set[int] | frozenset[int] = frozenset(),
 ) -> str | None:
     """Why these recorded attention calls cannot run on the paged cache (None: they can). `windows`:
-    each layer's sliding window as its mask has it (`layer_windows`; None: no layer slides)."""
+    each layer's sliding window as its mask has it (`layer_windows`; None: no layer slides).
+    `recurrent`: layers whose recurrent mixer is served instead (they need not call attention)."""
     windows = windows if windows is not None else [None] * num_layers
     if any(call.layer_idx is None for call in calls):
         return "an attention module without a layer_idx (the engine keeps one KV cache per layer)"
     counts = Counter(int(call.layer_idx) for call in calls)
-    missing = [layer for layer in range(num_layers) if counts[layer] == 0]
+    missing = [layer for layer in range(num_layers) if counts[layer] == 0 and layer not in recurrent]
     if missing:
         return (
             f"decoder layers {_spans(missing)} never call the attention function: they mix tokens some "
@@ -219,6 +278,11 @@ def calls_reason(
     repeated = sorted(layer for layer, count in counts.items() if count > 1 or layer >= num_layers)
     if repeated:
         return f"layers {_spans(repeated)} call attention more than once a forward, or are past num_hidden_layers"
+    if not calls:
+        return (
+            "no layer calls attention (a purely recurrent model): the engine serves recurrent layers beside "
+            "attention layers, whose paged KV cache it is built around"
+        )
     first = calls[0]
     for call in calls:
         # Values narrower than keys (multi-head latent attention, DeepSeek-V2/V3) are served: the cache

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from hfaccel.distributed.layout import parallel_layout
-from hfaccel.patches.layer_support import attention_shape, unsupported_reason
+from hfaccel.patches.layer_support import attention_shape, has_recurrent_layers, unsupported_reason
 
 TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"})
 
@@ -86,6 +86,17 @@ def check_engine_config(model: torch.nn.Module, config: Any) -> None:
     from hfaccel.kernels.selection import unavailable_reason
 
     context = max_model_len(model, config.max_model_len)
+    if has_recurrent_layers(model):
+        if config.speculative is not None:
+            raise ValueError(
+                "speculative: a model with recurrent layers cannot roll their state back over rejected "
+                "drafts; leave speculative unset"
+            )
+        if parallel_layout(model).model_parallel:
+            raise ValueError(
+                "a model with recurrent layers is served in one process: tensor, pipeline and expert "
+                "parallelism are not implemented for its per-sequence state"
+            )
     param = next(model.parameters())
     kv_dtype = config.kv_dtype(param.dtype)
     head_dim = attention_dims(model)[1]

@@ -27,7 +27,7 @@ from hfaccel.patches import embeds as embeds_in
 from hfaccel.patches import model_kwargs as extra_inputs
 from hfaccel.patches.arguments import CACHE_NAME
 from hfaccel.patches.beam import beam_limits_reason, beam_unsupported_reason, is_beam_search
-from hfaccel.patches.layer_support import attention_shape
+from hfaccel.patches.layer_support import attention_shape, has_recurrent_layers
 from hfaccel.patches.params import (
     has_default_lengths,
     prepare_config,
@@ -234,6 +234,8 @@ def _cache_gate(call: GenerateCall) -> str | None:
     returned = call.config.return_dict_in_generate and call.config.use_cache is not False
     if call.cache is None and not returned:
         return None
+    if has_recurrent_layers(call.model):
+        return "a cache given or returned, with recurrent layers (the engine keeps their state its own way)"
     shape = attention_shape(call.model)
     if shape is not None and shape.value_head_dim != shape.head_dim:
         return "a cache given or returned, with multi-head latent attention (its cache holds latents)"
@@ -257,6 +259,8 @@ def _mode_gate(call: GenerateCall) -> str | None:
         return reason or (f"model kwargs {call.extra}" if call.extra else None)
     if not call.beams_allowed:
         return "beam search in a stream"
+    if has_recurrent_layers(call.model):
+        return "beam search with recurrent layers (a beam's state would have to be forked)"
     names = call.adapter_names
     reason = beam_unsupported_reason(call.model, call.config, call.extra, call.streamer, names, call.device)
     if reason is None and (call.embeds is not None or call.cache is not None):
@@ -282,6 +286,8 @@ def _options_gate(call: GenerateCall) -> str | None:
         return reason
     assistant = custom["assistant_model"]
     if assistant is not None or config.prompt_lookup_num_tokens is not None:
+        if has_recurrent_layers(call.model):
+            return "assisted decoding with recurrent layers (their state cannot be rolled back over rejected drafts)"
         speculative = call.state.config.speculative
         reason = assisted.unsupported_reason(call.model, config, assistant, speculative, ids.shape[0], stops)
         if reason is not None:

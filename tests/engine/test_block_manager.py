@@ -333,3 +333,32 @@ class ForkMachine(RuleBasedStateMachine):
 
 TestForkMachine = ForkMachine.TestCase
 TestForkMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_state_slots_go_with_the_first_block_and_come_back_with_the_blocks():
+    """A recurrent model's per-sequence state row: taken with the first block (all or nothing with it),
+    given back by free, one per request, and what is left after an interruption is repaired."""
+    manager = BlockManager(num_blocks=8, block_size=4, num_state_slots=2)
+    a, b, c = make_request(), make_request(), make_request()
+    assert manager.allocate(a, 5) and manager.allocate(b, 4)
+    assert {a.state_slot, b.state_slot} == {0, 1} and manager.num_free_state_slots == 0
+    a.num_computed_tokens = 5
+    slot = a.state_slot
+    assert manager.allocate(a, 4) and a.state_slot == slot  # growing keeps it
+    assert not manager.allocate(c, 4)  # blocks are free, slots are not: nothing changes
+    assert c.block_ids == [] and c.state_slot is None and manager.num_free_blocks == 4
+    manager.check([a, b, c])
+    manager.free(b)
+    assert b.state_slot is None and manager.num_free_state_slots == 1
+    assert manager.allocate(c, 4) and c.state_slot is not None
+    manager.check([a, b, c])
+    with pytest.raises(NotImplementedError, match="recurrent-layer state"):
+        manager.fork([a], [b])
+    # An interruption between taking a slot and listing the blocks: repair gives back what no table holds.
+    c.block_ids = []
+    manager.repair([a, b, c])
+    assert c.state_slot is None and manager.num_free_state_slots == 1
+    manager.check([a, b, c])
+    a.state_slot = None  # a slot nobody holds any more is found by check
+    with pytest.raises(AssertionError, match="blocks without a state slot"):
+        manager.check([a, b, c])

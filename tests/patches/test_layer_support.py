@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import hfaccel
 from hfaccel.bench.families import family_model
@@ -19,11 +20,9 @@ REFUSED = {
         {"attention_chunk_size": None},
         "chunked attention layers without an attention_chunk_size",
     ),
-    "jamba": ({}, "recurrent"),
-    "mamba2": ({}, "recurrent"),
-    "qwen3_next": ({}, "linear-attention"),
-    "falcon_h1": ({}, "recurrent"),
-    "lfm2": ({}, "'conv'"),
+    "mamba2": ({}, "(no layer calls attention \\(a purely recurrent model\\)|cache API)"),
+    "minimax": ({}, "linear-attention or recurrent layers"),  # lightning attention: no state API
+    "lfm2": ({"layer_types": ["conv", "full_attention", "telepathy", "full_attention"]}, "'telepathy'"),
 }
 
 
@@ -59,7 +58,7 @@ def test_a_made_up_layer_type_is_refused():
 def test_a_sequence_convolution_anywhere_is_refused():
     model = tiny_model("llama", layers=2)
     model.model.layers[1].mixer = torch.nn.Conv1d(64, 64, 4, groups=64)  # never called: it is there
-    with pytest.raises(ValueError, match=r"model.layers.1.mixer \(Conv1d\) convolves over the sequence"):
+    with pytest.raises(ValueError, match=r"model.layers.1 \(LlamaDecoderLayer\) convolves over the sequence"):
         hfaccel.patch(model)
 
 
@@ -180,3 +179,13 @@ def test_latent_attention_returns_transformers_own_cache():
         hfaccel.unpatch(model)
     assert torch.equal(out.sequences, expected.sequences)
     assert type(out.past_key_values) is type(expected.past_key_values)
+
+
+@pytest.mark.skipif(hasattr(DynamicCache, "get_conv_state"), reason="this transformers has the state API")
+def test_hybrids_are_refused_where_transformers_has_no_state_api():
+    """transformers 5.17's recurrent mixers keep their state in model-specific caches the engine cannot
+    hand them per sequence: refused, naming the version."""
+    with pytest.raises(
+        ValueError, match=r"Mamba.*linear-attention cache API, which transformers .* does not have"
+    ):
+        hfaccel.patch(family_model("jamba"))

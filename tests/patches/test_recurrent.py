@@ -1,0 +1,144 @@
+"""Recurrent and convolutional token mixers (Mamba, gated delta nets, short convolutions) on the engine:
+each sequence keeps its own state row, so hybrid models give HF's tokens in chunked prefill, batched
+decode and after preemption; a mixer whose state lives anywhere else is refused at `patch`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hfaccel
+from hfaccel.bench.families import family_model
+from hfaccel.config import EngineConfig
+from hfaccel.engine.engine import Engine
+from hfaccel.engine.request import StoppingParams
+from hfaccel.patches.recurrent import split_by_sequence
+from tests.helpers import assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
+
+state_api = pytest.mark.skipif(
+    not hasattr(DynamicCache, "get_conv_state"),
+    reason="this transformers keeps recurrent state in model-specific caches: hybrids are refused "
+    "(test_layer_support.py::test_hybrids_are_refused_where_transformers_has_no_state_api)",
+)
+# Weights N(0, 0.08) (the family matrix's): every mixer moves the argmax.
+HYBRIDS = (
+    "jamba",  # Mamba layers beside attention ones, MoE
+    "qwen3_next",  # gated delta net (conv and recurrent state) beside gated attention
+    "lfm2",  # short convolutions (conv state only)
+    "falcon_h1",  # attention and Mamba 2 side by side in every layer
+    "nemotron_h",  # Mamba 2, attention, MLP-only and MoE-only layers
+)
+
+
+@state_api
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_hybrid_families_give_hf_tokens(model_type):
+    """Prompts of 1-43 tokens under a budget of 16 tokens a step: starts in one call, later chunks
+    continued from the state, decodes batched; every slot comes back."""
+    model = family_model(model_type)
+    prompts = varied_prompts(8, seed=3)
+    hfaccel.patch(model, strict=True, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        completions = hfaccel.generate(model, prompts, max_new_tokens=12, progress=False)
+        engine = model._hfaccel.get_engine(model)
+        assert engine.block_manager.num_free_state_slots == 4
+        assert not engine.config.enable_prefix_caching
+    finally:
+        hfaccel.unpatch(model)
+    for prompt, completion in zip(prompts, completions):
+        assert_same_or_near_tie(model, prompt, completion.token_ids, hf_greedy(model, prompt, 12))
+
+
+@state_api
+def test_a_preempted_hybrid_sequence_starts_its_state_again():
+    model = family_model("jamba")
+    prompts = varied_prompts(6, seed=4)[2:6]
+    expected = [hf_greedy(model, p, 24, min_new_tokens=24) for p in prompts]
+    # Room for about two of the four requests at their full length: the newest ones are preempted.
+    block_bytes = 2 * 2 * 2 * 16 * 4 * 8  # K and V, 2 attention layers of 4, 2 KV heads, dim 16, float32
+    config = EngineConfig(block_size=8, kv_cache_memory=20 * block_bytes, max_num_batched_tokens=32)
+    engine = Engine(model, config)
+    requests = [engine.make_request(p, StoppingParams(24, 24)) for p in prompts]
+    engine.run(requests)
+    assert engine.scheduler.num_preemptions > 0
+    assert [r.output_token_ids for r in requests] == expected
+    engine.block_manager.check([])
+    assert engine.block_manager.num_free_state_slots == engine.config.max_num_seqs
+
+
+@state_api
+def test_what_cannot_resume_a_recurrent_state_falls_back_or_is_refused():
+    model = family_model("lfm2")
+    ids = torch.tensor([varied_prompts(3, seed=3)[2]])
+    with pytest.raises(ValueError, match="speculative: a model with recurrent layers"):
+        hfaccel.patch(model, speculative="ngram")
+    hfaccel.patch(model)
+    try:
+        with pytest.warns(UserWarning, match="beam search with recurrent layers"):
+            beams = model.generate(ids, max_new_tokens=4, num_beams=2, do_sample=False)
+        with pytest.warns(UserWarning, match="a cache given or returned, with recurrent layers"):
+            out = model.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        with pytest.warns(UserWarning, match="assisted decoding with recurrent layers"):
+            model.generate(ids, max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=2)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(beams, model.generate(ids, max_new_tokens=4, num_beams=2, do_sample=False))
+    assert out.past_key_values is not None
+
+
+class RunningSum(torch.nn.Module):
+    """A token mixer with a convolution that keeps its state in itself, not in the cache it is handed."""
+
+    def __init__(self, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.conv = torch.nn.Conv1d(64, 64, 2, groups=64)
+        self.up = torch.nn.Linear(64, 64)
+
+    def forward(self, hidden_states, cache=None, **kwargs):
+        return self.up(hidden_states.cumsum(1))
+
+
+@state_api
+def test_a_mixer_that_keeps_its_state_elsewhere_is_refused():
+    model = tiny_model("llama", layers=2)
+    model.model.layers[1].mlp = RunningSum(1)  # a token mixer where the MLP was
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp \(RunningSum\) gives other outputs"):
+        hfaccel.patch(model)
+
+
+@state_api
+def test_unpatch_gives_the_mixers_their_own_forward_back():
+    model = family_model("lfm2")
+    mixers = [m for m in model.modules() if any(isinstance(c, torch.nn.Conv1d) for c in m.children())]
+    hfaccel.patch(model)
+    hfaccel.generate(model, [[5, 6, 7]], max_new_tokens=2, progress=False)
+    assert all("forward" in m.__dict__ for m in mixers)
+    hfaccel.unpatch(model)
+    assert all("forward" not in m.__dict__ for m in mixers)
+
+
+class _Layout:
+    def __init__(self, query_lens, seq_lens, state_slots):
+        self.query_lens, self.seq_lens, self.state_slots = query_lens, seq_lens, state_slots
+
+
+def test_a_step_runs_decodes_together_starts_alone_and_chunks_token_by_token():
+    # Decodes of slots 3 and 1, a start of 3 tokens (slot 0), a chunk of 2 continuing slot 2.
+    layout = _Layout([1, 1, 3, 2], [9, 5, 3, 7], [3, 1, 0, 2])
+    hidden = torch.arange(7.0).view(1, 7, 1)
+    calls = []
+
+    def run(rows, slots, previous):
+        calls.append((rows.shape[:2], slots.tolist(), previous))
+        return rows * 10
+
+    out = split_by_sequence(hidden, layout, run)
+    assert torch.equal(out, hidden * 10)
+    assert calls == [
+        ((2, 1), [3, 1], True),
+        ((1, 3), [0], False),
+        ((1, 1), [2], True),
+        ((1, 1), [2], True),
+    ]
