@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from hfaccel.config import EngineConfig, is_draft_model
+from hfaccel.config import EngineConfig
 from hfaccel.engine.async_step import AsyncStepper, resolve_async_scheduling
 from hfaccel.engine.batch import pack_step
 from hfaccel.engine.beam_search import attach as attach_beams
@@ -26,7 +26,7 @@ from hfaccel.engine.request import GREEDY, Request, SamplingParams, StoppingPara
 from hfaccel.engine.runner import ModelRunner, kv_bytes_per_token
 from hfaccel.engine.sampler import next_tokens
 from hfaccel.engine.scheduler import Scheduler
-from hfaccel.engine.speculative.draft_model import DraftModelProposer
+from hfaccel.engine.speculative.draft_model import DraftModelProposer, draft_executor
 from hfaccel.engine.speculative.drafting import propose_drafts
 from hfaccel.engine.speculative.proposer import make_proposer, speculative_stats
 from hfaccel.kernels import get_backend
@@ -73,7 +73,7 @@ class Engine:
         token_padding = self.executor.max_token_padding  # sequence-parallel prefill padding
         # ---
         per_token = kv_bytes_per_token(self.executor, kv_dtype)
-        draft = self._draft_executor()
+        draft = draft_executor(self.config.speculative, self.vocab_size, self.device)
         if draft is not None:  # the draft's cache has as many blocks as the target's: budget both
             draft_kv_dtype = self.config.kv_dtype(draft.dtype)
             per_token += kv_bytes_per_token(draft, draft_kv_dtype)
@@ -159,24 +159,6 @@ class Engine:
         )
         self.executor.reserve_state_slots(self.config.max_num_seqs)
         return self.config.max_num_seqs
-
-    def _draft_executor(self) -> ModelExecutor | None:
-        """The draft model of ``speculative=<model>`` as an executor, checked against the target (same
-        vocabulary, same device); None for no speculation or a method name."""
-        if not is_draft_model(self.config.speculative):
-            return None
-        draft = make_executor(self.config.speculative)
-        if draft.vocab_size != self.vocab_size:
-            raise ValueError(
-                f"speculative: the draft model's vocabulary has {draft.vocab_size} tokens, the model's "
-                f"{self.vocab_size}; a draft model must share the model's tokenizer and vocabulary"
-            )
-        if draft.device != self.device:
-            raise ValueError(
-                f"speculative: the draft model is on {draft.device}, the model on {self.device}; "
-                "put both on the same device"
-            )
-        return draft
 
     def _use_cuda_graphs(self, backend: Any) -> bool:
         wanted = self.config.cuda_graphs

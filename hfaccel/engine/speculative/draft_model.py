@@ -28,11 +28,14 @@ tokens follow the target's distribution whatever the draft is.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from hfaccel.config import is_draft_model
 from hfaccel.engine.batch import PackedStep, StepPacker
 from hfaccel.engine.block_manager import BlockManager
+from hfaccel.engine.executor import ModelExecutor, make_executor
 from hfaccel.engine.request import Request, request_generator
 from hfaccel.engine.runner import ModelRunner
 from hfaccel.engine.speculative.rejection import _draw
@@ -170,3 +173,22 @@ class DraftModelProposer:
             packer.input_ids, packer.positions, packer.logits_indices, [r.request for r in rows], layout
         )
         return packed, order
+
+
+def draft_executor(speculative: Any, vocab_size: int, device: torch.device) -> ModelExecutor | None:
+    """The draft model of ``speculative=<model>`` as an executor, checked against the target's
+    vocabulary size and device; None for no speculation or a method name."""
+    if not is_draft_model(speculative):
+        return None
+    draft = make_executor(speculative)
+    if draft.vocab_size != vocab_size:
+        raise ValueError(
+            f"speculative: the draft model's vocabulary has {draft.vocab_size} tokens, the model's "
+            f"{vocab_size}; a draft model must share the model's tokenizer and vocabulary"
+        )
+    if draft.device != device:
+        raise ValueError(
+            f"speculative: the draft model is on {draft.device}, the model on {device}; "
+            "put both on the same device"
+        )
+    return draft
