@@ -133,6 +133,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "mamba_d_state": 16,
         "chunk_size": 16,
     },
+    "olmo_hybrid": {},
+    "mamba": {},
     "mamba2": {"num_heads": 4, "head_dim": 32, "n_groups": 1, "state_size": 16},
     "deepseek_v3": {
         "num_key_value_heads": 4,  # K and V expanded to every head, as the real model (HF's eager repeats them else)
@@ -237,7 +239,13 @@ def run_family(model_type: str) -> FamilyRow:
         c.token_ids == e[: len(c.token_ids)] and len(c.token_ids) == len(e)
         for c, e in zip(completions, expected)
     )
-    needs = ", ".join(report.needs)
+    from hfaccel.patches.layer_support import attention_shape, has_recurrent_layers
+
+    shape = attention_shape(model)
+    extras = ["recurrent state"] if has_recurrent_layers(model) else []
+    if shape is not None and shape.value_head_dim < shape.head_dim:
+        extras.append("latent attention (values padded)")
+    needs = ", ".join([*report.needs, *extras])
     return FamilyRow(model_type, "served", needs, equal, len(prompts))
 
 

@@ -16,8 +16,8 @@ families:
 2. the recurrent mixers (the modules owning a ``torch.nn.Conv1d``, the causal convolution over the
    sequence of Mamba, Mamba 2, gated delta nets and short convolutions; transformers' ``Conv1D``,
    GPT-2's projection, is a linear layer): each needs a ``layer_idx`` and a cache argument, and
-   transformers' linear-attention cache API to be handed its state through (transformers 5.24 has
-   it, 5.17 does not);
+   transformers' linear-attention cache API to be handed its state through (transformers 5.21 on;
+   5.17 to 5.20 keep it in model-specific caches);
 3. one forward of a few tokens with the attention function recording what it is handed: every decoder
    layer without a recurrent mixer or a token-wise type calls it exactly once, with K and V shapes one
    paged cache holds (every layer the same KV heads and head dims; Q as wide as K, V no wider:
@@ -275,9 +275,15 @@ def calls_reason(
             f"decoder layers {_spans(missing)} never call the attention function: they mix tokens some "
             "other way (a recurrent or linear-attention layer), which the engine does not implement"
         )
-    repeated = sorted(layer for layer, count in counts.items() if count > 1 or layer >= num_layers)
+    outside = sorted(layer for layer in counts if not 0 <= layer < num_layers)
+    if outside:
+        return (
+            f"attention modules with layer_idx {outside}, outside the {num_layers} decoder layers (a block "
+            "shared across layers, as Zamba's): the engine keeps one KV cache per layer index"
+        )
+    repeated = sorted(layer for layer, count in counts.items() if count > 1)
     if repeated:
-        return f"layers {_spans(repeated)} call attention more than once a forward, or are past num_hidden_layers"
+        return f"layers {_spans(repeated)} call attention more than once a forward"
     if not calls:
         return (
             "no layer calls attention (a purely recurrent model): the engine serves recurrent layers beside "

@@ -102,6 +102,7 @@ def test_layer_shapes_one_paged_cache_cannot_hold_are_refused():
     assert "decoder layers [1] never call" in calls_reason([call(0)], 2, None)
     assert "layers [1, 2, 3, 4, 5, 6] (and 2 more) never call" in calls_reason([call(0)], 9, None)
     assert "more than once" in calls_reason([call(0), call(0), call(1)], 2, None)
+    assert "layer_idx [-1], outside the 2 decoder layers" in calls_reason([call(0), call(1), call(-1)], 2)
     assert "without a layer_idx" in calls_reason([call(None)], 1, None)
     # Multi-head latent attention's values, narrower than its keys, are served (padded in the cache)
     assert calls_reason([call(0, q=(1, 4, 4, 24), k=(1, 4, 4, 24), v=(1, 4, 4, 16))], 1, None) is None
