@@ -40,8 +40,29 @@ def model_reason(model: torch.nn.Module) -> str | None:
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
             "so hfaccel cannot serve it"
         )
+    offloaded = next((name for name, p in model.named_parameters() if p.device.type == "meta"), None)
+    if offloaded is not None:
+        return (
+            f"hfaccel cannot serve {type(model).__name__}: {offloaded} is on the meta device (weights offloaded "
+            "by accelerate: a device_map with 'cpu' or 'disk' entries, or cpu_offload); the engine runs a model "
+            "whose weights live on one device: load it without offload, or call transformers' generate"
+        )
     reason = unsupported_reason(model)
     return None if reason is None else f"hfaccel cannot serve {type(model).__name__}: {reason}"
+
+
+def quantized_activations_reason(model: torch.nn.Module) -> str | None:
+    """Why calls on this model go to transformers: weights that quantize their input activations on the
+    fly (torchao's ``act_quant_kwargs``: ``Int8DynamicActivationInt8WeightConfig`` and kin). Each
+    activation's rounding follows float noise, so no attention kernel reproduces transformers' tokens
+    (its own sdpa and eager attention disagree on such a model: measured on a tiny Llama)."""
+    for name, param in model.named_parameters():
+        if type(param) is not torch.nn.Parameter and getattr(param, "act_quant_kwargs", None) is not None:
+            return (
+                f"activations quantized on the fly ({name} is a {type(param).__name__} with act_quant_kwargs), "
+                "whose rounding follows float noise: no kernel reproduces transformers' tokens"
+            )
+    return None
 
 
 def max_model_len(model: torch.nn.Module, requested: int | None) -> int:

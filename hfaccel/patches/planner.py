@@ -28,6 +28,7 @@ from hfaccel.patches import model_kwargs as extra_inputs
 from hfaccel.patches.arguments import CACHE_NAME
 from hfaccel.patches.beam import beam_limits_reason, beam_unsupported_reason, is_beam_search
 from hfaccel.patches.layer_support import attention_shape, has_recurrent_layers
+from hfaccel.patches.models import quantized_activations_reason
 from hfaccel.patches.params import (
     has_default_lengths,
     prepare_config,
@@ -345,6 +346,7 @@ GATES: tuple[tuple[str, Callable[[GenerateCall], str | None]], ...] = (
     ("prompts as embeddings", _embeds_gate),
     ("prompt ids", _ids_gate),
     ("a cache to continue from", _cache_gate),
+    ("activations quantized on the fly", lambda call: quantized_activations_reason(call.model)),
     ("adapters", _adapters_gate),
     ("generation mode and options", _mode_gate),
     ("streamer", _streamer_gate),

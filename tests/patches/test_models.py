@@ -1,6 +1,7 @@
 """Each supported family through hfaccel.generate, and the model checks."""
 
 import pytest
+import torch
 
 import hfaccel
 from hfaccel.patches.models import max_model_len
@@ -50,3 +51,32 @@ def test_untested_families_warn_and_encoder_decoders_are_refused():
     with pytest.raises(ValueError, match="encoder-decoder model"):
         hfaccel.patch(t5)
     assert not hasattr(t5, "_hfaccel")
+
+
+def test_activations_quantized_on_the_fly_go_to_transformers_with_the_reason():
+    """torchao's dynamic int8 activations round each activation by float noise: transformers' own sdpa
+    and eager attention give different tokens on such a model, so no kernel could match; calls fall back."""
+    quantization = pytest.importorskip("torchao.quantization")
+    model = tiny_model("llama", layers=2)
+    quantization.quantize_(model, quantization.Int8DynamicActivationInt8WeightConfig())
+    prompt = [5, 6, 7, 8, 9, 10]
+    expected = hf_greedy(model, prompt, 8)
+    hfaccel.patch(model)
+    try:
+        with pytest.warns(
+            UserWarning, match=r"activations quantized on the fly \(model.layers.0.*Int8Tensor"
+        ):
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+    finally:
+        hfaccel.unpatch(model)
+    assert out[0, len(prompt) :].tolist() == expected
+
+
+def test_a_model_with_offloaded_weights_is_refused_naming_one():
+    accelerate = pytest.importorskip("accelerate")
+    model = tiny_model("llama", layers=2)
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    with pytest.raises(
+        ValueError, match=r"model.embed_tokens.weight is on the meta device \(weights offloaded"
+    ):
+        hfaccel.patch(model)
