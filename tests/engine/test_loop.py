@@ -209,3 +209,27 @@ def test_engine_stream_refuses_a_request_it_does_not_hold(model):
     with pytest.raises(ValueError, match="not queued on this engine"):
         next(engine.stream(elsewhere))
     assert len(list(other.stream(elsewhere))) == 3
+
+
+def test_a_lone_caller_steps_in_its_own_thread_and_a_second_caller_hands_over_to_the_loop_thread(model):
+    """A torch op costs several times more in a second thread running parallel regions (two OpenMP
+    pools on few cores stop spinning): a caller alone steps its requests itself, and no loop thread
+    starts; once another caller's requests join, the loop thread steps for both, and both finish."""
+    stepping = []
+    hook = model.register_forward_hook(lambda *args: stepping.append(threading.current_thread()))
+    try:
+        loop = make_loop(model)
+        mine = requests_for(loop, varied_prompts(3, seed=2), max_new=8)
+        loop.run(mine)
+        assert set(stepping) == {threading.current_thread()} and not loop.is_running
+        assert all(r.finish_reason in ("stop", "length") for r in mine)
+        stepping.clear()
+        first = loop.submit(requests_for(loop, varied_prompts(2, seed=3), max_new=40, eos=False))
+        second = loop.submit(requests_for(loop, varied_prompts(2, seed=4), max_new=8))
+        first.wait()
+        second.wait()
+        assert {t.name for t in stepping} == {"hfaccel-engine-loop"}
+        assert not loop.engine.has_unfinished_requests()
+        assert loop.engine.block_manager.num_used_blocks == 0  # no block leaks
+    finally:
+        hook.remove()
