@@ -28,6 +28,7 @@ SUITES = (
     "kernels",
     "tp",
     "goodput",
+    "host",
     "coverage",
     "serve",
 )
@@ -464,6 +465,13 @@ def run_bench(args: argparse.Namespace) -> None:
 
         run_kernel_benchmark(torch.float32)
         suites = [s for s in suites if s != "kernels"]
+        if not suites:
+            return
+    if "host" in suites:  # a tiny random model of its own
+        from hfaccel.bench.host import run_host_benchmark
+
+        run_host_benchmark()
+        suites = [s for s in suites if s != "host"]
         if not suites:
             return
     if "start" in suites:
