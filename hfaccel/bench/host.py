@@ -66,7 +66,8 @@ def generate_step_ms(model: Any, batch_size: int, context: int, steps: int) -> f
         progress=False,
     )
     try:
-        model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+        mask = torch.ones_like(ids)
+        model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
         stats = [s for s in model._hfaccel.get_engine(model).step_stats if s.num_prefill_tokens == 0]
         stats = [s for s in stats if s.num_seqs == batch_size]
     finally:
