@@ -37,7 +37,7 @@ def _version(package: str) -> str:
 
 def environment() -> dict[str, str]:
     """Versions and devices, as plain strings."""
-    from hfaccel.bench.machine import cpu_isa
+    from hfaccel.kernels.cpu_features import cpu_isa, fast_dtype
 
     cuda = torch.cuda.is_available()
     return {
@@ -49,6 +49,8 @@ def environment() -> dict[str, str]:
         "device": torch.cuda.get_device_name() if cuda else "cpu (no CUDA device)",
         "cuda": torch.version.cuda or "none",
         "cpu isa": cpu_isa(),
+        # What patch(model, weights="auto") casts a float32 model to on this machine's first device.
+        "fast dtype": str(fast_dtype("cuda" if cuda else "cpu")).removeprefix("torch."),
     }
 
 

@@ -7,31 +7,8 @@ import platform
 
 import torch
 
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def cpu_isa() -> str:
-    """torch's CPU capability (``AVX2``, ``AVX512`` ...), with ``+BF16``/``+AMX`` where the CPU has native
-    bf16 matmul instructions (torch's capability string does not say)."""
-    try:
-        isa = torch.backends.cpu.get_cpu_capability()
-    except Exception:  # older torch or an unusual platform
-        isa = "unknown"
-    flags = _cpu_flags()
-    if "amx_bf16" in flags:
-        isa += "+AMX"
-    elif "avx512_bf16" in flags:
-        isa += "+BF16"
-    return isa
+from hfaccel.kernels.cpu_features import cpu_isa
+from hfaccel.kernels.cpu_features import fast_dtype as _fast_dtype
 
 
 def cpu_description() -> str:
@@ -44,9 +21,6 @@ def cpu_description() -> str:
 
 
 def fast_dtype() -> torch.dtype:
-    """The dtype a CPU benchmark should default to here: bfloat16 where the ISA has native bf16 matmuls,
-    float32 elsewhere (on AVX2, bf16 emulation makes it the slow one)."""
-    if torch.cuda.is_available():
-        return torch.bfloat16
-    isa = cpu_isa()
-    return torch.bfloat16 if "+BF16" in isa or "+AMX" in isa else torch.float32
+    """The dtype a benchmark should default to here (`kernels.cpu_features.fast_dtype` of the GPU if
+    there is one, else of the CPU)."""
+    return _fast_dtype("cuda" if torch.cuda.is_available() else "cpu")
