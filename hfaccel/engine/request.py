@@ -118,6 +118,14 @@ class SpeculationCounts:
     drafted: int = 0
     accepted: int = 0
     steps: int = 0
+    rejections: int = 0  # verification steps that rejected a draft (at most one each)
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that a draft is accepted once the drafts before it were: accepted drafts over
+        accepted plus rejected ones (each verification stops at its first rejection), with a uniform
+        prior (0.5 before any draft), at most 0.95."""
+        return min(0.95, (self.accepted + 1) / (self.accepted + self.rejections + 2))
 
 
 @dataclass

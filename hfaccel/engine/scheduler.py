@@ -214,9 +214,11 @@ class Scheduler:
                 request.speculation.drafted += drafts
                 request.speculation.accepted += accepted
                 request.speculation.steps += 1
+                request.speculation.rejections += accepted < drafts
                 self.spec_totals.drafted += drafts
                 self.spec_totals.accepted += accepted
                 self.spec_totals.steps += 1
+                self.spec_totals.rejections += accepted < drafts
             request.speculation.drafts = []
             request.speculation.draft_probs = None
             request.num_computed_tokens += count

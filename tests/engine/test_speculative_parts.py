@@ -50,3 +50,28 @@ def test_sampled_acceptance_with_draft_probabilities_follows_the_target():
         draft = int(torch.multinomial(q[0], 1, generator=g))
         counts[accept_sampled(p, [draft], g, draft_probs=q)[0]] += 1
     assert torch.allclose(counts / draws, p[0], atol=0.015), counts / draws
+
+
+def test_draft_lengths_follow_each_requests_acceptance_and_the_price_of_a_row():
+    from hfaccel.engine.request import SpeculationCounts
+    from hfaccel.engine.speculative.drafting import DraftPrice, draft_lengths
+
+    # Batch 1, a row nearly free against the step (the weights a step streams): a good drafter drafts
+    # its whole limit; a poor one while a ** j beats the batch's rate, which its good drafts raised
+    # (0.3 ** 2 = 0.09 > 0.0004 s x 4.1 tokens / 0.0416 s = 0.039 > 0.3 ** 3).
+    assert draft_lengths([0.9, 0.3], [4, 4], DraftPrice(step_s=0.040, tokens=1, row_s=0.0004)) == [4, 2]
+    # A compute-bound batch of 8 where a row costs what a sequence's decode does: only sure drafts pay
+    # (a ** j must beat 8 x 5 ms / 40 ms = 1), so none; at half the price, the 0.9 drafter's first two.
+    price = DraftPrice(step_s=0.040, tokens=8, row_s=0.005)
+    assert draft_lengths([0.9] * 2 + [0.5] * 6, [4] * 8, price) == [0] * 8
+    cheaper = DraftPrice(step_s=0.040, tokens=8, row_s=0.0025)
+    assert (
+        draft_lengths([0.9, 0.5], [4, 4], cheaper)[1] == 0
+        and draft_lengths([0.9, 0.5], [4, 4], cheaper)[0] >= 1
+    )
+    # Never past a request's limit; drafts are taken in order (no j-th without the (j-1)-th).
+    assert draft_lengths([0.95, 0.95], [1, 3], DraftPrice(0.04, 1, 1e-5)) == [1, 3]
+    # The acceptance estimate: 0.5 before any draft; accepted over accepted plus rejections.
+    assert SpeculationCounts().acceptance == 0.5
+    assert SpeculationCounts(drafted=40, accepted=30, steps=10, rejections=10).acceptance == 31 / 42
+    assert SpeculationCounts(drafted=400, accepted=400, steps=100).acceptance == 0.95
