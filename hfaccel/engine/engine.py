@@ -27,7 +27,7 @@ from hfaccel.engine.runner import ModelRunner, kv_bytes_per_token
 from hfaccel.engine.sampler import next_tokens
 from hfaccel.engine.scheduler import Scheduler
 from hfaccel.engine.speculative.draft_model import DraftModelProposer, draft_executor
-from hfaccel.engine.speculative.drafting import draft_price, propose_drafts
+from hfaccel.engine.speculative.drafting import propose_drafts
 from hfaccel.engine.speculative.proposer import make_proposer, speculative_stats
 from hfaccel.kernels import get_backend
 
@@ -399,8 +399,7 @@ class Engine:
             if id(request) in kept:
                 request.kv_snapshot = self.runner.gather_kv(kept[id(request)], request.num_computed_tokens)
         if self.proposer is not None or self._requests_bring_proposers:
-            price = draft_price(self.cost_model(), self.scheduler.running)
-            propose_drafts(self.scheduler.running, self.proposer, self.config, self.max_model_len, price)
+            propose_drafts(self.scheduler, self.proposer, self.config, self.max_model_len, self.cost_model())
         num_decode = sum(1 for n in step.num_tokens if n == 1)
         end = time.perf_counter()
         stats = StepStats(

@@ -120,12 +120,11 @@ class SpeculationCounts:
     steps: int = 0
     rejections: int = 0  # verification steps that rejected a draft (at most one each)
 
-    @property
-    def acceptance(self) -> float:
+    def acceptance(self, prior: float = 0.5, weight: float = 2.0) -> float:
         """The chance that a draft is accepted once the drafts before it were: accepted drafts over
-        accepted plus rejected ones (each verification stops at its first rejection), with a uniform
-        prior (0.5 before any draft), at most 0.95."""
-        return min(0.95, (self.accepted + 1) / (self.accepted + self.rejections + 2))
+        accepted plus rejected ones (each verification stops at its first rejection), starting from
+        `prior` as if seen `weight` times (a request: the engine's own acceptance so far), at most 0.95."""
+        return min(0.95, (self.accepted + weight * prior) / (self.accepted + self.rejections + weight))
 
 
 @dataclass

@@ -72,6 +72,8 @@ def test_draft_lengths_follow_each_requests_acceptance_and_the_price_of_a_row():
     # Never past a request's limit; drafts are taken in order (no j-th without the (j-1)-th).
     assert draft_lengths([0.95, 0.95], [1, 3], DraftPrice(0.04, 1, 1e-5)) == [1, 3]
     # The acceptance estimate: 0.5 before any draft; accepted over accepted plus rejections.
-    assert SpeculationCounts().acceptance == 0.5
-    assert SpeculationCounts(drafted=40, accepted=30, steps=10, rejections=10).acceptance == 31 / 42
-    assert SpeculationCounts(drafted=400, accepted=400, steps=100).acceptance == 0.95
+    assert SpeculationCounts().acceptance() == 0.5
+    assert SpeculationCounts(drafted=40, accepted=30, steps=10, rejections=10).acceptance() == 31 / 42
+    assert SpeculationCounts(drafted=400, accepted=400, steps=100).acceptance() == 0.95
+    # A new request starts from the engine's acceptance (a workload whose drafts fail: it does not draft).
+    assert SpeculationCounts().acceptance(prior=0.15) == 0.15

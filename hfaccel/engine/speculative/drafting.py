@@ -3,7 +3,9 @@ with its own length, chosen so that speculation never slows the batch (seed 001 
 across requests).
 
 A request's j-th draft is worth ``a ** j`` expected tokens (``a``: its own acceptance, the chance a draft
-is accepted once those before it were, `SpeculationCounts.acceptance`) and costs one more verified row.
+is accepted once those before it were, `SpeculationCounts.acceptance`, which starts from the engine's
+acceptance so far: a workload whose drafts fail stops drafting new requests too) and costs one more
+verified row.
 The step-time model (`engine/cost_model.py`, learnt from this engine's own steps) prices the step and
 a row: with ``T`` seconds for the batch's ``N`` expected tokens, a draft is worth adding only if its
 tokens per second beat the batch's, ``a ** j / row_s > N / T``. Drafts are taken best first, across
@@ -66,13 +68,16 @@ def draft_lengths(acceptance: Sequence[float], limits: Sequence[int], price: Dra
 
 
 def propose_drafts(
-    running: Iterable[Request], default: Any, config: Any, max_model_len: int, price: DraftPrice | None = None
+    scheduler: Any, default: Any, config: Any, max_model_len: int, cost_model: Any = None
 ) -> None:
     """Set ``speculation.drafts`` of every running request that decodes and speculates, from its own draft
     source and length where it has one (`Request.speculation.proposer`, `Request.speculation.num_drafts`), else from
     `default` (the engine's proposer) and ``config.num_speculative_tokens``; the length is a limit that
-    `draft_lengths` cuts by `price` (None: no cut). A request whose acceptance stays below
+    `draft_lengths` cuts by the step-time model's price (none before it has seen enough steps, or
+    without `cost_model`), each request's acceptance estimated from its own drafts and, before them, the
+    scheduler's (``spec_totals``). A request whose acceptance stays below
     ``config.speculative_min_acceptance`` stops speculating. Requests of one source are drafted together."""
+    running = scheduler.running
     candidates: list[tuple[Any, Request, int]] = []
     for request in running:
         proposer = request.speculation.proposer if request.speculation.proposer is not None else default
@@ -95,10 +100,11 @@ def propose_drafts(
         )
         if room - 1 > 0:
             candidates.append((proposer, request, min(k, room - 1)))
+    price = None if cost_model is None else draft_price(cost_model, running)
     if price is not None:
-        lengths = draft_lengths(
-            [r.speculation.acceptance for _, r, _ in candidates], [k for *_, k in candidates], price
-        )
+        prior = scheduler.spec_totals.acceptance()
+        acceptance = [r.speculation.acceptance(prior) for _, r, _ in candidates]
+        lengths = draft_lengths(acceptance, [k for *_, k in candidates], price)
         candidates = [(p, r, k) for (p, r, _), k in zip(candidates, lengths) if k > 0]
     groups: dict[int, tuple[Any, list[Request], list[int]]] = {}
     for proposer, request, k in candidates:
