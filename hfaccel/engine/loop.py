@@ -315,6 +315,34 @@ class EngineLoop:
             finally:
                 self._baton.release()
 
+    def step_here(self, until: Callable[[], bool], poll_s: float = 0.1) -> None:
+        """Make the calling thread this loop's stepping thread, for every caller, until `until()` is
+        true (checked at least every `poll_s` seconds) or the loop is closed. For a process whose main
+        thread has nothing else to do (``hfaccel serve``): its steps then run in the thread whose
+        OpenMP pool is the process's only one (see the module docstring)."""
+        with self._cond:
+            if self._thread is not None and self._thread.is_alive():
+                raise RuntimeError("this loop already has a stepping thread")
+            self._thread = threading.current_thread()
+            self._cond.notify_all()
+        _this_thread.loop = self
+        try:
+            while not until() and self._closed is None:
+                with self._baton:
+                    with self._cond:
+                        if not self._inbox and not self._busy():
+                            self._idle = True
+                            self._cond.notify_all()
+                            if not self._cond.wait_for(lambda: bool(self._inbox), poll_s):
+                                continue
+                            self._idle = False
+                    self._work()
+        finally:
+            _this_thread.loop = None
+            with self._cond:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until the loop has nothing queued or running; returns False on timeout."""
         with self._cond:

@@ -4,6 +4,7 @@ to stop it), or `run_forever` for ``python -m hfaccel serve`` (Ctrl-C and SIGTER
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -101,15 +102,35 @@ def run_forever(
     model: Any, tokenizer: Any, *, host: str, port: int, api_key: str | None, model_id: str | None,
     limits: Limits, log_level: str = "info", **patch_options: Any,
 ) -> None:  # fmt: skip
-    """Serve in this thread until Ctrl-C or SIGTERM (uvicorn's signal handling and graceful shutdown)."""
+    """Serve until Ctrl-C or SIGTERM (then uvicorn's graceful shutdown; a second one forces it). uvicorn
+    runs in a thread of its own and this (main) thread steps the engine for every request: a torch op
+    runs several times slower in a second thread while the main thread's OpenMP pool lives
+    (`engine/loop.py`), and a server's main thread has nothing else to do."""
     served, _ = served_model(model, tokenizer, api_key, model_id, limits, patch_options)
-    uvicorn.run(
+    config = uvicorn.Config(
         make_app(served),
         host=host,
         port=port,
         log_level=log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="hfaccel-serve", daemon=True)
+
+    def shut_down(signum: int, frame: Any) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, shut_down) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread.start()
+    try:
+        model._hfaccel.get_loop(model).step_here(until=lambda: not thread.is_alive())
+    finally:
+        server.should_exit = True
+        thread.join(GRACEFUL_SHUTDOWN_S + 5)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def served_model(

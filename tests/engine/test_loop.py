@@ -233,3 +233,43 @@ def test_a_lone_caller_steps_in_its_own_thread_and_a_second_caller_hands_over_to
         assert loop.engine.block_manager.num_used_blocks == 0  # no block leaks
     finally:
         hook.remove()
+
+
+def test_step_here_makes_the_calling_thread_step_for_every_caller(model):
+    """`hfaccel serve`'s main thread steps for the HTTP server's callers (`EngineLoop.step_here`): a
+    coroutine's and a thread's submissions are stepped by it, and it returns when told to."""
+    loop = make_loop(model)
+    stepping, done = set(), threading.Event()
+    hook = model.register_forward_hook(lambda *args: stepping.add(threading.current_thread().name))
+    results = {}
+
+    def callers():
+        async def coroutine():
+            mine = requests_for(loop, varied_prompts(2, seed=7), max_new=6)
+            await loop.submit_async(mine).await_all()
+            return mine
+
+        results["async"] = asyncio.run(coroutine())
+        mine = requests_for(loop, varied_prompts(2, seed=8), max_new=6)
+        loop.run(mine)
+        results["thread"] = mine
+        done.set()
+
+    worker = threading.Thread(target=callers, name="caller")
+    try:
+        stepper = threading.Thread(target=loop.step_here, args=(done.is_set,), name="stepper")
+        stepper.start()
+        deadline = time.monotonic() + 10
+        while loop._thread is not stepper and time.monotonic() < deadline:  # registered before callers come
+            time.sleep(0.01)
+        worker.start()
+        worker.join(60)
+        stepper.join(10)
+    finally:
+        hook.remove()
+    assert not stepper.is_alive() and not worker.is_alive()
+    assert stepping == {"stepper"}
+    assert all(r.finish_reason in ("stop", "length") for rs in results.values() for r in rs)
+    with pytest.raises(RuntimeError, match="already has a stepping thread"):
+        loop._thread = threading.current_thread()
+        loop.step_here(lambda: True)
