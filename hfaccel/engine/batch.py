@@ -153,7 +153,10 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
             tokens = [request.token_at(start), *drafts]
         else:
             tokens = request.all_token_ids[start:end]
-        packer.add(tokens, start, request.block_ids, request.state_slot)
+        blocks = request.block_ids
+        if request.num_slid_blocks:  # the kernels never read them (outside every window): any valid id
+            blocks = [0] * request.num_slid_blocks + blocks[request.num_slid_blocks :]
+        packer.add(tokens, start, blocks, request.state_slot)
         if adapters is not None:
             adapters.extend([request.adapter] * count)
         if verifying:

@@ -29,6 +29,9 @@ def _root(request: Request) -> int:
     return 0 if salt is None else hash(("cache_salt", salt))
 
 
+SLID = -1  # a table entry whose block a sliding-window model no longer attends to (`release_before`)
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold `num_tokens` tokens."""
     return -(-num_tokens // block_size)
@@ -165,11 +168,13 @@ class BlockManager:
         tables = [(list(p.block_ids), p.num_hashed_blocks, p.prefix_hash, p.cache_epoch) for p in parents]
         for blocks, *_ in tables:
             for block_id in blocks:
-                self._ref_counts[block_id] += 1
+                if block_id != SLID:
+                    self._ref_counts[block_id] += 1
         released = []
+        slid = {id(child): parent.num_slid_blocks for parent, child in zip(parents, children)}
         for child, (blocks, hashed, prefix_hash, epoch) in zip(children, tables):
-            released.append(child.block_ids)
-            child.block_ids = blocks
+            released.append(child.block_ids[child.num_slid_blocks :])
+            child.block_ids, child.num_slid_blocks = blocks, slid[id(child)]
             child.num_hashed_blocks, child.prefix_hash, child.cache_epoch = hashed, prefix_hash, epoch
         for blocks in released:
             self._release(blocks)
@@ -272,8 +277,8 @@ class BlockManager:
         blocks counted too high (a leak `repair` reclaims), never a block counted below its holders, and
         a retry never frees a block twice.
         """
-        blocks = request.block_ids
-        request.block_ids = []
+        blocks = request.block_ids[request.num_slid_blocks :]
+        request.block_ids, request.num_slid_blocks = [], 0
         slot, request.state_slot = request.state_slot, None
         if slot is not None:
             self._free_slots.append(slot)
@@ -293,6 +298,19 @@ class BlockManager:
             self._ref_counts[block_id] = count
             if count == 0:
                 self._free[block_id] = None
+
+    def release_before(self, request: Request, position: int) -> None:
+        """Give back `request`'s blocks wholly before `position`: a model whose every attention layer
+        slides never attends to them again. Their table entries become -1 (`SLID`; the table stays
+        positional) and stay so until the request lets go of its table."""
+        count = min(position // self.block_size, len(request.block_ids))
+        start = request.num_slid_blocks
+        if count <= start:
+            return
+        released = request.block_ids[start:count]
+        request.block_ids[start:count] = [SLID] * (count - start)
+        request.num_slid_blocks = count
+        self._release(released)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Give back the blocks of `request` past what `num_tokens` tokens need (the lookahead blocks of
@@ -314,7 +332,7 @@ class BlockManager:
         counts = [0] * self.num_blocks
         holders = list(holders)
         for request in holders:
-            for block_id in request.block_ids:
+            for block_id in request.block_ids[request.num_slid_blocks :]:
                 counts[block_id] += 1
         # State slots: a holder without blocks gives its slot back; every slot nobody holds is free.
         held = set()
@@ -339,7 +357,7 @@ class BlockManager:
         holders = list(holders)
         counts = [0] * self.num_blocks
         for request in holders:
-            for block_id in request.block_ids:
+            for block_id in request.block_ids[request.num_slid_blocks :]:
                 counts[block_id] += 1
         assert self._ref_counts == counts, "reference counts differ from the requests' block tables"
         if self.num_state_slots:

@@ -89,6 +89,7 @@ class Engine:
         self._cost_model = StepCostModel()
         self._cost_model_seen = 0  # the last step the model was fed (step 0 never is)
         self.scheduler = Scheduler(self.block_manager, self.config, self.max_model_len, self._cost_model)
+        self.scheduler.kv_window = None if draft is not None else getattr(self.executor, "kv_window", None)
         self.runner = ModelRunner(
             self.executor,
             backend,

@@ -76,6 +76,9 @@ class ModelExecutor(Protocol):
     def run_pipeline(self, parts: list[Any], prepare: Callable[[Any], Any]) -> torch.Tensor:
         """A pipeline stage's step over its microbatches (`pipelined` executors only)."""
 
+    # The largest sliding window when every attention layer slides (their K/V before it is never read
+    # again: the engine gives those blocks back); None otherwise.
+    kv_window: int | None
     # Layers with a per-sequence recurrent state (Mamba and its kin) beside the paged KV: the engine
     # gives each running request a state slot (`Request.state_slot`, in the step layout's
     # ``state_slots``), and never resumes a sequence from KV alone (no prefix-cache hits, no drafts to
@@ -95,6 +98,7 @@ class ExecutorBase:
     pipelined: bool = False  # a pipeline stage: steps go through `run_pipeline`, not `forward`
     attention_needs: frozenset[str] = frozenset()  # plain causal attention
     recurrent: bool = False  # no recurrent layers
+    kv_window: int | None = None  # every attention layer slides within this many positions (None: not)
 
     def reserve_state_slots(self, num_slots: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no recurrent layers")

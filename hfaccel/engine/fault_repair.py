@@ -147,9 +147,11 @@ def is_whole(block_size: int, request: Request) -> bool:
     """A running request's state is consistent: KV blocks for what it computed, something to compute."""
     computed = request.num_computed_tokens
     blocks = request.block_ids
+    held = blocks[request.num_slid_blocks :]
     return (
         0 <= computed < request.num_tokens
         and len(blocks) >= blocks_for(computed, block_size)
-        and len(set(blocks)) == len(blocks)
+        and len(set(held)) == len(held)
+        and all(b >= 0 for b in held)
         and request.num_hashed_blocks <= min(len(blocks), computed // block_size)
     )

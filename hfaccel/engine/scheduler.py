@@ -53,6 +53,9 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs or DEFAULT_MAX_NUM_SEQS
         self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.max_model_len = max_model_len
+        # Every attention layer slides within at most this many positions: blocks before every window are
+        # given back as sequences grow (`BlockManager.release_before`). None: keep them.
+        self.kv_window: int | None = None
         self.waiting: deque[Request] = deque()
         # Dynamic/static batching: requests chosen for the current batch, not yet admitted.
         self.forming: deque[Request] = deque()
@@ -228,6 +231,8 @@ class Scheduler:
             )
             self.block_manager.trim(request, request.num_computed_tokens)
             self.block_manager.cache_full_blocks(request)
+            if self.kv_window and not request.keep_kv and request.sampling.beam is None:
+                self.block_manager.release_before(request, request.num_computed_tokens - self.kv_window + 1)
         now = self.clock()
         groups = {}
         for request, tokens in zip(sampled, (emitted[id(r)] for r in sampled)):

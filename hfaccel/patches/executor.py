@@ -13,7 +13,7 @@ from hfaccel.engine.executor import ExecutorBase
 from hfaccel.patches import lora
 from hfaccel.patches.attention import engine_attention, register_attention
 from hfaccel.patches.compiled_forward import CompiledForward, own_code
-from hfaccel.patches.layer_support import attention_needs, attention_shape
+from hfaccel.patches.layer_support import attention_needs, attention_shape, kv_window
 from hfaccel.patches.model_state import ModelStateTracker
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
 from hfaccel.patches.recurrent import SlotStates, install_mixers, recurrent_mixers
@@ -42,6 +42,7 @@ class HFExecutor(ExecutorBase):
         self.attention_scale = _attention_scale(model, self.head_dim)
         self.attention_needs = attention_needs(model)
         self.recurrent = bool(recurrent_mixers(model))
+        self.kv_window = kv_window(model)
         self._state = ModelStateTracker(model)
         self._last_token: Hashable = None
         self._adapter_checks: dict[str, ValueError | None] = {}

@@ -92,6 +92,7 @@ class _Verdict:
     needs: frozenset[str]
     shape: AttentionShape | None
     recurrent: bool
+    window: int | None
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -110,6 +111,13 @@ def attention_shape(model: torch.nn.Module) -> AttentionShape | None:
     """The KV heads and head dims the layers hand attention (None: the probe did not run or saw no call).
     The config's ``head_dim`` need not be it: DeepSeek-V3's is its rotary part only."""
     return _verdict(model).shape
+
+
+def kv_window(model: torch.nn.Module) -> int | None:
+    """The largest sliding window, when every layer that attends slides (Mistral, Phi-3, StarCoder2): no
+    query attends to keys further back, so the engine gives their blocks back. None when a layer attends
+    in full or in chunks (Gemma 2/3, gpt-oss, Llama 4: their full layers read every key)."""
+    return _verdict(model).window
 
 
 def has_recurrent_layers(model: torch.nn.Module) -> bool:
@@ -136,7 +144,10 @@ def _verdict(model: torch.nn.Module) -> _Verdict:
     if calls:
         key, value = calls[0].key_shape, calls[0].value_shape
         shape = AttentionShape(int(key[1]), int(key[-1]), int(value[-1]))
-    verdict = _Verdict(reason, frozenset(needs), shape, bool(mixers))
+    windows = [call.kwargs.get("sliding_window") for call in calls]
+    chunked = "chunked_attention" in (getattr(text_config, "layer_types", None) or ())
+    window = int(max(windows)) if windows and all(windows) and not chunked else None
+    verdict = _Verdict(reason, frozenset(needs), shape, bool(mixers), window)
     _verdicts[model] = (config, verdict)
     return verdict
 

@@ -362,3 +362,28 @@ def test_state_slots_go_with_the_first_block_and_come_back_with_the_blocks():
     a.state_slot = None  # a slot nobody holds any more is found by check
     with pytest.raises(AssertionError, match="blocks without a state slot"):
         manager.check([a, b, c])
+
+
+def test_blocks_out_of_every_window_are_given_back_and_the_table_stays_positional():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    request = make_request(n_prompt=14)
+    assert manager.allocate(request, 14)  # 4 blocks
+    first = list(request.block_ids)
+    request.num_computed_tokens = 14
+    manager.release_before(request, 9)  # positions 0-7 (blocks 0 and 1) are never attended again
+    assert request.block_ids == [-1, -1, *first[2:]] and request.num_slid_blocks == 2
+    assert manager.num_free_blocks == 6 and all(manager.is_free(b) for b in first[:2])
+    manager.release_before(request, 8)  # never taken back, never released twice
+    assert request.num_slid_blocks == 2 and manager.num_free_blocks == 6
+    manager.check([request])
+    other = make_request()
+    manager.fork([request], [other])  # a fork shares the held blocks and the slid entries
+    assert other.block_ids == request.block_ids and other.num_slid_blocks == 2
+    assert all(manager.ref_count(b) == 2 for b in first[2:])
+    manager.check([request, other])
+    manager.repair([request, other])
+    manager.check([request, other])
+    manager.free(other)
+    manager.free(request)
+    assert manager.num_free_blocks == 8 and request.num_slid_blocks == 0
+    manager.check([request, other])

@@ -190,3 +190,36 @@ def test_hybrids_are_refused_where_transformers_has_no_state_api():
         ValueError, match=r"Mamba.*linear-attention cache API, which transformers .* does not have"
     ):
         hfaccel.patch(family_model("jamba"))
+
+
+def test_a_model_whose_every_layer_slides_holds_only_its_windows_blocks():
+    """Mistral (every layer a window of 8 positions): blocks wholly before every window are given back
+    as the sequences grow, so KV memory stays bounded over a long generation, with HF's tokens; the
+    prefix cache still serves a repeated prompt. A model with full layers beside its sliding ones
+    (gpt-oss) keeps every block: its full layers read them."""
+    model = family_model("mistral")
+    prompts = [p for p in varied_prompts(8, seed=3) if len(p) > 20][:3]
+    new = 120
+    hfaccel.patch(model, strict=True, block_size=8, max_num_seqs=4)
+    try:
+        completions = hfaccel.generate(model, prompts, max_new_tokens=new, min_new_tokens=new, progress=False)
+        engine = model._hfaccel.get_engine(model)
+        assert engine.scheduler.kv_window == 8
+        peak = max(s.kv_blocks_used for s in engine.step_stats)
+        # At most the blocks of a window and a step's tokens per sequence (unbounded: 20 blocks each).
+        assert peak <= len(prompts) * 4, peak
+        hits = engine.block_manager.stats.hit_tokens
+        again = hfaccel.generate(model, prompts[:1], max_new_tokens=new, min_new_tokens=new, progress=False)
+        assert engine.block_manager.stats.hit_tokens > hits
+    finally:
+        hfaccel.unpatch(model)
+    for prompt, completion in zip(prompts, completions):
+        expected = hf_greedy(model, prompt, new, min_new_tokens=new)
+        assert_same_or_near_tie(model, prompt, completion.token_ids, expected)
+    assert again[0].token_ids == completions[0].token_ids
+    mixed = hfaccel.patch(family_model("gpt_oss"))
+    try:
+        hfaccel.generate(mixed, [[5, 6, 7]], max_new_tokens=2, progress=False)
+        assert mixed._hfaccel.get_engine(mixed).scheduler.kv_window is None
+    finally:
+        hfaccel.unpatch(mixed)
