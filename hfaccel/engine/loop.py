@@ -8,17 +8,12 @@ caller an `Update` per request that progressed (new tokens, finished) through th
 a `queue.SimpleQueue` for threads, an `asyncio.Queue` fed with ``call_soon_threadsafe`` for coroutines.
 
 Which thread steps: a caller blocked in a thread on its own submission, while it is the only one,
-steps the engine itself ("drives" it) instead of waiting for another thread to. A torch op costs much
-more in a second thread that runs parallel regions: with the main thread's OpenMP pool and the loop
-thread's both alive, libgomp counts more threads than cores and stops spinning between regions
-(measured on 2 cores: a small matmul 13 us in the main thread, 93 us in another; a SmolLM2 decode
-step of 8 sequences 62 ms against 82 ms). Every other case (a coroutine's submission, a second
-caller, a cancel) starts the loop's own background thread, which then steps for everyone; one lock
-(the baton) makes sure only one thread steps at a time, and a caller never steps another caller's
-requests, so a Ctrl-C in a driving caller fails only its own. The background thread is a daemon and
-exits by itself after `idle_timeout` seconds with nothing to do. `close` (unpatch, an engine rebuilt
-for another device or dtype, interpreter exit) fails whatever is still running with the reason and
-stops it.
+steps the engine itself ("drives" it): a torch op costs several times more in a second thread while
+the main thread's OpenMP pool lives (docs/architecture.md, "Who steps"). Every other case starts the
+loop's background thread, which steps for everyone; one lock (the baton) keeps one stepper at a time,
+and a caller never steps another's requests, so a Ctrl-C in a driving caller fails only its own. The
+thread is a daemon and exits after `idle_timeout` idle seconds. `close` (unpatch, an engine rebuilt,
+interpreter exit) fails whatever is still running with the reason and stops it.
 """
 
 from __future__ import annotations
