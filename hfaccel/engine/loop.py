@@ -39,9 +39,9 @@ from hfaccel.engine.request import Request
 _POLL_S = 0.25  # a waiting caller wakes this often to check the loop is alive (and to take a Ctrl-C anywhere)
 _submission_ids = itertools.count()
 _loops: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
-# Which loop this thread steps (set on each loop's own thread), and which loop each loop thread is waiting
-# on from inside its step (a callback calling another model's generate): a call that would close a cycle
-# of such waits is refused at once instead of hanging every loop in it.
+_THREAD_NAME = "hfaccel-engine-loop"
+# Which loop this thread steps, and which loop each stepping thread waits on from inside its step (a callback
+# calling another model's generate): a call closing a cycle of such waits is refused at once.
 _this_thread = threading.local()
 _waits_lock = threading.Lock()
 _waits: dict[int, EngineLoop] = {}  # id(waiting loop) -> the loop it waits on
@@ -311,10 +311,9 @@ class EngineLoop:
                 self._baton.release()
 
     def step_here(self, until: Callable[[], bool], poll_s: float = 0.1) -> None:
-        """Make the calling thread this loop's stepping thread, for every caller, until `until()` is
-        true (checked at least every `poll_s` seconds) or the loop is closed. For a process whose main
-        thread has nothing else to do (``hfaccel serve``): its steps then run in the thread whose
-        OpenMP pool is the process's only one (see the module docstring)."""
+        """Make the calling thread this loop's stepping thread, for every caller, until `until()` is true
+        (checked every `poll_s` seconds) or the loop closes: for a main thread with nothing else to do
+        (``hfaccel serve``), whose OpenMP pool is then the process's only one."""
         with self._cond:
             if self._thread is not None and self._thread.is_alive():
                 raise RuntimeError("this loop already has a stepping thread")
@@ -346,8 +345,7 @@ class EngineLoop:
     @property
     def is_running(self) -> bool:
         """Whether the loop thread is alive (it exits when idle and restarts on the next submit)."""
-        thread = self._thread
-        return thread is not None and thread.is_alive()
+        return self._thread is not None and self._thread.is_alive()
 
     def _post(self, kind: str, item: Any) -> None:
         with self._cond:
@@ -365,40 +363,28 @@ class EngineLoop:
 
     def _ensure_thread_locked(self) -> None:
         """Start the loop's background thread unless it runs (or the loop is closed); wake it."""
-        if self._thread is None or not self._thread.is_alive():
-            if self._closed is None:
-                self._thread = threading.Thread(target=self._main, name="hfaccel-engine-loop", daemon=True)
-                self._thread.start()
-        else:
+        if self.is_running:
             self._cond.notify_all()
+        elif self._closed is None:
+            self._thread = threading.Thread(target=self._main, name=_THREAD_NAME, daemon=True)
+            self._thread.start()
 
     def _serving(self, submission: Submission) -> bool:
         """Whether `submission` can still hear from the loop (a thread steps it, or its updates were sent)."""
         return submission._open == 0 or self.is_running or self._stepper is not None
 
     def _drive_for(self, submission: Submission) -> bool:
-        """Apply the inbox and step once in this caller's thread, if `submission` (a thread's) is the only
-        one in the loop and no loop thread runs; True if that did something. Otherwise make sure the
-        loop thread runs, which steps for every caller."""
-        if submission._event_loop is not None or submission.thread != threading.get_ident():
-            return False
-        if not self._baton.acquire(blocking=False):  # another thread steps now
-            with self._cond:
+        """Apply the inbox and step once in this (the consuming) thread if `submission` (a thread's) is
+        alone in the loop (`_work`); True if that did something. Else make sure the loop thread runs."""
+        if submission._event_loop is not None or not self._baton.acquire(blocking=False):
+            with self._cond:  # a coroutine's submission, or another thread steps now
                 self._ensure_thread_locked()
             return False
         try:
-            with self._cond:
-                thread_alive = self._thread is not None and self._thread.is_alive()
-                others = any(s is not submission for s in self._live.values()) or any(
-                    kind == "submit" and item is not submission for kind, item in self._inbox
-                )
-                if thread_alive or (others and self._closed is None):
-                    self._ensure_thread_locked()
-                    return False
             waiter = getattr(_this_thread, "loop", None)
             _this_thread.loop, self._stepper = self, threading.current_thread()
             try:
-                return self._work()
+                return self._work(driver=submission)
             finally:
                 _this_thread.loop, self._stepper = waiter, None
         finally:
@@ -425,6 +411,8 @@ class EngineLoop:
                 self._idle = True
                 self._cond.notify_all()
             raise
+        finally:  # thread-locals are cleared after a join returns: never hold the engine in one
+            _this_thread.loop = None
 
     def _serve_once(self) -> bool:
         """Wait for work, apply the inbox and run one step; False when the thread should exit."""
@@ -440,10 +428,21 @@ class EngineLoop:
         self._work()
         return self._closed is None  # a closed loop's thread exits once the close is applied
 
-    def _work(self) -> bool:
+    def _work(self, driver: Submission | None = None) -> bool:
         """Apply the inbox and run one step (the baton held); True if there was anything to do. A close
-        fails everything in flight, and makes the thread exit."""
+        fails everything in flight, and makes the thread exit. A `driver` (a caller stepping for its own
+        submission) steps nothing else: if another submission is in the loop or its inbox, or a loop
+        thread runs, it hands over to the loop thread instead (checked with the inbox taken, under one
+        lock, so no submission slips in between)."""
         with self._cond:
+            if driver is not None and self._closed is None:
+                thread_alive = self.is_running
+                others = any(s is not driver for s in self._live.values()) or any(
+                    kind == "submit" and item is not driver for kind, item in self._inbox
+                )
+                if thread_alive or others:
+                    self._ensure_thread_locked()
+                    return False
             commands, self._inbox = self._inbox, []
         if not commands and not self._busy():
             return False
@@ -596,3 +595,6 @@ def close_all_loops(reason: str = "every engine loop was closed", timeout: float
 def _close_all_loops() -> None:
     """At interpreter exit, stop every loop thread before its engine is torn down."""
     close_all_loops("the interpreter is exiting", timeout=2.0)
+    for thread in threading.enumerate():  # one leaving on its own may still free its engine: let it finish
+        if thread.name == _THREAD_NAME and thread is not threading.current_thread():
+            thread.join(2.0)

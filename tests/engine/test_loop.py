@@ -273,3 +273,35 @@ def test_step_here_makes_the_calling_thread_step_for_every_caller(model):
     with pytest.raises(RuntimeError, match="already has a stepping thread"):
         loop._thread = threading.current_thread()
         loop.step_here(lambda: True)
+
+
+def test_a_stream_read_on_in_another_thread_completes(model):
+    """A streamed submission read partly in one thread and on in another (Starlette's threadpool does
+    that): the second thread steps it (or has the loop thread step it), and it completes at once."""
+    loop = make_loop(model)
+    [request] = requests_for(loop, varied_prompts(3, seed=9)[2:], max_new=12, eos=False)
+    updates = loop.submit([request], stream=True).updates()
+    first = next(updates)
+    box = {}
+    reader = threading.Thread(target=lambda: box.setdefault("rest", list(updates)))
+    start = time.monotonic()
+    reader.start()
+    reader.join(30)
+    assert not reader.is_alive() and time.monotonic() - start < 5
+    tokens = [t for u in [first, *box["rest"]] for t in u.token_ids]
+    assert tokens == request.output_token_ids and len(tokens) == 12
+
+
+def test_a_driver_never_steps_a_submission_that_arrived_before_its_step(model):
+    """The check that a driving caller is alone and its taking of the inbox are one: a second caller's
+    submission posted before the driver's next step makes it hand over to the loop thread instead."""
+    loop = make_loop(model)
+    mine = loop.submit(requests_for(loop, varied_prompts(2, seed=10), max_new=6))
+    theirs = loop.submit(requests_for(loop, varied_prompts(2, seed=11), max_new=6))
+    with loop._baton:
+        assert loop._work(driver=mine) is False  # handed over: nothing applied, nothing stepped
+        assert len(loop._inbox) == 2 and loop.engine.num_steps == 0
+    mine.wait()
+    theirs.wait()
+    assert loop.is_running or loop.engine.num_steps > 0
+    assert not loop.engine.has_unfinished_requests() and loop.engine.block_manager.num_used_blocks == 0
