@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from hfaccel.patches.layer_support import has_recurrent_layers
+
 BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
 
 _local = threading.local()  # .groups: [(name, index)] and .num_tokens of this thread's engine step
@@ -84,6 +86,10 @@ def unsupported_reason(model: torch.nn.Module, names: Iterable[str | None]) -> s
     wanted = {n for n in names if n is not None}
     if not wanted:
         return None
+    if has_recurrent_layers(
+        model
+    ):  # a recurrent mixer runs per sequence; per-token LoRA needs the whole step
+        return "adapters per request on a model with recurrent layers"
     layer = _lora_module()
     if layer is None:
         return "adapters on a model without PEFT"

@@ -27,7 +27,7 @@ from hfaccel.patches import embeds as embeds_in
 from hfaccel.patches import model_kwargs as extra_inputs
 from hfaccel.patches.arguments import CACHE_NAME
 from hfaccel.patches.beam import beam_limits_reason, beam_unsupported_reason, is_beam_search
-from hfaccel.patches.layer_support import attention_shape, has_recurrent_layers
+from hfaccel.patches.layer_support import attention_needs, attention_shape, has_recurrent_layers
 from hfaccel.patches.models import quantized_activations_reason
 from hfaccel.patches.params import (
     has_default_lengths,
@@ -313,6 +313,12 @@ def _padding_gate(call: GenerateCall) -> str | None:
         return None
     if call.beam or call.embeds is not None or call.cache is not None:
         return "an attention mask with holes, with beam search, inputs_embeds or a cache"
+    # transformers' recurrent layers scan over the masked positions, and its windows count them
+    if has_recurrent_layers(call.model):
+        return "an attention mask with holes, with recurrent layers (they step over the masked tokens)"
+    needs = attention_needs(call.model)
+    if "sliding_window" in needs or "chunked_attention" in needs:
+        return "an attention mask with holes, with sliding windows or chunks (they count the masked tokens)"
     if call.config.return_dict_in_generate and call.config.use_cache is not False:
         return "an attention mask with holes, with the cache returned (return_dict_in_generate)"
     if call.kwargs.get("position_ids") is not None:

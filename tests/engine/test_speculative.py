@@ -145,3 +145,30 @@ def test_low_acceptance_turns_speculation_off_for_that_request():
         )
         assert request.speculation.drafted <= 16 + 4 * 2  # it stopped soon after the threshold was reached
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_a_seeded_sampled_call_reproduces_its_samples_with_speculation():
+    """Draft lengths follow measured step times for greedy requests only: a sampled request verifies its
+    full length, so the draws its random stream gives, and its samples, do not depend on timings."""
+    model = hfaccel.patch(tiny_model("llama", seed=5), speculative="ngram")
+    prompts = copy_prompts(4, seed=12)
+    try:
+        runs = [
+            [
+                c.token_ids
+                for c in hfaccel.generate(
+                    model,
+                    prompts,
+                    max_new_tokens=40,
+                    do_sample=True,
+                    temperature=0.8,
+                    seed=21,
+                    progress=False,
+                )
+            ]
+            for _ in range(3)
+        ]
+        assert model._hfaccel.get_engine(model).cost_model().ready  # the price was there to cut drafts
+    finally:
+        hfaccel.unpatch(model)
+    assert runs[0] == runs[1] == runs[2]

@@ -142,3 +142,56 @@ def test_a_step_runs_decodes_together_starts_alone_and_chunks_token_by_token():
         ((1, 1), [2], True),
         ((1, 1), [2], True),
     ]
+
+
+@state_api
+@pytest.mark.parametrize("model_type", ["jamba", "mistral"])
+def test_a_mask_with_holes_falls_back_where_the_layers_count_the_masked_tokens(model_type):
+    """transformers' recurrent layers step over a masked token, and its sliding windows count one: a
+    mask with a hole goes to transformers on such models (the engine drops masked tokens), with HF's
+    tokens."""
+    model = family_model(model_type)
+    prompt = varied_prompts(3, seed=3)[2][:24]
+    mask = torch.ones(1, len(prompt), dtype=torch.long)
+    mask[0, 12] = 0
+    ids = torch.tensor([prompt])
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    hfaccel.patch(model)
+    try:
+        with pytest.warns(
+            UserWarning, match="an attention mask with holes, with (recurrent layers|sliding windows)"
+        ):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(out, expected)
+
+
+@state_api
+def test_adapters_per_request_on_a_hybrid_go_to_peft_with_the_reason():
+    """A recurrent mixer runs per sequence, while per-token LoRA needs the whole packed step: two
+    adapters in one call on a hybrid fall back to PEFT's generate, with its tokens."""
+    peft = pytest.importorskip("peft")
+
+    def lora(rank):
+        targets = ["in_proj", "out_proj", "q_proj", "v_proj"]
+        return peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+
+    model = peft.get_peft_model(family_model("jamba"), lora(2), adapter_name="a")
+    model.add_adapter("b", lora(4))
+    model.eval()
+    prompts = varied_prompts(4, seed=29)[2:]
+    names = ["a", "b"]
+    expected = [
+        model.generate(input_ids=torch.tensor([p]), max_new_tokens=6, do_sample=False, adapter_names=[n])[
+            0, len(p) :
+        ].tolist()
+        for p, n in zip(prompts, names)
+    ]
+    hfaccel.patch(model)
+    try:
+        with pytest.warns(UserWarning, match="adapters per request on a model with recurrent layers"):
+            got = hfaccel.generate(model, prompts, adapter=names, max_new_tokens=6, progress=False)
+    finally:
+        hfaccel.unpatch(model)
+    assert [c.token_ids for c in got] == expected
