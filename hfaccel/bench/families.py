@@ -31,6 +31,21 @@ SMALL = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# Multi-head latent attention (DeepSeek-V2/V3): keys of 16 + 8 (rotary) dims, values of 16, K and V expanded
+# to every head as in the real models (transformers' eager attention repeats them otherwise), MoE.
+_LATENT = {
+    "num_key_value_heads": 4,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "head_dim": 8,
+    "v_head_dim": 16,
+    "kv_lora_rank": 16,
+    "q_lora_rank": None,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+}
 # Each family's own names and needs beyond SMALL (a family takes the SMALL keys its config has).
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama": {},
@@ -136,34 +151,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "olmo_hybrid": {},
     "mamba": {},
     "mamba2": {"num_heads": 4, "head_dim": 32, "n_groups": 1, "state_size": 16},
-    "deepseek_v3": {
-        "num_key_value_heads": 4,  # K and V expanded to every head, as the real model (HF's eager repeats them else)
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "head_dim": 8,
-        "v_head_dim": 16,
-        "kv_lora_rank": 16,
-        "q_lora_rank": None,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "first_k_dense_replace": 1,
-        "n_group": 1,
-        "topk_group": 1,
-    },  # fmt: skip
-    "deepseek_v2": {
-        "num_key_value_heads": 4,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "head_dim": 8,
-        "v_head_dim": 16,
-        "kv_lora_rank": 16,
-        "q_lora_rank": None,
-        "n_routed_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "first_k_dense_replace": 1,
-    },  # fmt: skip
+    "deepseek_v3": {**_LATENT, "n_group": 1, "topk_group": 1},
+    "deepseek_v2": _LATENT,
     "gptj": {"n_embd": 64, "n_layer": 4, "n_head": 4, "rotary_dim": 8, "n_positions": 512},
     "falcon": {"new_decoder_architecture": True, "num_kv_heads": 2},
     "bloom": {"n_layer": 4, "n_head": 4},
