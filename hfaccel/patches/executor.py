@@ -13,10 +13,10 @@ from hfaccel.engine.executor import ExecutorBase
 from hfaccel.patches import lora
 from hfaccel.patches.attention import engine_attention, register_attention
 from hfaccel.patches.compiled_forward import CompiledForward, own_code
-from hfaccel.patches.layer_support import attention_needs, attention_shape, kv_window
+from hfaccel.patches.layer_support import attention_needs, attention_shape, has_recurrent_layers, kv_window
 from hfaccel.patches.model_state import ModelStateTracker
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
-from hfaccel.patches.recurrent import SlotStates, install_mixers, recurrent_mixers
+from hfaccel.patches.recurrent import SlotStates, install_mixers
 
 
 class HFExecutor(ExecutorBase):
@@ -41,7 +41,7 @@ class HFExecutor(ExecutorBase):
             self.num_kv_heads, self.head_dim = shape.num_kv_heads, shape.head_dim
         self.attention_scale = _attention_scale(model, self.head_dim)
         self.attention_needs = attention_needs(model)
-        self.recurrent = bool(recurrent_mixers(model))
+        self.recurrent = has_recurrent_layers(model)
         self.kv_window = kv_window(model)
         self._state = ModelStateTracker(model)
         self._last_token: Hashable = None

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -137,8 +138,8 @@ def _verdict(model: torch.nn.Module) -> _Verdict:
     mixers = recurrent_mixers(model)
     reason = (
         layer_types_reason(text_config, bool(mixers))
-        or module_reason(model)
-        or probe_reason(model, text_config, needs, calls)
+        or module_reason(mixers)
+        or probe_reason(model, text_config, needs, calls, mixers)
     )
     shape = None
     if calls:
@@ -166,11 +167,10 @@ def layer_types_reason(text_config: Any, has_mixers: bool = False) -> str | None
     return None
 
 
-def module_reason(model: torch.nn.Module) -> str | None:
-    """A module that mixes tokens outside attention (convolves over the sequence) that the engine cannot
-    run per sequence: one without a layer index or a cache argument, or any, on a transformers whose
-    cache has no linear-attention API to hand it its state through."""
-    mixers = recurrent_mixers(model)
+def module_reason(mixers: Sequence[tuple[str, torch.nn.Module]]) -> str | None:
+    """A module that mixes tokens outside attention (`recurrent.recurrent_mixers`: it convolves over the
+    sequence) that the engine cannot run per sequence: one without a layer index or a cache argument,
+    or any, on a transformers whose cache has no linear-attention API to hand it its state through."""
     if mixers and not hasattr(DynamicCache, "get_conv_state"):
         name, module = mixers[0]
         return (
@@ -200,15 +200,15 @@ def probe_reason(
     text_config: Any,
     needs: set[str] | None = None,
     seen: list[AttentionCall] | None = None,
+    mixers: Sequence[tuple[str, torch.nn.Module]] = (),
 ) -> str | None:
     """Run the model on a few tokens with the attention function recording, and check what it saw
-    (the calls are appended to `seen`, when given)."""
+    (the calls are appended to `seen`, when given; each recurrent mixer of `mixers` is replayed)."""
     param = next(model.parameters())
     vocab = model.get_input_embeddings()
     vocab_size = getattr(vocab, "base_layer", vocab).num_embeddings
     ids = (torch.arange(1, PROBE_TOKENS + 1) % vocab_size).unsqueeze(0).to(param.device)
     positions = torch.arange(PROBE_TOKENS, device=param.device).unsqueeze(0)
-    mixers = recurrent_mixers(model)
     mixer_calls: dict[str, tuple[tuple, dict[str, Any]]] = {}
     hooks = [
         module.register_forward_pre_hook(partial(_record_mixer_call, mixer_calls, name), with_kwargs=True)

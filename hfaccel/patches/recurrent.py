@@ -74,9 +74,14 @@ class SlotStates:
 
     def write(self, key: tuple[str, int, int], slots: torch.Tensor, values: torch.Tensor) -> None:
         stored = self.tensors.get(key)
-        if stored is None or stored.shape[1:] != values.shape[1:] or stored.dtype != values.dtype:
+        if stored is None:
             stored = values.new_zeros((self.num_slots, *values.shape[1:]))
             self.tensors[key] = stored
+        elif stored.shape[1:] != values.shape[1:]:  # remaking the rows would wipe every other sequence's
+            raise RuntimeError(
+                f"a recurrent state of layer {key[1]} changed shape ({tuple(stored.shape[1:])} to "
+                f"{tuple(values.shape[1:])}): the engine holds one shape per layer"
+            )
         stored.index_copy_(0, slots, values.to(stored.dtype))
 
 
