@@ -64,7 +64,8 @@ def test_activations_quantized_on_the_fly_go_to_transformers_with_the_reason():
     hfaccel.patch(model)
     try:
         with pytest.warns(
-            UserWarning, match=r"activations quantized on the fly \(\S+\.weight is a Int8Tensor with act_quant_kwargs"
+            UserWarning,
+            match=r"activations quantized on the fly \(\S+\.weight is a Int8Tensor with act_quant_kwargs",
         ):
             out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
     finally:
