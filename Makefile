@@ -58,7 +58,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check hfaccel tests examples
 	$(VENV)/bin/ruff format --check hfaccel tests examples
 
+# bench quant compares with llama.cpp when llama-cpp-python installs (it builds from source: minutes, once).
 bench: $(STAMP)
+	$(PY) -m pip install -q llama-cpp-python || echo "llama-cpp-python did not install: bench quant skips llama.cpp"
 	$(PY) -m hfaccel bench
 
 clean:

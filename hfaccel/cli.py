@@ -31,6 +31,7 @@ SUITES = (
     "host",
     "coverage",
     "serve",
+    "quant",
 )
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -465,6 +466,13 @@ def run_bench(args: argparse.Namespace) -> None:
 
         run_kernel_benchmark(torch.float32)
         suites = [s for s in suites if s != "kernels"]
+        if not suites:
+            return
+    if "quant" in suites:  # loads SmolLM2 once per weight format, and llama.cpp's GGUF
+        from hfaccel.bench.quant import run_quant_benchmark
+
+        run_quant_benchmark()
+        suites = [s for s in suites if s != "quant"]
         if not suites:
             return
     if "host" in suites:  # a tiny random model of its own

@@ -48,8 +48,6 @@ def test_a_cast_model_gives_transformers_tokens_for_the_cast_model():
 
 def test_what_is_not_offered_raises_saying_why():
     model = tiny_model()
-    with pytest.raises(ValueError, match=r"weights='int8': torchao's int8 weight-only layers run slower"):
-        hfaccel.patch(model, weights="int8")
     with pytest.raises(ValueError, match=r"weights='fp8' is not one of 'auto', 'bfloat16'"):
         hfaccel.patch(model, weights="fp8")
     assert not hasattr(model, "_hfaccel")

@@ -1,0 +1,120 @@
+"""``patch(weights="int8" | "int4")``: torchao's quantization on PyTorch's packed CPU kernels. The layers
+compute torchao's dequantized product, the engine gives transformers' tokens on the quantized model,
+and what cannot be quantized this way raises, naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hfaccel
+from hfaccel.patches.quantized_linear import (
+    INT4_GROUP,
+    Int4Linear,
+    Int8Linear,
+    _int4_parameters,
+    quantize_linears,
+)
+from tests.helpers import assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
+
+quantization = pytest.importorskip("torchao.quantization")
+
+
+def _linear(in_features: int = 96, out_features: int = 48, bias: bool = True) -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(in_features, out_features, bias=bias).bfloat16()
+
+
+def test_int8_layer_computes_torchaos_dequantized_product():
+    wrapper = torch.nn.Sequential(_linear())
+    reference = torch.nn.Sequential(_linear())
+    quantization.quantize_(reference, quantization.Int8WeightOnlyConfig())
+    assert quantize_linears(wrapper, "int8") == 1
+    assert isinstance(wrapper[0], Int8Linear)
+    weight = reference[0].weight
+    dequantized = weight.qdata.float() * weight.scale.float().reshape(-1, 1)
+    x = torch.randn(3, 5, 96).bfloat16()
+    expected = torch.nn.functional.linear(x.float(), dequantized, reference[0].bias.float())
+    torch.testing.assert_close(wrapper(x).float(), expected, rtol=2e-2, atol=2e-2)
+    assert wrapper(x).shape == (3, 5, 48) and wrapper(x).dtype == torch.bfloat16
+
+
+def _dequantize_int4(values: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    scales, zeros = scales_and_zeros.float().unbind(-1)  # each [groups, out]
+    groups = values.float().reshape(values.shape[0], -1, INT4_GROUP)
+    return ((groups - 8) * scales.t().unsqueeze(-1) + zeros.t().unsqueeze(-1)).reshape(values.shape)
+
+
+def test_int4_layer_computes_its_groupwise_product_no_coarser_than_torchaos_grid():
+    from torchao.quantization.utils import (
+        groupwise_affine_dequantize_tensor,
+        groupwise_affine_quantize_tensor,
+    )
+
+    linear = _linear()
+    weight = linear.weight.detach().float()
+    values, scales_and_zeros = _int4_parameters(linear.weight.detach())
+    ours = _dequantize_int4(values, scales_and_zeros)
+    theirs = groupwise_affine_dequantize_tensor(
+        *groupwise_affine_quantize_tensor(weight, n_bit=4, groupsize=INT4_GROUP, dtype=torch.bfloat16),
+        4,
+        INT4_GROUP,
+    ).float()
+    assert (ours - weight).abs().mean() <= (theirs - weight).abs().mean()  # the refit zero
+    assert (ours - weight).abs().max() < 0.05  # 4 bits: a coarse but faithful grid
+    wrapper = torch.nn.Sequential(linear)
+    assert quantize_linears(wrapper, "int4") == 1 and isinstance(wrapper[0], Int4Linear)
+    x = torch.randn(7, 96).bfloat16()
+    expected = torch.nn.functional.linear(x.float(), ours, linear.bias.float())
+    torch.testing.assert_close(wrapper(x).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_a_shape_the_int4_kernel_does_not_take_stays_bfloat16():
+    model = torch.nn.Sequential(_linear(96, 48), _linear(48, 40))  # 40 rows: not a multiple of 16
+    assert quantize_linears(model, "int4") == 1
+    assert isinstance(model[0], Int4Linear) and isinstance(model[1], torch.nn.Linear)
+    assert model[1].weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_engine_gives_transformers_tokens_on_the_quantized_model(weights):
+    model = hfaccel.patch(tiny_model(), weights=weights)
+    prompts = varied_prompts(4, seed=6)
+    try:
+        kind = Int8Linear if weights == "int8" else Int4Linear
+        assert isinstance(model.model.layers[0].mlp.down_proj, kind)
+        assert isinstance(model.lm_head, Int8Linear)  # int4 keeps the head at 8 bits
+        completions = hfaccel.generate(model, prompts, max_new_tokens=6, progress=False)
+    finally:
+        hfaccel.unpatch(model)
+    assert isinstance(
+        model.model.layers[1].self_attn.q_proj, kind
+    )  # quantized in place, as torchao's quantize_ is
+    # bfloat16 activations: a first difference must be a near-tie at bf16's resolution (as weights="bfloat16").
+    for prompt, completion in zip(prompts, completions):
+        assert_same_or_near_tie(model, prompt, completion.token_ids, hf_greedy(model, prompt, 6), eps=0.0625)
+
+
+def test_a_model_torchao_quantized_keeps_its_exact_path_unless_int8_is_asked_for():
+    model = tiny_model()
+    quantization.quantize_(model, quantization.Int8WeightOnlyConfig())
+    with pytest.raises(
+        ValueError,
+        match=r"weights='int4': model\.layers\.0\.self_attn\.q_proj\.weight is already quantized \(Int8Tensor",
+    ):
+        hfaccel.patch(model, weights="int4")
+    assert not hasattr(model, "_hfaccel")
+    hfaccel.patch(model, weights="int8")  # the same int8 numbers, moved onto the packed kernel
+    try:
+        assert isinstance(model.model.layers[1].self_attn.o_proj, Int8Linear)
+    finally:
+        hfaccel.unpatch(model)
+
+
+def test_a_model_off_the_cpu_is_refused_naming_the_device():
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    with pytest.raises(
+        ValueError, match=r"weights='int8' runs PyTorch's packed CPU kernels, and the model is on meta"
+    ):
+        quantize_linears(model, "int8")
