@@ -1,7 +1,7 @@
 """The OpenAI-compatible FastAPI app over one model: every client's requests join the model's one
 continuous batch through `hfaccel.agenerate` / `hfaccel.astream`.
 
-Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``, ``/tokenize``,
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``, ``/v1/models``, ``/health``, ``/tokenize``,
 ``/detokenize`` and ``/metrics``. Errors are OpenAI's error JSON with the status that fits (400 naming
 the field, 401, 404, 413, 429 with Retry-After). A request the engine does not serve is refused (400
 with the reason) rather than run on transformers' generate, which would block the event loop.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ from hfaccel.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from hfaccel.server.responses import ResponsesRequest, from_chat, prepare_response, stream_response
 from hfaccel.server.sampling import Limits
 
 
@@ -175,12 +176,17 @@ def make_app(served: ServedModel) -> FastAPI:
             raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
         return {"prompt": served.tokenizer.decode(body.tokens)}
 
-    async def complete(request: Request, body: Any, flavour: Any) -> Response:
-        check_model(body.model)
-        call = prepare_call(served, body, flavour)
+    async def complete(
+        request: Request,
+        body: Any,
+        call: CompletionCall,
+        streamed: Callable[[], AsyncIterator[bytes]],
+        answer: Callable[[dict[str, Any]], dict[str, Any]] = lambda result: result,
+    ) -> Response:
+        """Admit `call` and answer it: `streamed()`'s events, or `run_call`'s body through `answer`."""
         admission.enter(call.count)
         if body.stream:
-            chunks = stream_call(served, call, metrics, request.is_disconnected)
+            chunks = streamed()
             try:  # the first chunk once the first token is known: a refusal is still a plain error
                 head = await _until_disconnected(request, anext(chunks))
             except BaseException:
@@ -192,15 +198,34 @@ def make_app(served: ServedModel) -> FastAPI:
             result = await _until_disconnected(request, run_call(served, call, metrics))
         finally:
             admission.leave(call.count)
-        return JSONResponse(result)
+        return JSONResponse(answer(result))
+
+    async def completion(request: Request, body: Any, flavour: Any) -> Response:
+        check_model(body.model)
+        call = prepare_call(served, body, flavour)
+        return await complete(
+            request, body, call, lambda: stream_call(served, call, metrics, request.is_disconnected)
+        )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return await complete(request, body, ChatFlavour)
+        return await completion(request, body, ChatFlavour)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await complete(request, body, TextFlavour)
+        return await completion(request, body, TextFlavour)
+
+    @app.post("/v1/responses", dependencies=[Depends(authorized)])
+    async def responses(request: Request, body: ResponsesRequest) -> Response:
+        check_model(body.model)
+        call = prepare_response(served, body)
+        return await complete(
+            request,
+            body,
+            call,
+            lambda: stream_response(served, body, call, metrics, request.is_disconnected),
+            lambda chat: from_chat(body, call, chat),
+        )
 
     return app
 

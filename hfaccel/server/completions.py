@@ -118,6 +118,8 @@ class CompletionCall:
     logprobs: bool | int
     stops: list[str]
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    generated: int = 0  # tokens streamed so far
+    streamed: bool = False  # the stream ran to its end (not cut by a client that went)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -177,15 +179,26 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
     return {**call.envelope(choices), "usage": call.usage(generated)}
 
 
-async def stream_call(
+@dataclass
+class Piece:
+    """A stretch of one choice's text to send: `delta` (possibly empty), its `finish` reason when the
+    choice ends, and its logprob items."""
+
+    index: int
+    delta: str
+    finish: str | None
+    items: list[dict[str, Any]] | None
+
+
+async def stream_pieces(
     served: Any, call: CompletionCall, metrics: Any, gone: Callable[[], Awaitable[bool]]
-) -> AsyncIterator[bytes]:
-    """OpenAI's stream: the role first (chat), then text deltas as tokens come (a stop string's possible
-    start is held back until it is known not to be one), a finish_reason per choice, usage if asked,
-    and ``[DONE]``. The first chunk comes once the first token is known, so a request the engine
-    refuses raises `APIError` before anything is sent. A client that disconnects (`gone`, asked at
-    least every `CHECK_S`) or a closed stream cancels the requests."""
-    tokenizer, endpoint, flavour = served.tokenizer, call.flavour.endpoint, call.flavour
+) -> AsyncIterator[Piece | None]:
+    """The text of a streamed call as it comes, for any endpoint's framing: None first, once the first
+    token is known (a request the engine refuses raises `APIError` before it), then `Piece`s (a stop
+    string's possible start is held back until it is known not to be one). A client that disconnects
+    (`gone`, asked at least every `CHECK_S`) or a closed generator cancels the requests; the pieces then
+    just stop, and `call.streamed` stays False. `call.generated` counts the tokens."""
+    tokenizer, endpoint = served.tokenizer, call.flavour.endpoint
     start = time.perf_counter()
     events = astream(
         served.model, [call.prompt_ids] * call.count, tokenizer=tokenizer, seed=call.body.seed,
@@ -200,47 +213,65 @@ async def stream_call(
         raise APIError(400, str(error)) from error
     hold = max((len(s) for s in call.stops), default=1) - 1
     texts, sent = [""] * call.count, [0] * call.count
-    generated, first_token, outcome = 0, time.perf_counter(), "cancelled"
+    first_token, outcome = time.perf_counter(), "cancelled"
     try:
-        if flavour is ChatFlavour:
-            for i in range(call.count):
-                yield _sse(call.envelope([flavour.delta(i, None, None, None)], chunk=True))
-        echo = call.echo(tokenizer)
-        for i in range(call.count if echo else 0):
-            yield _sse(call.envelope([flavour.delta(i, echo, None, None)], chunk=True))
+        yield None
         pending = [] if first is None else [first]
-        try:
-            async for event in _chain(pending, _while_connected(events, gone)):
-                i = event.index
-                generated += 1
-                texts[i] += event.text or ""
-                if event.finished:
-                    final = texts[i]
-                    if event.finish_reason == "stop" and call.stops:
-                        final = cut_at_stop(final, call.stops)
-                    delta, sent[i] = final[sent[i] :], len(final)
-                else:
-                    safe = max(sent[i], len(texts[i]) - hold)
-                    delta, sent[i] = texts[i][sent[i] : safe], safe
-                logprob = None if event.logprob is None else [event.logprob]
-                top = None if event.top_logprobs is None else [event.top_logprobs]
-                items = _logprob_items(tokenizer, [event.token_id], logprob, top, call)
-                if delta or event.finished or items:
-                    finish = event.finish_reason if event.finished else None
-                    yield _sse(call.envelope([flavour.delta(i, delta, finish, items)], chunk=True))
-            options = call.body.stream_options
-            if options is not None and options.include_usage:
-                yield _sse({**call.envelope([], chunk=True), "usage": call.usage(generated)})
-            yield format_sse_event(data_str="[DONE]")
-            outcome = "ok"
-        except ClientGone:  # its requests are cancelled: nothing more to send
-            return
+        async for event in _chain(pending, _while_connected(events, gone)):
+            i = event.index
+            call.generated += 1
+            texts[i] += event.text or ""
+            if event.finished:
+                final = texts[i]
+                if event.finish_reason == "stop" and call.stops:
+                    final = cut_at_stop(final, call.stops)
+                delta, sent[i] = final[sent[i] :], len(final)
+            else:
+                safe = max(sent[i], len(texts[i]) - hold)
+                delta, sent[i] = texts[i][sent[i] : safe], safe
+            logprob = None if event.logprob is None else [event.logprob]
+            top = None if event.top_logprobs is None else [event.top_logprobs]
+            items = _logprob_items(tokenizer, [event.token_id], logprob, top, call)
+            if delta or event.finished or items:
+                yield Piece(i, delta, event.finish_reason if event.finished else None, items)
+        outcome, call.streamed = "ok", True
+    except ClientGone:  # its requests are cancelled: nothing more to send
+        return
     finally:
         await events.aclose()
         times: dict[str, Any] = {"e2e_s": time.perf_counter() - start, "ttft_s": first_token - start}
-        if generated > call.count:
-            times["tpot_s"] = (time.perf_counter() - first_token) / (generated - call.count)
-        metrics.finished(endpoint, outcome, len(call.prompt_ids), generated, times)
+        if call.generated > call.count:
+            times["tpot_s"] = (time.perf_counter() - first_token) / (call.generated - call.count)
+        metrics.finished(endpoint, outcome, len(call.prompt_ids), call.generated, times)
+
+
+async def stream_call(
+    served: Any, call: CompletionCall, metrics: Any, gone: Callable[[], Awaitable[bool]]
+) -> AsyncIterator[bytes]:
+    """OpenAI's stream of chunks: the role first (chat), then text deltas as tokens come
+    (`stream_pieces`), a finish_reason per choice, usage if asked, and ``[DONE]``. Nothing is sent
+    before the first token is known, so a refused request is still a plain error."""
+    flavour, pieces = call.flavour, stream_pieces(served, call, metrics, gone)
+    try:
+        await anext(pieces)
+        if flavour is ChatFlavour:
+            for i in range(call.count):
+                yield _sse(call.envelope([flavour.delta(i, None, None, None)], chunk=True))
+        echo = call.echo(served.tokenizer)
+        for i in range(call.count if echo else 0):
+            yield _sse(call.envelope([flavour.delta(i, echo, None, None)], chunk=True))
+        async for piece in pieces:
+            assert piece is not None
+            delta = flavour.delta(piece.index, piece.delta, piece.finish, piece.items)
+            yield _sse(call.envelope([delta], chunk=True))
+        if not call.streamed:
+            return  # the client went: no closing chunks
+        options = call.body.stream_options
+        if options is not None and options.include_usage:
+            yield _sse({**call.envelope([], chunk=True), "usage": call.usage(call.generated)})
+        yield format_sse_event(data_str="[DONE]")
+    finally:
+        await pieces.aclose()
 
 
 CHECK_S = 0.25  # how often a stream asks whether its client is still there
