@@ -25,14 +25,8 @@ SUITES = (
     "rollouts",
     "step",
     "start",
-    "kernels",
-    "tp",
-    "goodput",
-    "host",
-    "coverage",
-    "serve",
-    "quant",
 )
+SUITES += ("kernels", "tp", "goodput", "host", "coverage", "serve", "quant")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,6 +52,14 @@ def _non_negative_float(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
     return value
+
+
+def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--weights",
+        choices=("auto", "bfloat16", "float16", "float32", "int8", "int4"),
+        help="patch(weights=...): auto, a dtype, or int8/int4 quantized linears (CPU; docs/benchmarks.md)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,12 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="random seed of sampled answers")
     gen.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights dtype (default float32)")
     gen.add_argument("--no-chat-template", action="store_true", help="send prompts as plain text")
+    _add_weights_argument(gen)
 
     srv = sub.add_parser(
         "serve",
-        help="an OpenAI-compatible HTTP server over a local model (/v1/chat/completions, /v1/completions, ...)",
+        help="an OpenAI-compatible HTTP server over a local model (/v1/chat/completions, /v1/responses, ...)",
         description="Serve a local Hugging Face model (default: the embedded SmolLM2-135M-Instruct) over "
-        "OpenAI's API: /v1/chat/completions, /v1/completions, /v1/models, /health, /tokenize, /detokenize, "
+        "OpenAI's API: /v1/chat/completions, /v1/completions, /v1/responses, /v1/models, /health, /tokenize, "
+        "/detokenize, "
         "/metrics. Every client's requests join one continuous batch. Ctrl-C or SIGTERM stops it, letting "
         "requests in flight finish.",
     )
@@ -120,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="the model id clients name (default: the folder)"
     )
     srv.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights dtype (default float32)")
+    _add_weights_argument(srv)
     srv.add_argument("--max-num-seqs", type=_positive_int, default=None, help="most sequences in one step")
     srv.add_argument("--max-model-len", type=_positive_int, default=None, help="longest sequence served")
     srv.add_argument(
@@ -338,7 +343,21 @@ def _run(args: argparse.Namespace) -> None:
         run_bench(args)
 
 
-def _load(path: str | None, dtype: torch.dtype) -> tuple[object, object]:
+def _load(path: str | None, dtype: torch.dtype, weights: str | None = None) -> tuple[object, object]:
+    """The model and tokenizer of `path` (the embedded SmolLM2 when None), in `dtype`, with `weights`
+    applied as `patch(weights=...)` does."""
+    model, tokenizer = _load_folder(path, dtype)
+    if weights is not None:
+        from hfaccel.patches.weights import apply_weights
+
+        try:
+            apply_weights(model, weights)
+        except ValueError as error:
+            raise _CleanError(f"--weights {weights}: {error}") from error
+    return model, tokenizer
+
+
+def _load_folder(path: str | None, dtype: torch.dtype) -> tuple[object, object]:
     if path is None:
         from hfaccel.default_model import load_default_model
 
@@ -370,7 +389,7 @@ def run_serve(args: argparse.Namespace) -> None:
         raise _CleanError(
             f"hfaccel serve needs the serve extra: pip install 'hfaccel[serve]' ({error})"
         ) from error
-    model, tokenizer = _load(args.model, _DTYPES[args.dtype])
+    model, tokenizer = _load(args.model, _DTYPES[args.dtype], args.weights)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else None)
     engine = {
         key: value
@@ -406,7 +425,7 @@ def run_generate(args: argparse.Namespace) -> None:
         prompts = [line.strip() for line in sys.stdin if line.strip()]
         if not prompts:
             raise _CleanError("no prompts on stdin (one per line)")
-    model, tokenizer = _load(args.model, _DTYPES[args.dtype])
+    model, tokenizer = _load(args.model, _DTYPES[args.dtype], args.weights)
     chat = not args.no_chat_template and getattr(tokenizer, "chat_template", None)
     inputs = [[{"role": "user", "content": p}] for p in prompts] if chat else prompts
     sampling = (

@@ -62,6 +62,19 @@ def test_generate_from_arguments_applies_the_chat_template(model_folder, capsys)
         assert f"> {prompt}\n{expected}\n" in out
 
 
+def test_generate_with_quantized_weights_answers_as_the_quantized_model(model_folder, capsys):
+    pytest.importorskip("torchao")
+    import hfaccel
+    from hfaccel.patches.weights import apply_weights
+
+    main(["generate", "--model", str(model_folder), "--max-new-tokens", "5", "--weights", "int8", "hi"])
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    apply_weights(model, "int8")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    expected = hfaccel.generate(model, [ids["input_ids"]], max_new_tokens=5, progress=False)[0].token_ids
+    assert capsys.readouterr().out == tokenizer.decode(expected, skip_special_tokens=True).strip() + "\n"
+
+
 def test_generate_reads_stdin_one_prompt_per_line(model_folder, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("first\n\nsecond\n"))
     main(["generate", "--model", str(model_folder), "--max-new-tokens", "3", "--no-chat-template"])
@@ -94,6 +107,7 @@ def test_generate_reads_stdin_one_prompt_per_line(model_folder, capsys, monkeypa
             "argument --max-new-tokens: expected a positive integer",
         ),
         (["generate", "--temperature", "-1", "hi"], "argument --temperature: expected a number >= 0"),
+        (["generate", "--weights", "fp8", "hi"], "argument --weights: invalid choice: 'fp8'"),
         (["demo", "--dtype", "int8"], "argument --dtype: invalid choice"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
