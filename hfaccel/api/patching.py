@@ -82,10 +82,10 @@ def patch(
     # One patch of a model at a time (two threads patching it at once recorded the first one's
     # patched generate as "the original"), and never during a temporary patch's setup or teardown.
     with _temporary_patch_lock:
-        apply_weights(model, weights)
         state: PatchState | None = getattr(model, "_hfaccel", None)
         parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
         if state is not None:
+            apply_weights(model, weights)
             if pipeline_parallel_size not in (None, 1) and parallel_layout(model).pp is None:
                 raise ValueError("pipeline parallelism is set at a model's first patch: unpatch it first")
             if expert_parallel_size not in (None, 1) and parallel_layout(model).ep is None:
@@ -120,6 +120,7 @@ def patch(
             state.progress = state.progress if progress is None else progress
             return model
         check_model(model)
+        apply_weights(model, weights)  # after the checks: a model patch refuses keeps its weights
         engine_config = (config or EngineConfig()).with_overrides(**overrides)
         # The parallel layout: the arguments given here, else the config's; recorded in the config.
         given = {

@@ -9,7 +9,9 @@ which has the top-level ``tests/test_*.py``) out next to the installed version, 
 
 and the same without ``-p hfaccel.bench.hf_tests_plugin`` for the baseline. Every model's first
 ``generate`` patches it (``hfaccel.patch``, defaults); each call into the patched ``generate`` counts,
-and so does each fallback with its reason. ``HFACCEL_TESTS_LOG`` names a JSON-lines file that gets one
+and so does each fallback with its reason (a call transformers makes inside another, such as an
+assistant model's in assisted decoding, is part of the outer call and not counted).
+``HFACCEL_TESTS_LOG`` names a JSON-lines file that gets one
 line per test: its id, outcome, calls, fallbacks (reason: count) and patch refusals. docs/fidelity.md
 has the figures and the summary command (`summarize`).
 """
@@ -17,13 +19,33 @@ has the figures and the summary command (`summarize`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
+import threading
 from typing import Any
 
 import pytest
 
 _counts: dict[str, Any] = {}
+
+
+class _Depth(threading.local):
+    value = 0
+
+
+_depth = _Depth()
+
+
+@contextlib.contextmanager
+def _call() -> Any:
+    """Inside one counted call; yields whether it is the outermost: a call that transformers makes
+    inside another (an assistant model's `generate` in assisted decoding) is part of that call."""
+    _depth.value += 1
+    try:
+        yield _depth.value == 1
+    finally:
+        _depth.value -= 1
 
 
 def _reset() -> None:
@@ -53,16 +75,21 @@ def _install() -> None:
                     refusal = self._hfaccel_refused = str(error)[:160]
                 else:
                     return self.generate(*args, **kwargs)
-            _counts["calls"] += 1  # a call of a model patch refused: not on the engine
-            _counts["refused"][refusal] += 1
+            with _call() as outermost:  # a call of a model patch refused: not on the engine
+                if outermost:
+                    _counts["calls"] += 1
+                    _counts["refused"][refusal] += 1
+                return original_generate(self, *args, **kwargs)
         return original_generate(self, *args, **kwargs)
 
     def counted_generate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _counts["calls"] += 1
-        return served_generate(self, *args, **kwargs)
+        with _call() as outermost:
+            _counts["calls"] += outermost
+            return served_generate(self, *args, **kwargs)
 
     def counted_fall_back(state: Any, reason: str) -> None:
-        _counts["fallbacks"][reason] += 1
+        if _depth.value == 1:  # the outermost call's own fallback
+            _counts["fallbacks"][reason] += 1
         original_fall_back(state, reason)
 
     GenerationMixin.generate = first_generate_patches

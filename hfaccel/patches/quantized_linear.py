@@ -36,7 +36,7 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scale.dtype)
+        flat = x.reshape(-1, self.in_features).to(self.scale.dtype).contiguous()
         out = torch.ops.aten._weight_int8pack_mm(flat, self.qdata, self.scale)
         if self.bias is not None:
             out = out + self.bias
@@ -60,7 +60,7 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE)
+        flat = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE).contiguous()
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scales_and_zeros)
         if self.bias is not None:
             out = out + self.bias
@@ -94,8 +94,8 @@ def _int8_from_torchao(linear: nn.Linear) -> Int8Linear | None:
     zero_point = getattr(weight, "zero_point", None)
     if zero_point is not None and bool(zero_point.any()):
         return None
-    if getattr(weight, "act_quant_kwargs", None) is not None:
-        return None  # activations quantized too: a different product
+    if getattr(weight, "act_quant_kwargs", None) is not None or qdata.shape[1] % 16:
+        return None  # activations quantized too (a different product), or a width the kernel cannot read
     return Int8Linear(qdata.detach(), scale.detach(), linear.bias)
 
 
@@ -143,16 +143,49 @@ def _replace(model: nn.Module, convert: Any) -> int:
     return swapped
 
 
+def _int8_takes(linear: nn.Linear) -> bool:
+    """The int8 kernel reads its input in 16-column strips (other widths crash it, or read garbage)."""
+    return linear.in_features % 16 == 0
+
+
+def _int4_takes(linear: nn.Linear) -> bool:
+    return linear.in_features % INT4_GROUP == 0 and linear.out_features % 16 == 0
+
+
+def _plain(linear: nn.Module) -> bool:
+    return isinstance(linear, nn.Linear) and type(linear.weight) is nn.Parameter
+
+
+def _torchao_weight_only_int8(linear: nn.Module) -> bool:
+    weight = getattr(linear, "weight", None)
+    return type(weight).__name__ == "Int8Tensor" and getattr(weight, "act_quant_kwargs", None) is None
+
+
 def quantize_linears(model: nn.Module, weights: str) -> int:
     """Quantize `model`'s Linear layers in place (``weights`` "int8" or "int4"; the model is cast to
-    bfloat16 first); how many layers now read quantized weights. Raises ValueError when torchao is
-    missing or the model is not on a CPU (the kernels are CPU ones)."""
+    bfloat16 first); how many layers now read quantized weights (0: it already did, nothing changed).
+    Raises ValueError, before changing anything, when torchao is missing, the model is not on a CPU
+    (the kernels are CPU ones) or it has no linear layer the kernel takes besides its output head."""
     quantization = _torchao()
     device = next(model.parameters()).device
     if device.type != "cpu":
         raise ValueError(
             f"weights={weights!r} runs PyTorch's packed CPU kernels, and the model is on {device}: "
             "quantize it with torchao's own configs instead (a model you quantize is served as it is)"
+        )
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    takes = _int8_takes if weights == "int8" else _int4_takes
+    body = [
+        m
+        for m in model.modules()
+        if m is not head and (_plain(m) or (weights == "int8" and _torchao_weight_only_int8(m))) and takes(m)
+    ]
+    if not body:
+        if any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
+            return 0  # quantized by an earlier call
+        raise ValueError(
+            f"weights={weights!r} quantizes nn.Linear layers, and this model has none the {weights} kernel "
+            "takes (its layers may be another type, e.g. GPT-2's Conv1D): leave weights unset"
         )
     for parameter in model.parameters():
         if parameter.is_floating_point() and type(parameter) is nn.Parameter:
@@ -161,13 +194,11 @@ def quantize_linears(model: nn.Module, weights: str) -> int:
         if buffer.is_floating_point() and buffer.dtype != ACTIVATION_DTYPE:
             owner = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
             owner._buffers[name.rpartition(".")[2]] = buffer.to(ACTIVATION_DTYPE)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
     def int8_here(module: nn.Module, fqn: str) -> bool:
-        plain = isinstance(module, nn.Linear) and type(module.weight) is nn.Parameter
         # int4 keeps the output projection in int8: SmolLM2's perplexity over float32 goes from +9%
         # (4-bit head) to -0.2%, for 0.2 ms a token (llama.cpp's Q4_K mixes keep theirs at 6 bits).
-        return plain and (weights == "int8" or module is head)
+        return _plain(module) and _int8_takes(module) and (weights == "int8" or module is head)
 
     quantization.quantize_(model, quantization.Int8WeightOnlyConfig(), filter_fn=int8_here)
     convert = _int8_from_torchao if weights == "int8" else _int8_or_int4

@@ -59,15 +59,25 @@ def apply_weights(model: Any, weights: str | None) -> torch.dtype | None:
 
 
 def _quantize(model: Any, weights: str) -> torch.dtype:
-    """``weights`` "int8"/"int4": `quantize_linears`, refusing weights quantized some other way."""
+    """``weights`` "int8"/"int4": `quantize_linears`, refusing (before changing anything) weights
+    quantized some other way and PEFT adapters; None when an earlier call already quantized it."""
+    adapters = next(
+        (type(m).__name__ for m in model.modules() if type(m).__module__.startswith("peft.")), None
+    )
+    if adapters is not None:
+        raise ValueError(
+            f"weights={weights!r}: the model holds PEFT modules ({adapters}), whose adapter layers would be "
+            "quantized too: quantize the base model first, then add the adapters"
+        )
     for name, param in model.named_parameters():
         plain = type(param) is torch.nn.Parameter and param.is_floating_point()
-        torchao_int8 = type(param).__name__ == "Int8Tensor"  # re-packed for the fast kernel
+        # torchao's int8 weight-only, re-packed for the fast kernel; not with activations quantized too
+        torchao_int8 = (
+            type(param).__name__ == "Int8Tensor" and getattr(param, "act_quant_kwargs", None) is None
+        )
         if not plain and not (weights == "int8" and torchao_int8):
             raise ValueError(
                 f"weights={weights!r}: {name} is already quantized ({type(param).__name__} of "
                 f"{param.dtype}); leave weights unset to serve it as it is"
             )
-    if quantize_linears(model, weights) == 0:
-        raise ValueError(f"weights={weights!r}: the model has no linear layer the {weights} kernel takes")
-    return QUANTIZED_ACTIVATIONS
+    return QUANTIZED_ACTIVATIONS if quantize_linears(model, weights) else None

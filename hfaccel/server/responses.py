@@ -5,7 +5,8 @@ messages, so the prompt, the sampling arguments and the engine call are exactly 
 (`completions.prepare_call`); only the answer's shape differs: a ``response`` object with one output
 message, or its stream of typed events (``response.created`` ... ``response.output_text.delta`` ...
 ``response.completed``, or ``response.incomplete`` when ``max_output_tokens`` cut it). Nothing is
-stored: ``previous_response_id`` and ``store=true`` lookups are refused, not ignored.
+stored (``store`` is accepted, and every response says ``"store": false``), so
+``previous_response_id`` is refused, not ignored.
 """
 
 from __future__ import annotations
@@ -85,13 +86,10 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
         if isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if part.get("type") not in ("input_text", "output_text") or not isinstance(
-                    part.get("text"), str
-                ):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
                     raise APIError(
-                        400,
-                        f"only text content parts are served, got {part.get('type')!r}",
-                        f"{where}.content[{j}]",
+                        400, f"only text content parts are served, got {kind!r}", f"{where}.content[{j}]"
                     )
                 parts.append(part["text"])
             content = "".join(parts)

@@ -118,3 +118,64 @@ def test_a_model_off_the_cpu_is_refused_naming_the_device():
         ValueError, match=r"weights='int8' runs PyTorch's packed CPU kernels, and the model is on meta"
     ):
         quantize_linears(model, "int8")
+
+
+def test_a_width_the_int8_kernel_cannot_read_stays_bfloat16_and_serves():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=40, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = hfaccel.patch(transformers.LlamaForCausalLM(config).eval(), weights="int8")
+    try:
+        mlp = model.model.layers[0].mlp
+        assert isinstance(mlp.gate_proj, Int8Linear)  # 64 columns
+        assert type(mlp.down_proj) is torch.nn.Linear and mlp.down_proj.weight.dtype == torch.bfloat16  # 40
+        out = hfaccel.generate(model, [[5, 6, 7, 8]], max_new_tokens=4, progress=False)[0]
+    finally:
+        hfaccel.unpatch(model)
+    assert out.token_ids == hf_greedy(model, [5, 6, 7, 8], 4)
+
+
+@pytest.mark.parametrize("kind", [Int8Linear, Int4Linear])
+def test_a_strided_input_is_multiplied_as_a_contiguous_one(kind):
+    model = torch.nn.Sequential(_linear(64, 48))
+    quantize_linears(model, "int8" if kind is Int8Linear else "int4")
+    x = torch.randn(64, 5).bfloat16()
+    assert isinstance(model[0], kind)
+    torch.testing.assert_close(model[0](x.t()), model[0](x.t().contiguous()))
+
+
+def test_what_cannot_be_quantized_is_refused_before_anything_changes():
+    from peft import LoraConfig, get_peft_model
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    peft_model = get_peft_model(tiny_model(), LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=r"weights='int8': the model holds PEFT modules \(Peft"):
+        hfaccel.patch(peft_model, weights="int8")
+    assert all(p.dtype == torch.float32 for p in peft_model.parameters())
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128)).eval()
+    with pytest.raises(
+        ValueError, match=r"weights='int4' quantizes nn.Linear layers, and this model has none"
+    ):
+        hfaccel.patch(gpt2, weights="int4")
+    assert all(p.dtype == torch.float32 for p in gpt2.parameters()) and not hasattr(gpt2, "_hfaccel")
+    dynamic = tiny_model()
+    quantization.quantize_(dynamic, quantization.Int8DynamicActivationInt8WeightConfig())
+    with pytest.raises(
+        ValueError, match=r"weights='int8': model\.layers\.0\.self_attn\.q_proj\.weight is already"
+    ):
+        hfaccel.patch(dynamic, weights="int8")
+    assert dynamic.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_asking_for_the_same_quantization_again_changes_nothing():
+    model = hfaccel.patch(tiny_model(), weights="int4")
+    try:
+        layer = model.model.layers[0].mlp.up_proj
+        hfaccel.patch(model, weights="int4")
+        assert model.model.layers[0].mlp.up_proj is layer
+    finally:
+        hfaccel.unpatch(model)

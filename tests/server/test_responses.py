@@ -87,6 +87,8 @@ def test_the_event_stream_joins_to_the_whole_response(served, client):
         ({"input": "hi", "text": {"format": {"type": "json_object"}}}, "text.format.type"),
         ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"input": [{"role": "user", "content": ["hi"]}]}, "input[0].content[0]"),
+        ({"input": [{"role": "user", "content": [None]}]}, "input[0].content[0]"),
     ],
 )
 def test_what_is_not_served_is_a_400_naming_its_field(served, body, param):
