@@ -16,10 +16,15 @@ the computed and generated positions (zeros where HF holds K/V of padding, which
 with ``return_dict_in_generate`` it is the returned ``past_key_values``. An empty `DynamicCache` is served
 the same way (nothing imported, filled in place).
 
-Falls back (with the usual warning): any other cache type (`StaticCache`, quantized, offloaded, sliding
-window layers, a legacy tuple), a cache whose shape does not fit the inputs or the model (batch, layers,
-heads, a length not below the inputs' width), a cache in another dtype or device than the model, and a
-non-empty cache with ``num_return_sequences > 1``, with ``inputs_embeds`` or with ``use_cache=False``.
+A sliding-window layer (`DynamicSlidingWindowLayer`, what `DynamicCache(config=...)` makes for Mistral,
+Gemma 2/3 and the like) holds only its last ``window - 1`` positions: the earlier ones are imported as
+zeros, which no later query attends, and the layer is extended as HF extends it (it keeps its tail).
+
+Falls back (with the usual warning): any other cache type (`StaticCache`, quantized, offloaded, a
+sliding layer recording its past, a legacy tuple), a cache whose shape does not fit the inputs or the
+model (batch, layers, heads, a length not below the inputs' width), a cache in another dtype or device
+than the model, and a non-empty cache with ``num_return_sequences > 1``, with ``inputs_embeds`` or with
+``use_cache=False``.
 """
 
 from __future__ import annotations
@@ -43,12 +48,38 @@ def type_reason(cache: Any) -> str | None:
         return "past_key_values as a legacy tuple"
     if type(cache) is not DynamicCache:
         return f"past_key_values of type {type(cache).__name__}"
-    odd = next((layer for layer in cache.layers if type(layer) is not DynamicLayer), None)
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    served = (DynamicLayer, DynamicSlidingWindowLayer)
+    odd = next((layer for layer in cache.layers if type(layer) not in served), None)
     if odd is not None:
         return f"a DynamicCache with {type(odd).__name__} layers"
+    if any(getattr(layer, "record_past", False) for layer in cache.layers):
+        return "a DynamicCache recording its sliding layers' past (assisted decoding's)"
     if getattr(cache, "offloading", False):
         return "an offloaded DynamicCache"
     return None
+
+
+def full_length(layer: Any, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache layer's K and V over all its `length` positions, ``[B, Hkv, length, D]``. A sliding
+    layer (`DynamicSlidingWindowLayer`) holds only its last ``window - 1``: the positions before them
+    are zeros, which no later query attends (each attends only its window)."""
+    keys, values = layer.keys, layer.values
+    held = keys.shape[-2]
+    if held == length:
+        return keys, values
+    shape = (*keys.shape[:-2], length - held, keys.shape[-1])
+    return (
+        torch.cat([keys.new_zeros(shape), keys], dim=-2),
+        torch.cat([values.new_zeros(shape), values], dim=-2),
+    )
+
+
+def _held(layer: Any, length: int) -> int:
+    """How many of `length` positions a layer of a well-formed cache holds."""
+    window = getattr(layer, "sliding_window", None)
+    return length if window is None else min(length, window - 1)
 
 
 @dataclass
@@ -72,7 +103,8 @@ class CacheImport:
         """Extend the user's cache in place with the positions past its length (from `built`, the cache
         the engine's K/V makes, ``[B, Hkv, width, D]``) and return `output` holding the user's object."""
         for index, layer in enumerate(built.layers):
-            keys, values = layer.keys[:, :, self.length :], layer.values[:, :, self.length :]
+            total = getattr(layer, "cumulative_length", layer.keys.shape[-2])
+            keys, values = (t[:, :, self.length :] for t in full_length(layer, total))
             if index < len(self.cache.layers) and self.cache.layers[index].is_initialized:
                 given = self.cache.layers[index].keys
                 keys, values = keys.to(given.device, given.dtype), values.to(given.device, given.dtype)
@@ -108,8 +140,8 @@ def plan(
     executor = engine.executor
     if len(cache.layers) != executor.num_layers:
         return None, f"a past_key_values of {len(cache.layers)} layers (the model has {executor.num_layers})"
-    want = (batch, executor.num_kv_heads, length, executor.head_dim)
     for layer in cache.layers:
+        want = (batch, executor.num_kv_heads, _held(layer, length), executor.head_dim)
         for tensor in (layer.keys, layer.values):
             if tuple(tensor.shape) != want:
                 return (
@@ -127,13 +159,14 @@ def plan(
         if pad >= length:  # only padding is cached for this row: nothing to import
             rows.append(None)
             continue
+        full = [full_length(layer, length) for layer in cache.layers]
         rows.append(
             [
                 (
-                    layer.keys[i, :, pad:length].detach().transpose(0, 1),
-                    layer.values[i, :, pad:length].detach().transpose(0, 1),
+                    keys[i, :, pad:length].detach().transpose(0, 1),
+                    values[i, :, pad:length].detach().transpose(0, 1),
                 )
-                for layer in cache.layers
+                for keys, values in full
             ]
         )
     return CacheImport(cache, length, rows), None

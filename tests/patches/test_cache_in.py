@@ -267,3 +267,60 @@ def test_strict_mode_refuses_an_unserved_cache():
             model.generate(input_ids=ids, past_key_values=_static(model, ids), max_new_tokens=2)
     finally:
         hfaccel.unpatch(model)
+
+
+def _sliding(kind):
+    if kind == "mistral":
+        from tests.patches.test_masks_and_windows import _windowed_model
+
+        return _windowed_model(window=8)
+    from hfaccel.bench.families import family_model
+
+    # sliding and full layers, alternating (given whole: 5.17's config keeps 26 default layer types)
+    return family_model("gemma2", sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 2)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_a_cache_with_sliding_window_layers_continues_as_hf_and_is_extended_as_hf_extends_it(kind):
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    model = _sliding(kind)
+    ids, mask = left_padded(varied_prompts(6, seed=2)[1:5])  # up to 43 tokens: past the window of 8
+    first_kwargs = {
+        "max_new_tokens": 4,
+        "min_new_tokens": 4,
+        "do_sample": False,
+        "return_dict_in_generate": True,
+    }
+    hf_first = hf(model, input_ids=ids, attention_mask=mask, **first_kwargs)
+    assert isinstance(hf_first.past_key_values.layers[0], DynamicSlidingWindowLayer)
+    hfaccel.patch(model, block_size=8, kv_cache_memory=4_000_000, max_num_batched_tokens=32)
+    try:
+        first = served(model, input_ids=ids, attention_mask=mask, **first_kwargs)
+        assert torch.equal(first.sequences, hf_first.sequences)
+        seq, seq_mask = extended(first.sequences, mask, [[40, 41]] * 4)
+        lengths = {
+            "max_new_tokens": 6,
+            "min_new_tokens": 6,
+            "do_sample": False,
+            "return_dict_in_generate": True,
+        }
+        ours_cache, theirs_cache = (
+            copy.deepcopy(first.past_key_values),
+            copy.deepcopy(hf_first.past_key_values),
+        )
+        ours = served(model, input_ids=seq, attention_mask=seq_mask, past_key_values=ours_cache, **lengths)
+        theirs = hf(model, input_ids=seq, attention_mask=seq_mask, past_key_values=theirs_cache, **lengths)
+        assert torch.equal(ours.sequences, theirs.sequences)
+        assert torch.equal(
+            ours.sequences, hf(model, input_ids=seq, attention_mask=seq_mask, **lengths).sequences
+        )
+        for mine, hfs in zip(ours_cache.layers, theirs_cache.layers):  # extended in place, as HF extends it
+            assert type(mine) is type(hfs) and mine.keys.shape == hfs.keys.shape
+            assert getattr(mine, "cumulative_length", 0) == getattr(hfs, "cumulative_length", 0)
+            # HF holds the pad tokens' K/V where we hold zeros: compare the real positions held
+            everything = torch.cat([seq_mask.bool(), torch.ones(len(seq_mask), 5, dtype=torch.bool)], dim=1)
+            real = everything[:, -mine.keys.shape[-2] :][:, None, :, None].expand_as(mine.keys)
+            torch.testing.assert_close(mine.keys[real], hfs.keys[real], atol=1e-5, rtol=1e-4)
+    finally:
+        hfaccel.unpatch(model)
