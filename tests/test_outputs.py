@@ -129,9 +129,14 @@ def test_every_completion_has_metrics_fallbacks_and_refusals_included():
     assert all(set(c.metrics) == METRIC_KEYS for c in completions)
     assert served.metrics["e2e_s"] > 0 and served.metrics["num_preemptions"] == 0
     assert all(v is None for v in refused.metrics.values())
-    with pytest.warns(UserWarning, match="beam_sample"):
+    with pytest.warns(UserWarning, match="output_attentions"):
         sampled_beams = hfaccel.generate(
-            model, [[5, 6, 7]], num_beams=2, do_sample=True, max_new_tokens=3, progress=False
+            model,
+            [[5, 6, 7]],
+            output_attentions=True,
+            return_dict_in_generate=True,
+            max_new_tokens=3,
+            progress=False,
         )
     assert set(sampled_beams[0].metrics) == METRIC_KEYS and sampled_beams[0].metrics["e2e_s"] > 0
     assert sampled_beams[0].metrics["ttft_s"] is None, "transformers' generate does not say"
@@ -232,12 +237,14 @@ def test_fallback_copies_are_cut_at_their_eos(family):
     model = tiny_model(family)
     prompt = [5, 6, 7]
     torch.manual_seed(0)
-    with pytest.warns(UserWarning, match="beam_sample"):  # beam sampling goes to transformers' generate
+    with pytest.warns(
+        UserWarning, match="return_dict_in_generate with beam search"
+    ):  # transformers' generate
         out = hfaccel.generate(
             model,
             [prompt],
             num_beams=3,
-            do_sample=True,
+            return_dict_in_generate=True,
             num_return_sequences=3,
             max_new_tokens=12,
             progress=False,

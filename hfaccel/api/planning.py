@@ -167,7 +167,7 @@ def plan_prompt(
         return [Done(ids, metrics=no_metrics(0.0)) for _ in range(call.copies)]
     engine = state.get_engine(model)
     if call.beam:
-        request = beam_requests(call, engine, targets)[0]
+        request = beam_requests(call, engine, targets, seed)[0]
         return [Hypothesis(request, rank) for rank in range(call.copies)]
     return make_requests(call, engine, seed, targets)
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hfaccel.engine.block_manager import blocks_for
-from hfaccel.engine.request import Request, RequestStatus
+from hfaccel.engine.request import Request, RequestStatus, request_generator
 
 if TYPE_CHECKING:
     from hfaccel.engine.block_manager import BlockManager
@@ -51,6 +51,7 @@ class BeamParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     num_return_sequences: int = 1
+    do_sample: bool = False  # beam sampling: candidates drawn (HF's multinomial), not the top ones
 
     def __post_init__(self) -> None:
         if isinstance(self.num_beams, bool) or not isinstance(self.num_beams, int) or self.num_beams < 1:
@@ -105,7 +106,9 @@ class BeamSearch:
         for name in ("top_mask", "_eos", "running_scores", "finished_scores", "finished", "improvable"):
             setattr(self, name, getattr(self, name).to(self.device))
 
-    def step(self, log_probs: torch.Tensor, beams: Sequence[list[int]]) -> tuple[list[int], list[int]]:
+    def step(
+        self, log_probs: torch.Tensor, beams: Sequence[list[int]], generator: torch.Generator | None = None
+    ) -> tuple[list[int], list[int]]:
         """One search step. `log_probs` (``[num_beams, V]`` float32) are the processed log-probabilities of
         the next token after each running beam, whose generated tokens are `beams`. Returns the new
         running beams as (parent beam, token) pairs, best first; `done` says whether the prompt is
@@ -113,9 +116,17 @@ class BeamSearch:
         p = self.params
         nb, vocab = log_probs.shape
         lp, early = p.length_penalty, p.early_stopping
-        # _get_top_k_continuations (greedy): the K best (beam, token) by accumulated log-probability.
+        # _get_top_k_continuations: the K best (beam, token) by accumulated log-probability, or (beam
+        # sampling) K drawn without replacement from their softmax, sorted best first.
         accumulated = (log_probs + self.running_scores[:, None]).reshape(1, -1)
-        topk_log_probs, topk_indices = torch.topk(accumulated, k=self.beams_to_keep)
+        if p.do_sample:
+            probs = torch.softmax(accumulated, dim=-1)
+            topk_indices = torch.multinomial(probs, num_samples=self.beams_to_keep, generator=generator)
+            topk_log_probs = accumulated.gather(1, topk_indices)
+            topk_log_probs, order = topk_log_probs.sort(dim=-1, descending=True)
+            topk_indices = topk_indices.gather(-1, order)
+        else:
+            topk_log_probs, topk_indices = torch.topk(accumulated, k=self.beams_to_keep)
         parents = topk_indices // vocab
         tokens = topk_indices % vocab
         # Stopping criteria on each candidate: EOS, or max length reached with this token.
@@ -184,6 +195,7 @@ class BeamGroup:
         self.pending = None
         self.search.reset()
         self.handle.output_token_ids = []
+        self.handle.generator = None  # beam sampling draws again from its seed
 
     def log_probs(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
         """HF's processed scores for this step: log-softmax of the float32 logits (``[slots, V]``), then
@@ -219,7 +231,8 @@ class BeamGroup:
         log_probs, beams = self.log_probs(rows)
         if self.search.device != log_probs.device:
             self.search.move_to(log_probs.device)
-        self.pending = self.search.step(log_probs, beams)
+        generator = request_generator(self.handle, log_probs.device) if self.params.do_sample else None
+        self.pending = self.search.step(log_probs, beams, generator)
 
     def new_slots(self) -> list[Request]:
         """Before the first fork: the `num_beams - 1` sequences that join the request (no blocks yet)."""

@@ -316,9 +316,9 @@ class Engine:
         return request
 
     def _check_beam_request(self, request: Request) -> None:
-        """A beam search request (engine/beam_search.py): greedy, unstreamed, within the context."""
-        if request.sampling.do_sample:
-            raise ValueError("beam search with do_sample=True (beam sampling) is not served by the engine")
+        """A beam search request (engine/beam_search.py): unstreamed, within the context."""
+        if request.sampling.do_sample != request.sampling.beam.do_sample:
+            raise ValueError("beam search: SamplingParams.do_sample must be its BeamParams.do_sample")
         longest = len(request.prompt_token_ids) + request.stopping.max_new_tokens
         if longest > self.max_model_len:
             raise ValueError(

@@ -28,8 +28,8 @@ from hfaccel.patches.params import unsupported_reason
 
 
 def is_beam_search(config: GenerationConfig) -> bool:
-    """Whether a prepared generation config asks for (plain, greedy) beam search."""
-    return config.get_generation_mode() is GenerationMode.BEAM_SEARCH
+    """Whether a prepared generation config asks for beam search, plain or sampled."""
+    return config.get_generation_mode() in (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
 
 
 def beam_unsupported_reason(
@@ -57,7 +57,7 @@ def beam_unsupported_reason(
     if extra:
         return f"model kwargs {extra}"
     greedy = copy.copy(config)  # every other option, as the engine's other modes judge it
-    greedy.num_beams, greedy.num_return_sequences = 1, 1
+    greedy.num_beams, greedy.num_return_sequences, greedy.do_sample = 1, 1, False
     return unsupported_reason(greedy, device=device)
 
 

@@ -70,7 +70,7 @@ def patched_generate(
     config, visible_ids = call.config, call.rows[0]
     loop = state.get_loop(self)
     if call.beam:
-        requests = beam_requests(call, loop.engine)
+        requests = beam_requests(call, loop.engine, seed=call_seed() if call.config.do_sample else None)
         loop.run(requests, progress=state.progress)
         return beam_output(config, call.ids, [r.beam_group.results for r in requests])
     prompts = visible_ids.repeat_interleave(call.copies, dim=0)

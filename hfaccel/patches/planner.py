@@ -142,7 +142,7 @@ class GenerateCall:
 
     @cached_property
     def beam(self) -> bool:
-        """Whether the call is (plain, greedy) beam search: one request per prompt, its hypotheses."""
+        """Whether the call is beam search (greedy or sampled): one request per prompt, its hypotheses."""
         return (self.config.num_beams or 1) > 1 and is_beam_search(self.config)
 
     @cached_property
@@ -399,15 +399,19 @@ def make_requests(
     return requests
 
 
-def beam_requests(call: GenerateCall, engine: Any, targets: dict[str, Any] | None = None) -> list[Request]:
+def beam_requests(
+    call: GenerateCall, engine: Any, targets: dict[str, Any] | None = None, seed: int | None = None
+) -> list[Request]:
     """One request per prompt row for a beam search that passed every gate (its beams are the engine's
-    `BeamGroup`), the processors seeing the padded row with its own mask (one per beam), as in HF."""
+    `BeamGroup`), the processors seeing the padded row with its own mask (one per beam), as in HF.
+    Beam sampling: row i draws from ``seed + i`` (None: a seed of its own)."""
     config, (_, sampling) = call.config, call.params
     beam = BeamParams(
         num_beams=config.num_beams,
         length_penalty=config.length_penalty,
         early_stopping=config.early_stopping,
         num_return_sequences=call.copies,
+        do_sample=bool(config.do_sample),
     )
     keep, rows = call.mask.bool().cpu(), call.ids.cpu()
     by_padding: dict[int, SamplingParams] = {0: dataclasses.replace(sampling, beam=beam)}
@@ -418,7 +422,11 @@ def beam_requests(call: GenerateCall, engine: Any, targets: dict[str, Any] | Non
             padded = call.row_params(call.mask[i : i + 1].expand(config.num_beams, -1))[1]
             by_padding[padding] = dataclasses.replace(padded, beam=beam)
         request = engine.make_request(
-            rows[i][keep[i]].tolist(), call.stopping, by_padding[padding], **(targets or {})
+            rows[i][keep[i]].tolist(),
+            call.stopping,
+            by_padding[padding],
+            seed=None if seed is None else seed + i,
+            **(targets or {}),
         )
         request.processor_prefix = rows[i][~keep[i]].tolist()
         requests.append(request)

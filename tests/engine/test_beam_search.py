@@ -314,6 +314,6 @@ def test_beam_requests_that_cannot_be_served_are_refused():
     with pytest.raises(ValueError, match="cannot be streamed"):
         engine.stream(request)
     sampled = SamplingParams(do_sample=True, beam=BeamParams(2))
-    with pytest.raises(ValueError, match="beam sampling"):
+    with pytest.raises(ValueError, match="SamplingParams.do_sample must be its BeamParams.do_sample"):
         engine.add_request([5, 6], StoppingParams(max_new_tokens=3), sampled)
     run(engine, [request])

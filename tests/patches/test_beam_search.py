@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hfaccel
-from tests.helpers import left_padded, tiny_model
+from tests.helpers import hf, left_padded, tiny_model, varied_prompts
 
 PROMPTS = [[5, 6, 7], [9] * 12, [11, 12, 13, 14, 15, 16, 17], [20], list(range(30, 67))]
 
@@ -119,7 +119,6 @@ def test_beams_run_beside_other_calls_and_share_the_cache():
 @pytest.mark.parametrize(
     "kwargs, reason",
     [
-        ({"do_sample": True}, "beam_sample"),
         ({"num_beam_groups": 2, "diversity_penalty": 1.0}, "group_beam_search"),
         ({"force_words_ids": [[7]]}, "constrained_beam_search"),
         (
@@ -142,17 +141,25 @@ def test_what_the_engine_does_not_serve_falls_back_with_a_warning(kwargs, reason
     assert calls and calls[0]["num_beams"] == 2
 
 
-def test_beam_sampling_falls_back_to_hf():
+def test_beam_sampling_runs_on_the_engine_reproducibly():
+    """HF's beam sampling: K candidates drawn from the softmax of the accumulated scores (after the
+    warpers), sorted. Cold (temperature 0.01) it is beam search; seeded, it reproduces; it samples."""
     model = tiny_model()
-    ids = torch.tensor([[5, 6, 7]])
-    torch.manual_seed(0)
-    with torch.no_grad():
-        reference = type(model).generate(model, ids, num_beams=2, do_sample=True, max_new_tokens=4)
-    hfaccel.patch(model, kv_cache_memory=2_000_000)
-    torch.manual_seed(0)
-    with pytest.warns(UserWarning, match="beam_sample"):
-        out = model.generate(ids, num_beams=2, do_sample=True, max_new_tokens=4)
-    assert torch.equal(out, reference)
+    ids, mask = left_padded(varied_prompts(3, seed=4))
+    beams = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 8}
+    search = hf(model, input_ids=ids, attention_mask=mask, do_sample=False, **beams)
+    hfaccel.patch(model, kv_cache_memory=2_000_000, strict=True)  # strict: a fallback would raise
+    try:
+        cold = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=0.01, **beams)
+        assert torch.equal(cold, search)
+        draws = []
+        for seed in (5, 5, 6):
+            torch.manual_seed(seed)
+            draws.append(model.generate(input_ids=ids, attention_mask=mask, do_sample=True, **beams))
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    assert not torch.equal(draws[0], search)
 
 
 def test_a_beam_search_past_the_context_falls_back():

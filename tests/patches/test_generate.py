@@ -85,7 +85,6 @@ def test_positional_inputs_without_mask(patched):
     ("kwargs", "reason"),
     [
         ({"num_beams": 2, "return_dict_in_generate": True}, "return_dict_in_generate with beam search"),
-        ({"num_beams": 2, "do_sample": True}, "generation mode 'beam_sample'"),
         ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True"),
         ({"max_time": 30.0}, "max_time"),
     ],
@@ -107,9 +106,11 @@ def test_unsupported_options_fall_back_with_one_warning(patched, kwargs, reason)
 def test_strict_mode_turns_the_fallback_into_an_error():
     model = hfaccel.patch(tiny_model(), strict=True, kv_cache_memory=1_000_000)
     with pytest.raises(
-        ValueError, match=r"hfaccel \(strict=True\) does not serve generation mode 'beam_sample'"
+        ValueError, match=r"hfaccel \(strict=True\) does not serve generation mode 'group_beam_search'"
     ):
-        model.generate(torch.tensor([[5, 6, 7]]), num_beams=2, do_sample=True, max_new_tokens=3)
+        model.generate(
+            torch.tensor([[5, 6, 7]]), num_beams=2, num_beam_groups=2, diversity_penalty=1.0, max_new_tokens=3
+        )
     with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
         model.generate(
             torch.tensor([[5, 6, 7]]), prefix_allowed_tokens_fn=lambda i, ids: [5], max_new_tokens=3

@@ -30,7 +30,6 @@ class Identity(LogitsProcessor):
 # (arguments, the reason both front-ends give): one per kind of gate the front-ends share.
 CALLS = [
     ({"prefix_allowed_tokens_fn": lambda b, ids: [1, 2]}, "prefix_allowed_tokens_fn (constrained decoding)"),
-    ({"num_beams": 2, "do_sample": True}, "generation mode 'beam_sample'"),
     ({"num_beams": 2, "logits_processor": [Identity()]}, "beam search with logits_processor"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
 ]
