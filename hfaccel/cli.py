@@ -16,17 +16,9 @@ import sys
 import torch
 
 SUITES = (
-    "offline",
-    "prefix",
-    "chunked",
-    "batching",
-    "concurrency",
-    "speculative",
-    "rollouts",
-    "step",
-    "start",
-)
-SUITES += ("kernels", "tp", "goodput", "host", "coverage", "serve", "quant")
+    "offline", "prefix", "chunked", "batching", "concurrency", "speculative", "rollouts", "step", "start",
+    "kernels", "tp", "goodput", "host", "coverage", "serve", "quant", "burst",
+)  # fmt: skip
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -485,6 +477,13 @@ def run_bench(args: argparse.Namespace) -> None:
 
         run_kernel_benchmark(torch.float32)
         suites = [s for s in suites if s != "kernels"]
+        if not suites:
+            return
+    if "burst" in suites:  # SmolLM2 float32, 40 requests from threads, one engine per setting
+        from hfaccel.bench.burst import run_burst_benchmark
+
+        run_burst_benchmark()
+        suites = [s for s in suites if s != "burst"]
         if not suites:
             return
     if "quant" in suites:  # loads SmolLM2 once per weight format, and llama.cpp's GGUF
