@@ -4,6 +4,7 @@ the model (layers, KV heads, head dim, vocabulary, context length)."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -46,6 +47,11 @@ class HFExecutor(ExecutorBase):
         self._state = ModelStateTracker(model)
         self._last_token: Hashable = None
         self._adapter_checks: dict[str, ValueError | None] = {}
+        # One process, on a CPU (ranks of a parallel model must all run the same shapes).
+        head = (
+            model.get_output_embeddings() if self.device.type == "cpu" and type(self) is HFExecutor else None
+        )
+        self._logit_rows = None if head is None else LogitRows(head, config.hidden_size, self.dtype)
 
     def max_model_len(self, requested: int | None) -> int:
         return resolve_max_model_len(self.model, requested)
@@ -59,13 +65,16 @@ class HFExecutor(ExecutorBase):
         token_adapters: list[str | None] | None = None,
         prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        wanted = logits_indices.shape[0]
+        if compiled is None and self._logit_rows is not None:  # eager on a CPU: see `LogitRows`
+            logits_indices = padded_indices(logits_indices, self._logit_rows.rows(wanted))
         with engine_attention(self.model):
             if token_adapters is None and prompt_embeds is None:
-                return (compiled or self._model_forward)(input_ids, positions, logits_indices)
+                return (compiled or self._model_forward)(input_ids, positions, logits_indices)[:wanted]
             if token_adapters is None:
-                return self._model_forward(input_ids, positions, logits_indices, prompt_embeds)
+                return self._model_forward(input_ids, positions, logits_indices, prompt_embeds)[:wanted]
             with lora.adapter_step(token_adapters, self.device):  # each token gets its request's LoRA
-                return self._model_forward(input_ids, positions, logits_indices, prompt_embeds)
+                return self._model_forward(input_ids, positions, logits_indices, prompt_embeds)[:wanted]
 
     def reserve_state_slots(self, num_slots: int) -> None:
         """Wrap the model's recurrent mixers to run per sequence over `num_slots` state rows."""
@@ -160,3 +169,57 @@ def _attention_scale(model: Any, head_dim: int) -> float:
         if isinstance(scaling, float) and hasattr(module, "layer_idx"):
             return scaling
     return head_dim**-0.5
+
+
+# --------------------------------------------------------------------------- the LM head's row count
+
+
+MOST = 12  # beyond it the measured kernels were even (16 rows 16 ms, 13 rows 13 ms)
+MARGIN = 0.9  # pad only where the padded head took at most 90% of the time
+
+
+class LogitRows:
+    """How many rows the LM head multiplies in an eager CPU step: sometimes more than are sampled.
+
+    A CPU BLAS picks its kernel by the matrix shape, and for a few row counts it picks a slow one. Measured
+    on SmolLM2's head (``[M, 576] x [576, 49152]``, float32, AVX512+BF16, torch 2.13): 7 rows take 22.9 ms
+    and 8 rows 11.3; 3 rows 19.9 and 4 rows 9.6; 11 rows 22.4 and 12 rows 12.3. A step samples one row per
+    sequence (decode) or per prompt chunk, so a batch of 7 pays that on every step. `LogitRows` times, once
+    per row count of 2 to `MOST`, the head on that many rows and on the next multiple of 4, and pads the
+    rows (repeating the last index; the extra logits are dropped) where that was faster by
+    `MARGIN`. Each logit row is the same dot products either way; only the blocking of the sum may differ
+    in the last bits, as it does between any two batch sizes.
+    """
+
+    def __init__(self, head: Any, hidden_size: int, dtype: torch.dtype) -> None:
+        self.head, self.hidden_size, self.dtype = head, hidden_size, dtype
+        self.choice: dict[int, int] = {}
+
+    def rows(self, wanted: int) -> int:
+        if wanted < 2 or wanted > MOST or wanted % 4 == 0:
+            return wanted
+        if wanted not in self.choice:
+            padded = -(-wanted // 4) * 4
+            try:
+                faster = self._seconds(padded) < MARGIN * self._seconds(wanted)
+            except Exception:  # a head that does not take [rows, hidden_size]: never padded
+                faster = False
+            self.choice[wanted] = padded if faster else wanted
+        return self.choice[wanted]
+
+    @torch.inference_mode()
+    def _seconds(self, rows: int) -> float:
+        x = torch.randn(rows, self.hidden_size, dtype=self.dtype)
+        self.head(x)  # first call: allocation and kernel selection
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            self.head(x)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+
+def padded_indices(logits_indices: torch.Tensor, rows: int) -> torch.Tensor:
+    """`logits_indices` with its last index repeated up to `rows` entries."""
+    extra = rows - logits_indices.shape[0]
+    return torch.cat([logits_indices, logits_indices[-1:].expand(extra)]) if extra > 0 else logits_indices
