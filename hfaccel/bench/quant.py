@@ -77,9 +77,17 @@ def _llama_cpp(gguf: str, eos: int) -> Any:
         from llama_cpp import Llama
     except ImportError:
         return None
-    llm = Llama(
-        model_path=gguf, n_ctx=2048, n_threads=torch.get_num_threads(), logits_all=True, verbose=False
-    )
+
+    def load(logits_all: bool) -> Any:  # every position's logits only where perplexity needs them
+        return Llama(
+            model_path=gguf,
+            n_ctx=2048,
+            n_threads=torch.get_num_threads(),
+            logits_all=logits_all,
+            verbose=False,
+        )
+
+    llm = load(False)
 
     def generate(prompt: list[int], new_tokens: int) -> list[int]:
         llm.reset()
@@ -100,9 +108,9 @@ def _llama_cpp(gguf: str, eos: int) -> Any:
     def perplexity(ids: list[int]) -> float:
         import numpy as np
 
-        llm.reset()
-        llm.eval(ids)
-        scores = torch.from_numpy(np.asarray(llm.scores[: len(ids) - 1], dtype=np.float32))
+        scorer = load(True)
+        scorer.eval(ids)
+        scores = torch.from_numpy(np.asarray(scorer.scores[: len(ids) - 1], dtype=np.float32))
         return math.exp(torch.nn.functional.cross_entropy(scores, torch.tensor(ids[1:])).item())
 
     return generate, perplexity

@@ -175,12 +175,11 @@ def quantize_linears(model: nn.Module, weights: str) -> int:
         )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     takes = _int8_takes if weights == "int8" else _int4_takes
-    body = [
-        m
+    quantizable = any(
+        m is not head and (_plain(m) or (weights == "int8" and _torchao_weight_only_int8(m))) and takes(m)
         for m in model.modules()
-        if m is not head and (_plain(m) or (weights == "int8" and _torchao_weight_only_int8(m))) and takes(m)
-    ]
-    if not body:
+    )
+    if not quantizable:
         if any(isinstance(m, (Int8Linear, Int4Linear)) for m in model.modules()):
             return 0  # quantized by an earlier call
         raise ValueError(

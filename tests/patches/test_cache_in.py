@@ -31,20 +31,19 @@ def extended(sequences, mask, more):
     )
 
 
+# The first call of a continuation test, and an engine small enough that prompts span several blocks.
+FIRST = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "return_dict_in_generate": True}
+SMALL_ENGINE = {"block_size": 8, "kv_cache_memory": 4_000_000, "max_num_batched_tokens": 32}
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_continuing_from_the_returned_cache_equals_one_long_generate_and_hf(family):
     model = tiny_model(family)
     ids, mask = left_padded(varied_prompts(6, seed=2)[1:5])  # 1, 37, 37 and 43 tokens
-    first_kwargs = {
-        "max_new_tokens": 4,
-        "min_new_tokens": 4,
-        "do_sample": False,
-        "return_dict_in_generate": True,
-    }
-    hf_first = hf(model, input_ids=ids, attention_mask=mask, **first_kwargs)
-    hfaccel.patch(model, block_size=8, kv_cache_memory=4_000_000, max_num_batched_tokens=32)
+    hf_first = hf(model, input_ids=ids, attention_mask=mask, **FIRST)
+    hfaccel.patch(model, **SMALL_ENGINE)
     try:
-        first = served(model, input_ids=ids, attention_mask=mask, **first_kwargs)
+        first = served(model, input_ids=ids, attention_mask=mask, **FIRST)
         assert torch.equal(first.sequences, hf_first.sequences)
         cache = first.past_key_values
         for more in ([], [[40, 41]] * 4):  # continue right away, and with more tokens appended
@@ -286,17 +285,11 @@ def test_a_cache_with_sliding_window_layers_continues_as_hf_and_is_extended_as_h
 
     model = _sliding(kind)
     ids, mask = left_padded(varied_prompts(6, seed=2)[1:5])  # up to 43 tokens: past the window of 8
-    first_kwargs = {
-        "max_new_tokens": 4,
-        "min_new_tokens": 4,
-        "do_sample": False,
-        "return_dict_in_generate": True,
-    }
-    hf_first = hf(model, input_ids=ids, attention_mask=mask, **first_kwargs)
+    hf_first = hf(model, input_ids=ids, attention_mask=mask, **FIRST)
     assert isinstance(hf_first.past_key_values.layers[0], DynamicSlidingWindowLayer)
-    hfaccel.patch(model, block_size=8, kv_cache_memory=4_000_000, max_num_batched_tokens=32)
+    hfaccel.patch(model, **SMALL_ENGINE)
     try:
-        first = served(model, input_ids=ids, attention_mask=mask, **first_kwargs)
+        first = served(model, input_ids=ids, attention_mask=mask, **FIRST)
         assert torch.equal(first.sequences, hf_first.sequences)
         seq, seq_mask = extended(first.sequences, mask, [[40, 41]] * 4)
         lengths = {
