@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--compile", choices=("auto", "off", "decode", "all"), default=None, help="torch.compile"
     )
+    kv_dtypes = ("auto", "float32", "bfloat16", "float16", "int8")
+    srv.add_argument("--kv-cache-dtype", choices=kv_dtypes, help="KV cache dtype (default: the model's)")
     srv.add_argument(
         "--max-tokens-limit", type=_positive_int, default=4096, help="most max_tokens a request asks"
     )
@@ -390,6 +392,7 @@ def run_serve(args: argparse.Namespace) -> None:
             ("max_model_len", args.max_model_len),
             ("kv_cache_memory", args.kv_cache_memory),
             ("compile", args.compile),
+            ("dtype", args.kv_cache_dtype),
         )
         if value is not None
     }

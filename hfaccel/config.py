@@ -25,7 +25,13 @@ ADMISSION_MODES = ("warn", "reject")
 # What "auto" (None) resolves to when memory does not bound it (see `engine/limits.py`).
 DEFAULT_MAX_NUM_SEQS = 64
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
-_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,  # quantized rows, a float32 scale each (`kernels/kv_quant.py`)
+}
 
 
 @dataclass(frozen=True)
@@ -48,11 +54,11 @@ class CacheConfig:
         if isinstance(memory, int) and memory <= 1:
             raise ValueError(f"kv_cache_memory in bytes must be positive, got {memory}")
         if isinstance(self.dtype, torch.dtype):
-            if not self.dtype.is_floating_point or self.dtype.itemsize < 2:
+            floating = self.dtype.is_floating_point and self.dtype.itemsize >= 2
+            if not floating and self.dtype != torch.int8:
                 raise ValueError(
-                    f"dtype {self.dtype} cannot hold a KV cache: integer and float8 caches would need "
-                    "quantisation scales the engine does not keep; use torch.float32, torch.float16, "
-                    "torch.bfloat16 or 'auto'"
+                    f"dtype {self.dtype} cannot hold a KV cache: use torch.float32, torch.float16, "
+                    "torch.bfloat16, torch.int8 (quantized rows with a scale each) or 'auto'"
                 )
         elif self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be a torch.dtype or one of {tuple(_DTYPES)}, got {self.dtype!r}")
@@ -236,7 +242,10 @@ class EngineConfig:
         backend: paged-attention backend: ``"auto"`` picks the best one available, ``"torch"`` is the
             pure-PyTorch reference.
         dtype: KV-cache dtype (``"auto"`` follows the model's dtype, or ``"float32"``, ``"float16"``,
-            ``"bfloat16"``, or a ``torch.dtype``).
+            ``"bfloat16"``, ``"int8"``, or such a ``torch.dtype``). ``"int8"`` stores each token's K and V
+            row of each head as int8 values with a float32 scale (absmax / 127): about a quarter of a
+            float32 cache's bytes, at a measured quality cost (docs/benchmarks.md); served by the torch
+            backend only (its C decode kernel reads the rows in place).
         max_model_len: longest sequence (prompt plus generated tokens); ``None`` takes the model's
             ``max_position_embeddings``.
         enable_prefix_caching: share the KV blocks of prompt prefixes already computed (hash-chained

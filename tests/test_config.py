@@ -19,7 +19,7 @@ from hfaccel import EngineConfig
         ("dtype", "float8", "dtype must be a torch.dtype or one of"),
         ("max_model_len", 0, "max_model_len must be a positive integer"),
         ("block_size", True, "block_size must be a positive integer"),
-        ("dtype", torch.int8, r"dtype torch.int8 cannot hold a KV cache"),
+        ("dtype", torch.uint8, r"dtype torch.uint8 cannot hold a KV cache"),
         ("dtype", torch.float8_e4m3fn, r"dtype torch.float8_e4m3fn cannot hold a KV cache"),
         ("dtype", torch.bool, r"dtype torch.bool cannot hold a KV cache"),
     ],

@@ -190,8 +190,8 @@ def test_other_engine_config_errors_raise_at_patch():
     model = tiny_model()
     with pytest.raises(ValueError, match=r"max_model_len \(1024\) exceeds what the model supports \(512\)"):
         hfaccel.patch(model, max_model_len=1024)
-    with pytest.raises(ValueError, match="dtype torch.int8 cannot hold a KV cache"):
-        hfaccel.patch(model, dtype=torch.int8)
+    with pytest.raises(ValueError, match="dtype torch.int16 cannot hold a KV cache"):
+        hfaccel.patch(model, dtype=torch.int16)
     with pytest.raises(ValueError, match="dtype torch.float8_e5m2 cannot hold a KV cache"):
         hfaccel.patch(model, EngineConfig(dtype=torch.float8_e5m2))
     if not torch.cuda.is_available():  # under TRITON_INTERPRET (set for tests) Triton runs on a CPU

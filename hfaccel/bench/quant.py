@@ -52,6 +52,33 @@ def torch_perplexity(model: Any, ids: list[int]) -> float:
     return math.exp(torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:])).item())
 
 
+@torch.no_grad()
+def engine_perplexity(model: Any, ids: list[int], kv_dtype: str = "auto", chunk: int = 64) -> float:
+    """exp of the mean next-token loss over `ids` as the engine computes it: `ids` fed as one sequence
+    in prompt chunks of `chunk` tokens, each attending over the paged KV cache (of `kv_dtype`) that the
+    earlier chunks wrote, every position's logits kept. A KV cache's precision shows here, where
+    `torch_perplexity` (the model's own forward, no cache) cannot see it."""
+    from hfaccel.config import EngineConfig
+    from hfaccel.engine.batch import PackedStep
+    from hfaccel.engine.engine import Engine
+    from hfaccel.kernels.metadata import StepLayout
+
+    engine = Engine(model, EngineConfig(dtype=kv_dtype, enable_prefix_caching=False, max_model_len=len(ids)))
+    block_size = engine.config.block_size
+    # A fresh engine with nothing admitted: the sequence takes blocks 0, 1, ... (slot = position).
+    table = list(range(-(-len(ids) // block_size)))
+    losses = []
+    for start in range(0, len(ids) - 1, chunk):
+        end = min(start + chunk, len(ids) - 1)
+        positions = list(range(start, end))
+        layout = StepLayout([end - start], [end], [table], positions, 0)
+        step = PackedStep(ids[start:end], positions, list(range(end - start)), [], layout)
+        logits = engine.runner.run(step).float()
+        target = torch.tensor(ids[start + 1 : end + 1], device=logits.device)
+        losses.append(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+    return math.exp(torch.stack(losses).sum().item() / (len(ids) - 1))
+
+
 def _one_by_one(generate: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
     outputs = [generate(prompt, new_tokens) for prompt in prompts]

@@ -20,6 +20,7 @@ from hfaccel.engine.batch import PackedStep
 from hfaccel.engine.decode_buckets import CapturedDecodeGraphs, GraphKey, choose_bucket, warmup_layout
 from hfaccel.engine.executor import ModelExecutor
 from hfaccel.engine.microbatch import split_microbatches
+from hfaccel.kernels import kv_quant
 from hfaccel.kernels.metadata import AttentionBackend
 from hfaccel.kernels.op import ForwardContext, forward_context
 
@@ -67,7 +68,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = executor.device
         self.max_num_tokens = max_num_tokens
-        shape = backend.kv_cache_shape(num_blocks, block_size, executor.num_kv_heads, executor.head_dim)
+        shape = backend.kv_cache_shape(
+            num_blocks, block_size, executor.num_kv_heads, executor.head_dim, kv_dtype
+        )
         # Zeroed, not empty: masked-out slots may still be read, and NaN garbage would leak through.
         self.kv_caches = [
             (
@@ -298,10 +301,18 @@ class ModelRunner:
         positions = torch.arange(num_tokens, device=self.device)
         table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        head_dim, dtype = self.executor.head_dim, self._values_dtype()
         return [
-            (k.view(-1, *k.shape[2:]).index_select(0, slots), v.view(-1, *v.shape[2:]).index_select(0, slots))
+            (
+                kv_quant.load(k.view(-1, *k.shape[2:]).index_select(0, slots), head_dim, dtype),
+                kv_quant.load(v.view(-1, *v.shape[2:]).index_select(0, slots), head_dim, dtype),
+            )
             for k, v in self.kv_caches
         ]
+
+    def _values_dtype(self) -> torch.dtype:
+        """The dtype K/V values leave the cache in: the cache's own, or the model's for an int8 cache."""
+        return self.executor.dtype if kv_quant.is_quantized(self.kv_dtype) else self.kv_dtype
 
     def write_kv(self, block_ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write K and V (``[n, Hkv, D]`` per layer) into the slots of positions ``[0, n)`` of `block_ids`:
@@ -314,15 +325,10 @@ class ModelRunner:
         slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
         with torch.no_grad():
             for (k_cache, v_cache), (k, v) in zip(self.kv_caches, kv, strict=True):
-                k_cache.view(-1, *k_cache.shape[2:]).index_copy_(
-                    0, slots, k.to(k_cache.device, k_cache.dtype)
-                )
-                v_cache.view(-1, *v_cache.shape[2:]).index_copy_(
-                    0, slots, v.to(v_cache.device, v_cache.dtype)
-                )
+                kv_quant.store(k_cache, slots, k.to(k_cache.device))
+                kv_quant.store(v_cache, slots, v.to(v_cache.device))
 
 
 def kv_bytes_per_token(executor: ModelExecutor, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token takes across all layers."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return 2 * executor.num_layers * executor.num_kv_heads * executor.head_dim * size
+    """Bytes of K and V one token takes across all layers (an int8 cache's scales included)."""
+    return 2 * executor.num_layers * executor.num_kv_heads * kv_quant.row_bytes(executor.head_dim, dtype)

@@ -17,6 +17,8 @@ from typing import ClassVar
 
 import torch
 
+from hfaccel.kernels import kv_quant
+
 PAD_SLOT = -1
 
 
@@ -280,10 +282,19 @@ class AttentionBackend(ABC):
             return f"head_dim {head_dim} is not supported (supported: {sorted(caps.head_dims)})"
         return None
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
-        """Shape of one layer's K (and of its V) cache for `num_blocks` usable blocks (plus the scratch
-        block, for backends that use one)."""
-        return (num_blocks + int(self.uses_scratch_block), block_size, num_kv_heads, head_dim)
+    def kv_cache_shape(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> tuple:
+        """Shape of one layer's K (and of its V) cache of `dtype` for `num_blocks` usable blocks (plus the
+        scratch block, for backends that use one); an int8 cache's rows hold their scales too
+        (`kv_quant.row_width`)."""
+        width = kv_quant.row_width(head_dim, dtype)
+        return (num_blocks + int(self.uses_scratch_block), block_size, num_kv_heads, width)
 
     def make_builder(
         self,

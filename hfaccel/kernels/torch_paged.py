@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hfaccel.kernels import cpu_decode
+from hfaccel.kernels import cpu_decode, kv_quant
 from hfaccel.kernels.metadata import (
     AttentionBackend,
     AttentionMetadata,
@@ -233,7 +233,8 @@ class TorchPagedAttention(AttentionBackend):
 
     name = "torch"
     capabilities = BackendCapabilities(
-        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64}),
+        # int8: quantized rows with a scale each (`kv_quant`), read back as the query's dtype.
+        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8}),
         head_dims=None,
         devices=frozenset({"cpu", "cuda", "mps", "xpu"}),
         cuda_graph_decode=False,  # gather sizes follow the longest context: not one shape per bucket
@@ -278,11 +279,14 @@ class TorchPagedAttention(AttentionBackend):
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the paged cache at `slots` (all valid)."""
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    flat_k.index_copy_(0, slots, key.to(k_cache.dtype))
-    flat_v.index_copy_(0, slots, value.to(v_cache.dtype))
+    """Scatter ``key``/``value`` ``[T, Hkv, D]`` into the paged cache at `slots` (all valid; quantized
+    where the cache is int8)."""
+    if k_cache.dtype == kv_quant.QUANTIZED_DTYPE:
+        kv_quant.store(k_cache, slots, key)
+        kv_quant.store(v_cache, slots, value)
+        return
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 def attend(
@@ -305,7 +309,8 @@ def attend(
     attention-sink logit joins its softmax's denominator (gpt-oss)."""
     exact = (softcap, sinks)  # beyond what SDPA computes: the explicit softmax (`_softmax_attention`)
     common = meta.common
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    num_kv_heads, width = k_cache.shape[2], k_cache.shape[3]
+    head_dim = query.shape[-1]
     # Decode rows on a CPU in the dtypes it serves go to the C kernel, which reads the blocks in place (no
     # gathered copy, no mask; a step of one-token decodes only never gets here: `forward` runs it through
     # the kernel, store included; multi-query rows each as a sequence of their own visible length);
@@ -339,8 +344,9 @@ def attend(
             queries = query.index_select(0, meta.decode_query_index)
             rows = _decode(queries, k_cache, v_cache, meta, scale, window, chunk, *exact)
             out.index_copy_(0, meta.decode_out_dst, rows.index_select(0, meta.decode_out_src))
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
+    flat_k = k_cache.view(-1, num_kv_heads, width)
+    flat_v = v_cache.view(-1, num_kv_heads, width)
+    quantized = k_cache.dtype == kv_quant.QUANTIZED_DTYPE
     for span in meta.prefills:
         # 4-D inputs: CPU SDPA sends 3-D ones to its slow math path (25x slower at 2k tokens).
         rows = slice(span.start, span.start + span.length)
@@ -349,10 +355,13 @@ def attend(
         local = 0 < window < context or 0 < chunk < context  # some query cannot see every earlier key
         mask = span.local_mask(window, chunk, query.device) if local else span.mask
         if span.context_slots is None:
-            k, v = key[rows].transpose(0, 1)[None], value[rows].transpose(0, 1)[None]
+            k, v = key[rows], value[rows]
+            if quantized:  # what a later step reads back: a prompt attends the same whether cached or not
+                k, v = kv_quant.roundtrip(k), kv_quant.roundtrip(v)
+            k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         else:
-            k = flat_k[span.context_slots].transpose(0, 1)[None].to(q.dtype)
-            v = flat_v[span.context_slots].transpose(0, 1)[None].to(q.dtype)
+            k = _values(flat_k[span.context_slots], head_dim, q.dtype).transpose(0, 1)[None]
+            v = _values(flat_v[span.context_slots], head_dim, q.dtype).transpose(0, 1)[None]
         if softcap > 0 or sinks is not None:
             if mask is None:
                 mask = torch.ones(span.length, context, dtype=torch.bool, device=q.device).tril(
@@ -414,11 +423,11 @@ def _decode(
     rep = num_heads // num_kv_heads
     q = query.view(num_seqs, q_len, num_kv_heads, rep, head_dim).permute(0, 2, 3, 1, 4)
     q = q.reshape(num_seqs, num_kv_heads, rep * q_len, head_dim)
-    shape = (num_seqs, -1, num_kv_heads, head_dim)
-    k = (
-        k_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
-    )  # [B, Hkv, S, D]
-    v = v_cache.index_select(0, meta.decode_blocks).view(shape).permute(0, 2, 1, 3).to(q.dtype)
+    shape = (num_seqs, -1, num_kv_heads, k_cache.shape[3])
+    k = _values(k_cache.index_select(0, meta.decode_blocks).view(shape), head_dim, q.dtype)
+    k = k.permute(0, 2, 1, 3)  # [B, Hkv, S, D]
+    v = _values(v_cache.index_select(0, meta.decode_blocks).view(shape), head_dim, q.dtype)
+    v = v.permute(0, 2, 1, 3)
     bias = meta.decode_bias(q.dtype, rep, window, chunk)  # rows: (rep, Q); built by the step's first layer
     if softcap > 0 or sinks is not None:  # rows (rep, Q): head h * rep + r's sink on its Q rows
         row_sinks = (
@@ -430,3 +439,11 @@ def _decode(
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)  # [B, Hkv, rep * Q, D]
     o = o.view(num_seqs, num_kv_heads, rep, q_len, head_dim).permute(0, 3, 1, 2, 4)
     return o.reshape(rows, num_heads, head_dim)
+
+
+def _values(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows as values of `dtype`: dequantized from an int8 cache, else cast (kept here, not in
+    `kv_quant`, so a float cache's step runs no code of that module)."""
+    if rows.dtype == kv_quant.QUANTIZED_DTYPE:
+        return kv_quant.dequantize(rows, head_dim, dtype)
+    return rows.to(dtype)

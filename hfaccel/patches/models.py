@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from hfaccel.distributed.layout import parallel_layout
+from hfaccel.kernels import kv_quant
 from hfaccel.patches.layer_support import attention_shape, has_recurrent_layers, unsupported_reason
 
 TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"})
@@ -89,7 +90,7 @@ def kv_bytes_per_token(model: torch.nn.Module, kv_dtype: torch.dtype) -> int:
     count the engine's runner makes)."""
     config = model.config.get_text_config(decoder=True)
     num_kv_heads, head_dim = attention_dims(model)
-    return 2 * config.num_hidden_layers * num_kv_heads * head_dim * kv_dtype.itemsize
+    return 2 * config.num_hidden_layers * num_kv_heads * kv_quant.row_bytes(head_dim, kv_dtype)
 
 
 def attention_dims(model: torch.nn.Module) -> tuple[int, int]:

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfaccel.kernels import cpu_decode
+from hfaccel.kernels import cpu_decode, kv_quant
 
 
 @pytest.mark.skipif(
@@ -97,11 +97,53 @@ def test_cpu_decode_kernel_stores_the_new_rows_from_strided_views():
         torch.testing.assert_close(out[i], ref[0, :, 0], atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.skipif(
+    cpu_decode.load() is None, reason="no C compiler: the CPU decode kernel is not built here"
+)
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 6])  # 6: values padded to 8 bytes before the scale
+def test_cpu_decode_kernel_quantizes_and_reads_an_int8_cache_as_kv_quant_does(query_dtype, head_dim):
+    """Over an int8 cache the kernel stores each new row bit for bit as `kv_quant.store` does (rows with
+    an all-zero head too), and attends over the values `kv_quant` reads back."""
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, block = 6, 2, 4
+    width = kv_quant.row_width(head_dim, torch.int8)
+    context = torch.randn(9 * block, hkv, head_dim, generator=g)
+    k_cache = torch.zeros(10, block, hkv, width, dtype=torch.int8)
+    v_cache = torch.zeros_like(k_cache)
+    kv_quant.store(k_cache, torch.arange(9 * block), context * 3)
+    kv_quant.store(v_cache, torch.arange(9 * block), context)
+    table = torch.tensor([[3, 7, 0], [5, 1, 8], [0, 0, 0]], dtype=torch.int32)
+    lens = [6, 11, 0]
+    slots = torch.tensor([7 * block + 1, 8 * block + 2, -1])
+    query = torch.randn(3, hq, head_dim, generator=g).to(query_dtype)
+    key = torch.randn(3, hkv, head_dim, generator=g).to(query_dtype)
+    key[1, 0] = 0  # a zero row: scale 0, values 0
+    value = torch.randn(3, hkv, head_dim, generator=g).to(query_dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    kv_quant.store(expected_k, slots[:2], key[:2])
+    kv_quant.store(expected_v, slots[:2], value[:2])
+    out = torch.full((3, hq, head_dim), float("nan"), dtype=query_dtype)
+    call = cpu_decode.DecodeCall(table, torch.tensor(lens, dtype=torch.int32), max(lens), slots)
+    call(query, k_cache, v_cache, head_dim**-0.5, out, key, value)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    flat_k = kv_quant.load(k_cache.view(-1, hkv, width), head_dim, torch.float32)
+    flat_v = kv_quant.load(v_cache.view(-1, hkv, width), head_dim, torch.float32)
+    for i, n in enumerate(lens[:2]):
+        positions = [int(table[i, p // block]) * block + p % block for p in range(n)]
+        k, v = flat_k[positions].transpose(0, 1)[None], flat_v[positions].transpose(0, 1)[None]
+        q = query[i].float()[None, :, None]
+        ref = F.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, enable_gqa=True)[0, :, 0]
+        tolerance = 2e-6 if query_dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[i].float(), ref, atol=tolerance, rtol=tolerance)
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+
+
 def test_cpu_decode_kernel_is_off_for_other_dtypes_and_by_switch(monkeypatch):
-    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
-    served = {(f32, f32), (f32, bf16), (bf16, bf16)}
+    f32, bf16, f16, i8 = torch.float32, torch.bfloat16, torch.float16, torch.int8
+    served = {(f32, f32), (f32, bf16), (bf16, bf16), (f32, i8), (bf16, i8)}
     for query_dtype in (f32, bf16, f16):
-        for cache_dtype in (f32, bf16, f16):
+        for cache_dtype in (f32, bf16, f16, i8):
             query, cache = torch.zeros(1, 2, 8, dtype=query_dtype), torch.zeros(1, 4, 1, 8, dtype=cache_dtype)
             expected = (query_dtype, cache_dtype) in served and cpu_decode.load() is not None
             assert cpu_decode.supports(query, cache) == expected, (query_dtype, cache_dtype)

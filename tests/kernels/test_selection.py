@@ -21,11 +21,15 @@ def test_flashinfer_on_cpu_is_refused_with_the_reason():
         get_backend("flashinfer", "cpu", torch.float16, 64)
 
 
-def test_torch_backend_refuses_integer_kv_dtypes():
-    reason = unavailable_reason("torch", torch.device("cpu"), torch.int8, 64)
-    assert reason is not None and "int8" in reason
-    with pytest.raises(ValueError, match="KV dtype int8 is not supported"):
-        get_backend("torch", "cpu", torch.int8, 64)
+def test_only_the_torch_backend_takes_an_int8_kv_cache_and_auto_picks_it():
+    """An int8 cache holds quantized rows (`kv_quant`): the torch backend reads them; Triton and
+    FlashInfer do not, so "auto" passes over them even on CUDA, and naming one says why."""
+    assert unavailable_reason("torch", torch.device("cpu"), torch.int8, 64) is None
+    assert "KV dtype int8 is not supported" in unavailable_reason(
+        "triton", torch.device("cuda"), torch.int8, 64
+    )
+    assert get_backend("auto", "cuda", torch.int8, 64).name == "torch"
+    assert unavailable_reason("torch", torch.device("cpu"), torch.int16, 64) is not None
 
 
 def test_every_backend_name_is_known():

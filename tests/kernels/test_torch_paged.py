@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hfaccel.kernels import StepLayout, TorchPagedAttention, cpu_decode
+from hfaccel.kernels import StepLayout, TorchPagedAttention, cpu_decode, kv_quant
 
 BLOCK = 4
 HQ, HKV, D = 4, 2, 8
@@ -43,11 +43,15 @@ def dense_reference(q, k, v, scale, window=0, chunk=0, softcap=0.0, sinks=None):
     return out.transpose(0, 1)
 
 
-def run_step(seqs, dtype, seed=0, decode_query_len=1, window=0, chunk=0, softcap=0.0, sinks=None):
-    """seqs: list of (context_before, new_tokens). Returns packed output and the per-seq references."""
+def run_step(
+    seqs, dtype, seed=0, decode_query_len=1, window=0, chunk=0, softcap=0.0, sinks=None, kv_dtype=None
+):
+    """seqs: list of (context_before, new_tokens). Returns packed output and the per-seq references.
+    `kv_dtype` torch.int8: an int8 cache, the references over the K/V values it gives back."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = 64
-    k_cache = torch.zeros(num_blocks, BLOCK, HKV, D, dtype=dtype)
+    kv_dtype = kv_dtype or dtype
+    k_cache = torch.zeros(num_blocks, BLOCK, HKV, kv_quant.row_width(D, kv_dtype), dtype=kv_dtype)
     v_cache = torch.zeros_like(k_cache)
     free = torch.randperm(num_blocks, generator=g).tolist()
     order = sorted(range(len(seqs)), key=lambda i: seqs[i][1] > decode_query_len)
@@ -59,9 +63,13 @@ def run_step(seqs, dtype, seed=0, decode_query_len=1, window=0, chunk=0, softcap
         full_k = torch.randn(total, HKV, D, generator=g).to(dtype)
         full_v = torch.randn(total, HKV, D, generator=g).to(dtype)
         q = torch.randn(new, HQ, D, generator=g).to(dtype)
-        for p in range(before):  # the cached context is already in the cache
-            k_cache[blocks[p // BLOCK], p % BLOCK] = full_k[p]
-            v_cache[blocks[p // BLOCK], p % BLOCK] = full_v[p]
+        context = torch.tensor(
+            [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(before)], dtype=torch.long
+        )
+        kv_quant.store(k_cache, context, full_k[:before])  # the cached context is already in the cache
+        kv_quant.store(v_cache, context, full_v[:before])
+        if kv_quant.is_quantized(kv_dtype):  # every key and value is read back from int8 rows
+            full_k, full_v = kv_quant.roundtrip(full_k), kv_quant.roundtrip(full_v)
         queries.append(q)
         keys.append(full_k[before:])
         values.append(full_v[before:])
@@ -115,6 +123,32 @@ def decode_path(request, monkeypatch):
 def test_matches_dense_causal_attention(seqs, dtype, decode_path):
     out, ref = run_step(seqs, dtype)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("seqs", "decode_query_len"),
+    [
+        ([(5, 1), (12, 1), (0, 1)], 1),  # decodes only: the C kernel stores and attends in one call
+        ([(3, 1), (0, 9), (10, 1), (4, 5), (0, 2)], 1),  # fresh prompts, continued chunks and decodes
+        ([(10, 3), (20, 5), (4, 1), (0, 7)], 8),  # verification rows
+    ],
+)
+def test_int8_cache_matches_attention_over_its_dequantized_rows(seqs, decode_query_len, dtype, decode_path):
+    """An int8 cache: every path (the C kernel's stores and reads, the gathered SDPA, a fresh prompt's
+    own K/V) attends over exactly the values the quantized rows give back, so a prompt attends the same
+    whether its K/V come from the cache or from this step."""
+    out, ref = run_step(seqs, dtype, decode_query_len=decode_query_len, kv_dtype=torch.int8)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), ref.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize(("window", "softcap", "with_sinks"), [(3, 0.0, False), (0, 0.5, True)])
+def test_int8_cache_serves_windows_softcapping_and_sinks(window, softcap, with_sinks, decode_path):
+    seqs = [(9, 1), (0, 6), (5, 4), (14, 1)]
+    sinks = torch.randn(HQ, generator=torch.Generator().manual_seed(3)) if with_sinks else None
+    out, ref = run_step(seqs, torch.float32, window=window, softcap=softcap, sinks=sinks, kv_dtype=torch.int8)
+    torch.testing.assert_close(out, ref.float(), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,92 @@
+"""An int8 KV cache (`EngineConfig(dtype="int8")`, `kernels/kv_quant.py`) end to end on a patched model:
+logits within quantization error of the model's own, the same tokens however a prompt is scheduled
+(chunked, from a warm prefix cache, preempted), a quarter of the bytes, and what it cannot serve refused."""
+
+import pytest
+import torch
+
+import hfaccel
+from hfaccel import EngineConfig
+from tests.helpers import left_padded, tiny_model, varied_prompts
+
+
+def _generate(model, prompts, new_tokens=12, scores=False):
+    ids, mask = left_padded(prompts)
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,  # every row's scores are real ones
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=scores,  # raw logits (min_new_tokens masks EOS in the scores)
+    )
+
+
+def test_int8_cache_logits_are_the_models_own_within_quantization_error():
+    """Teacher-forced on the engine's own tokens: each step's logits against one plain forward of the
+    model over the same sequence (no cache), and every token the model's argmax wherever its two best
+    logits are further apart than that error."""
+    model = tiny_model(layers=3)
+    prompts = varied_prompts(6)
+    hfaccel.patch(model, dtype="int8", strict=True)
+    out = _generate(model, prompts, scores=True)
+    assert model._hfaccel.engine.runner.kv_caches[0][0].dtype == torch.int8
+    hfaccel.unpatch(model)
+    width = out.sequences.shape[1] - len(out.logits)
+    ids, mask = left_padded(prompts)
+    full_mask = torch.cat([mask, torch.ones(len(prompts), len(out.logits), dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=out.sequences, attention_mask=full_mask).logits[:, width - 1 : -1]
+    ours = torch.stack(out.logits, dim=1)
+    error = (ours - logits).abs().max().item()
+    assert 0 < error < 0.03 * logits.abs().max().item()  # quantized (not float K/V), and close (0.9% here)
+    top2 = logits.topk(2, dim=-1).values
+    clear = top2[..., 0] - top2[..., 1] > 2 * error
+    assert clear.float().mean() > 0.5
+    assert torch.equal(out.sequences[:, width:][clear], logits.argmax(-1)[clear])
+
+
+def test_int8_cache_gives_the_same_tokens_chunked_cached_or_preempted():
+    """A prompt attends over the values its int8 rows give back whether they come from this step or
+    the cache, so scheduling changes no token: 8-token prefill chunks, a second run from a warm prefix
+    cache, and a cache so small that requests are preempted and recomputed."""
+    prompts = varied_prompts(8)
+    model = tiny_model()
+    hfaccel.patch(model, dtype="int8", enable_prefix_caching=False, strict=True)
+    reference = _generate(model, prompts).sequences
+    hfaccel.unpatch(model)
+    for options in (
+        {"long_prefill_token_threshold": 8},
+        {"enable_prefix_caching": True},
+        # 48 blocks of 4 tokens (2 layers, K and V, 2 heads, 16 + 4 bytes a row) for 8 requests of 18
+        {"kv_cache_memory": 48 * 2 * 2 * 2 * 20 * 4, "block_size": 4, "max_model_len": 96},
+    ):
+        hfaccel.patch(model, EngineConfig(dtype="int8", **options), strict=True)
+        for _ in range(2):  # the second run hits the prefix cache where it is on
+            assert torch.equal(_generate(model, prompts).sequences, reference), options
+        stats = model._hfaccel.engine.stats()
+        hfaccel.unpatch(model)
+        if "enable_prefix_caching" in options:
+            assert stats["prefix_cache_hit_tokens"] > 0
+        if "kv_cache_memory" in options:
+            assert stats["preemptions"] > 0
+
+
+def test_int8_cache_holds_about_four_times_the_tokens_of_float32():
+    """At the same kv_cache_memory: head_dim 16 in float32 is 64 bytes a row, in int8 16 + 4."""
+    blocks = {}
+    for dtype in ("float32", "int8"):
+        model = tiny_model()
+        hfaccel.patch(model, dtype=dtype, kv_cache_memory=4 << 20)
+        _generate(model, [[5, 6, 7]], new_tokens=1)
+        blocks[dtype] = model._hfaccel.engine.block_manager.num_blocks
+        hfaccel.unpatch(model)
+    assert blocks["int8"] == pytest.approx(blocks["float32"] * 64 / 20, rel=0.01)
+
+
+def test_int8_cache_refused_where_a_backend_cannot_read_it():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="backend 'triton' cannot serve this model here: KV dtype int8"):
+        hfaccel.patch(model, dtype="int8", backend="triton")
+    assert not hasattr(model, "_hfaccel") or model._hfaccel is None
