@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import sys
 
@@ -17,7 +18,7 @@ import torch
 
 SUITES = (
     "offline", "prefix", "chunked", "batching", "concurrency", "speculative", "rollouts", "step", "start",
-    "kernels", "tp", "goodput", "host", "coverage", "serve", "quant", "burst",
+    "kernels", "tp", "goodput", "host", "coverage", "serve", "quant", "burst", "kvcache",
 )  # fmt: skip
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -468,48 +469,22 @@ def run_bench(args: argparse.Namespace) -> None:
         suites = [s for s in suites if s != "coverage"]
         if not suites:
             return
-    if "tp" in suites:  # its own processes and its own SmolLM2-sized model (divisible heads)
-        from hfaccel.bench.parallel import run_parallel_benchmark
-
-        run_parallel_benchmark()
-        suites = [s for s in suites if s != "tp"]
-        if not suites:
-            return
-    if "kernels" in suites:
-        from hfaccel.bench.kernels import run_kernel_benchmark
-
-        run_kernel_benchmark(torch.float32)
-        suites = [s for s in suites if s != "kernels"]
-        if not suites:
-            return
-    if "burst" in suites:  # SmolLM2 float32, 40 requests from threads, one engine per setting
-        from hfaccel.bench.burst import run_burst_benchmark
-
-        run_burst_benchmark()
-        suites = [s for s in suites if s != "burst"]
-        if not suites:
-            return
-    if "quant" in suites:  # loads SmolLM2 once per weight format, and llama.cpp's GGUF
-        from hfaccel.bench.quant import run_quant_benchmark
-
-        run_quant_benchmark()
-        suites = [s for s in suites if s != "quant"]
-        if not suites:
-            return
-    if "host" in suites:  # a tiny random model of its own
-        from hfaccel.bench.host import run_host_benchmark
-
-        run_host_benchmark()
-        suites = [s for s in suites if s != "host"]
-        if not suites:
-            return
-    if "start" in suites:
-        from hfaccel.bench.step import run_start_benchmark
-
-        run_start_benchmark()
-        suites = [s for s in suites if s != "start"]
-        if not suites:
-            return
+    # Suites that load what they need themselves (their own models, processes or weight formats).
+    standalone = {
+        "tp": ("parallel", "run_parallel_benchmark"),  # its own processes and SmolLM2-sized model
+        "kernels": ("kernels", "run_kernel_benchmark"),
+        "burst": ("burst", "run_burst_benchmark"),  # SmolLM2 float32, 40 requests from threads
+        "quant": ("quant", "run_quant_benchmark"),  # SmolLM2 once per weight format, llama.cpp's GGUF
+        "kvcache": ("kv_cache", "run_kv_cache_benchmark"),  # SmolLM2 float32, one engine per KV dtype
+        "host": ("host", "run_host_benchmark"),  # a tiny random model of its own
+        "start": ("step", "run_start_benchmark"),
+    }
+    for suite in [s for s in suites if s in standalone]:
+        module, function = standalone[suite]
+        getattr(importlib.import_module(f"hfaccel.bench.{module}"), function)()
+    suites = [s for s in suites if s not in standalone]
+    if not suites:
+        return
     if "step" in suites:
         from hfaccel.bench.step import run_end_to_end, run_step_benchmark
 

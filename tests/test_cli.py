@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import hfaccel
+from hfaccel import cli
 from hfaccel.cli import build_parser, main
 from tests.helpers import hf_greedy, tiny_model, tiny_tokenizer
 
@@ -184,3 +185,18 @@ def test_serve_answers_over_http_and_stops_cleanly_on_sigterm(model_folder):
         output = server.communicate(timeout=60)[0]
     assert server.returncode in (0, -signal.SIGTERM), output
     assert "Application shutdown complete" in output and "Traceback" not in output
+
+
+def test_serve_passes_the_kv_cache_dtype_to_the_engine(monkeypatch):
+    """`--kv-cache-dtype int8` reaches `patch` as the engine's KV dtype; left out, nothing is set."""
+    pytest.importorskip("fastapi")
+    import hfaccel.server.server as server
+
+    seen = []
+    monkeypatch.setattr(cli, "_load", lambda *args: (tiny_model(), tiny_tokenizer()))
+    monkeypatch.setattr(server, "run_forever", lambda *args, **options: seen.append(options))
+    for extra, expected in ((["--kv-cache-dtype", "int8"], "int8"), ([], None)):
+        cli.run_serve(cli.build_parser().parse_args(["serve", *extra]))
+        assert seen.pop().get("dtype") == expected
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
