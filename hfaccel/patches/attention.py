@@ -76,10 +76,11 @@ def paged_attention_forward(
         out = torch.ops.hfaccel.paged_attention_v2(q, k, v, module.layer_idx, float(scale), *local)
         return out[..., :value_dim].unsqueeze(0), None
     # Under autocast (accelerate wraps a trainer's model.forward in it, and HF's generate runs inside it)
-    # the projections come out in the autocast dtype: attend in the KV cache's dtype, autocast off.
+    # the projections come out in the autocast dtype: attend in the KV cache's dtype (an int8 cache: in
+    # the query's, which rotary leaves in the model's), autocast off.
     cache_dtype = context.kv_caches[module.layer_idx][0].dtype
-    if cache_dtype.is_floating_point and cache_dtype.itemsize >= 2:
-        q, k, v = q.to(cache_dtype), k.to(cache_dtype), v.to(cache_dtype)
+    compute = cache_dtype if cache_dtype.is_floating_point and cache_dtype.itemsize >= 2 else q.dtype
+    q, k, v = q.to(compute), k.to(compute), v.to(compute)
     with torch.autocast(device, enabled=False):
         out = torch.ops.hfaccel.paged_attention_v2(q, k, v, module.layer_idx, float(scale), *local)
     return out[..., :value_dim].unsqueeze(0).to(query.dtype), None
