@@ -17,7 +17,7 @@ import torch
 
 from hfaccel.kernels.selection import BACKEND_NAMES as BACKENDS
 
-COMPILE_MODES = ("auto", "off", "decode", "all")
+COMPILE_MODES = ("auto", "off", "decode", "all", "background")
 SPECULATIVE_METHODS = (None, "ngram")
 SCHEDULING_POLICIES = ("mixed", "prefill_first", "decode_first")
 BATCHING_STRATEGIES = ("continuous", "dynamic", "static")
@@ -129,6 +129,11 @@ class CompilationConfig:
             raise ValueError(f"compile must be one of {COMPILE_MODES}, got {self.compile!r}")
         if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True, False or None, got {self.cuda_graphs!r}")
+        if self.compile == "background" and self.cuda_graphs:
+            raise ValueError(
+                "cuda_graphs=True needs compile='decode': compile='background' runs decode steps compiled "
+                "without CUDA graphs"
+            )
         sizes = self.cuda_graph_sizes
         if sizes is not None:
             if not isinstance(sizes, (tuple, list)) or not sizes:
@@ -266,7 +271,10 @@ class EngineConfig:
         max_delay_ms: longest wait of the dynamic strategy before it runs a partial batch.
         compile: ``torch.compile`` of the model forward: ``"off"``, ``"decode"`` (pure-decode steps, padded
             to a bucket of ``cuda_graph_sizes``), ``"all"`` (also prefill/mixed steps, with a dynamic token
-            dimension), or ``"auto"`` (``"decode"`` on CUDA, ``"off"`` on a CPU: see docs/benchmarks.md).
+            dimension), ``"background"`` (as ``"decode"``, but each bucket compiles in a thread of its own
+            at its first step while its steps run eager until it is ready: no step waits for a compile;
+            no CUDA graphs), or ``"auto"`` (``"decode"`` on CUDA, ``"off"`` on a CPU: see
+            docs/benchmarks.md).
         cuda_graphs: capture one CUDA graph per decode bucket and replay it (``None``: on where CUDA
             and the backend allow it; never on a CPU).
         cuda_graph_sizes: the decode buckets (batch sizes) steps are padded to; ``None``: 1, 2, 4, 8, then

@@ -166,7 +166,8 @@ class Engine:
         reason = ModelRunner._no_graphs_reason(self.executor, backend)
         if wanted and reason is not None:
             logger.info("hfaccel: CUDA graphs skipped: %s", reason)
-        return reason is None and wanted is not False
+        # compile="background" compiles without graphs (EngineConfig refuses cuda_graphs=True with it).
+        return reason is None and wanted is not False and self.config.compile != "background"
 
     def warmup(self, progress: bool = True) -> float:
         """Compile (and capture, on CUDA) every decode bucket now instead of at first use; returns seconds.

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
+from hfaccel.engine.background_compile import BackgroundCompiler
 from hfaccel.engine.batch import PackedStep
 from hfaccel.engine.decode_buckets import CapturedDecodeGraphs, GraphKey, choose_bucket, warmup_layout
 from hfaccel.engine.executor import ModelExecutor
@@ -46,8 +47,14 @@ class ModelRunner:
         compile_dynamic: bool = True,
         num_microbatches: int = 1,
     ) -> None:
-        if compile_mode not in ("off", "decode", "all"):
-            raise ValueError(f"compile_mode must be 'off', 'decode' or 'all', got {compile_mode!r}")
+        if compile_mode not in ("off", "decode", "all", "background"):
+            raise ValueError(
+                f"compile_mode must be 'off', 'decode', 'all' or 'background', got {compile_mode!r}"
+            )
+        if compile_mode == "background" and cuda_graphs:
+            raise ValueError(
+                "compile='background' runs decode steps without CUDA graphs: use compile='decode'"
+            )
         if cuda_graphs and (self._no_graphs_reason(executor, backend) is not None):
             raise ValueError(
                 f"cuda_graphs=True is not possible here: {self._no_graphs_reason(executor, backend)}"
@@ -79,8 +86,14 @@ class ModelRunner:
             )
             for _ in range(executor.num_layers)
         ]
-        self.builder = backend.make_builder(
-            max_num_seqs, max_num_tokens, max_blocks_per_seq, block_size, self.device, num_blocks=num_blocks
+        self._builder_args = (max_num_seqs, max_num_tokens, max_blocks_per_seq, block_size, self.device)
+        self._num_blocks = num_blocks
+        self.builder = backend.make_builder(*self._builder_args, num_blocks=num_blocks)
+        # compile="background": decode buckets compile in a thread of their own, eager until ready.
+        self.background = (
+            BackgroundCompiler(lambda: executor.compile(dynamic=False), self._warm_bucket)
+            if compile_mode == "background"
+            else None
         )
         configure = getattr(self.builder, "configure", None)
         if configure is not None:  # backends that plan on the host need the attention geometry once
@@ -190,6 +203,8 @@ class ModelRunner:
         if bucket is None and self.decode_buckets and not eager:
             bucket = choose_bucket(packed.layout, self.decode_buckets)
         compiled = self._compiled_for(bucket) if not eager else None
+        if compiled is None and self.background is not None:
+            bucket = None  # its graph is compiling in the background: eager, unpadded
         # A dynamic-shape graph specialises sizes 0 and 1: pad its token and sampled-row counts to 2+.
         floor = 2 if compiled is not None and bucket is None else 0
         tokens = bucket or max(len(packed.input_ids), floor)
@@ -232,6 +247,8 @@ class ModelRunner:
         """The compiled forward for a bucketed decode step (or, under "all", any step); None: eager."""
         if self.compile_mode == "off" or (bucket is None and self.compile_mode != "all"):
             return None
+        if self.background is not None:
+            return self.background.ready(bucket)
         dynamic = bucket is None or self.compile_dynamic
         # One compiled function for every shape (dynamic tokens; dynamo still specialises size 1), or one
         # per bucket (static shapes). Each is compiled over its own copy of the forward's code, so each
@@ -271,6 +288,10 @@ class ModelRunner:
 
         Each bucket runs a step with no real sequence (it writes nowhere, reads nothing)."""
         start = time.perf_counter()
+        if self.background is not None:  # queue every bucket, largest first; nothing waits
+            for bucket in sorted(self.decode_buckets, reverse=True):
+                self.background.ready(bucket)
+            return 0.0
         buckets = (
             sorted(self.decode_buckets, reverse=True)
             if self.compile_mode != "off" or self.cuda_graphs
@@ -283,6 +304,25 @@ class ModelRunner:
             ids = [] if bucket is not None else [0, 0, 0]
             self.run(PackedStep(ids, [0] * len(ids), [], [], warmup_layout()), bucket=bucket)
         return time.perf_counter() - start
+
+    def _warm_bucket(self, compiled: Callable[..., torch.Tensor], bucket: int) -> None:
+        """Run `compiled` once on a decode step of `bucket` padded sequences, from the background compile
+        thread: buffers of its own like the engine's (shapes, strides, and made outside inference mode as
+        they were, so the engine's calls pass the graph's guards), a step of padding (it writes only the
+        scratch block, reads nothing)."""
+        buffers = {name: torch.zeros_like(buffer) for name, buffer in self._dev.items()}
+        layout = warmup_layout()
+        metadata = self.backend.make_builder(*self._builder_args, num_blocks=self._num_blocks).build(
+            layout, bucket, bucket
+        )
+        context = ForwardContext(self.backend, metadata, self.kv_caches, layout)
+        with torch.inference_mode(), forward_context(context):
+            self.executor.forward(
+                buffers["input_ids"][:, :bucket],
+                buffers["positions"][:, :bucket],
+                buffers["logits_indices"][:bucket],
+                compiled=compiled,
+            )
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

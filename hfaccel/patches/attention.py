@@ -158,7 +158,16 @@ def register_attention() -> None:
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
 
 
-_local = threading.local()  # .configs: ids of the configs that report "hfaccel" to this thread
+class _ThreadState(threading.local):
+    """Per-thread state, with class defaults: every thread has both attributes, so a compiled forward's
+    guards on them hold in any thread (a graph compiled in one thread, `compile="background"`, runs in
+    another)."""
+
+    configs: frozenset[int] | None = None  # ids of the configs that report "hfaccel" to this thread
+    recorded_calls: list | None = None  # `recording_attention`'s list while it records
+
+
+_local = _ThreadState()
 _install_lock = threading.Lock()
 _WRAPPED = "__hfaccel_thread_local__"
 # model -> (its config, ids of every config object its modules read): found once per model.
