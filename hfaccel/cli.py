@@ -18,7 +18,7 @@ import torch
 
 SUITES = (
     "offline", "prefix", "chunked", "batching", "concurrency", "speculative", "rollouts", "step", "start",
-    "kernels", "tp", "goodput", "host", "coverage", "serve", "quant", "burst", "kvcache",
+    "kernels", "tp", "goodput", "host", "coverage", "serve", "quant", "burst", "kvcache", "compile",
 )  # fmt: skip
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -124,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache-memory", type=float, default=None, help="KV cache bytes, or a fraction of free"
     )
     srv.add_argument(
-        "--compile", choices=("auto", "off", "decode", "all"), default=None, help="torch.compile"
+        "--compile",
+        choices=("auto", "off", "decode", "all", "background"),
+        help="torch.compile (background: serve eagerly while each batch size compiles)",
     )
     kv_dtypes = ("auto", "float32", "bfloat16", "float16", "int8")
     srv.add_argument("--kv-cache-dtype", choices=kv_dtypes, help="KV cache dtype (default: the model's)")
@@ -477,6 +479,7 @@ def run_bench(args: argparse.Namespace) -> None:
         "quant": ("quant", "run_quant_benchmark"),  # SmolLM2 once per weight format, llama.cpp's GGUF
         "kvcache": ("kv_cache", "run_kv_cache_benchmark"),  # SmolLM2 float32, one engine per KV dtype
         "host": ("host", "run_host_benchmark"),  # a tiny random model of its own
+        "compile": ("compile_wait", "run_compile_wait_benchmark"),  # a process per compile mode
         "start": ("step", "run_start_benchmark"),
     }
     for suite in [s for s in suites if s in standalone]:

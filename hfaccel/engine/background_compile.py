@@ -45,6 +45,7 @@ class BackgroundCompiler:
         self._queued: set[int] = set()
         self._thread: threading.Thread | None = None
         self.seconds: dict[int, float] = {}  # each bucket's compile and warm-up, in the background
+        self.ready_at: dict[int, float] = {}  # when each bucket became ready (time.perf_counter())
 
     def ready(self, bucket: int) -> Callable | None:
         """The compiled forward for steps padded to `bucket`, or None (run eager) while it compiles, after
@@ -102,6 +103,7 @@ class BackgroundCompiler:
             seconds = time.perf_counter() - start
             with self._lock:
                 self.seconds[bucket] = seconds
+                self.ready_at[bucket] = time.perf_counter()
                 self._ready[bucket] = compiled
             logger.info(
                 "hfaccel: decode steps of %d sequences run compiled from now on (compiled in %.0f s, "
