@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from hfaccel.engine.background_compile import BackgroundCompiler
+from hfaccel.engine.background_compile import BackgroundCompiler, background_unavailable_reason
 from hfaccel.engine.batch import PackedStep
 from hfaccel.engine.decode_buckets import CapturedDecodeGraphs, GraphKey, choose_bucket, warmup_layout
 from hfaccel.engine.executor import ModelExecutor
@@ -51,10 +51,16 @@ class ModelRunner:
             raise ValueError(
                 f"compile_mode must be 'off', 'decode', 'all' or 'background', got {compile_mode!r}"
             )
-        if compile_mode == "background" and cuda_graphs:
-            raise ValueError(
-                "compile='background' runs decode steps without CUDA graphs: use compile='decode'"
-            )
+        if compile_mode == "background":
+            if cuda_graphs:
+                raise ValueError("compile='background' runs decode steps without CUDA graphs: use 'decode'")
+            if executor.step_sync is not None or executor.pipelined:  # its ranks' collectives must pair up
+                raise ValueError(
+                    "compile='background' runs in one process: use compile='decode' with parallelism"
+                )
+            reason = background_unavailable_reason()
+            if reason is not None:
+                raise ValueError(f"compile='background': {reason}")
         if cuda_graphs and (self._no_graphs_reason(executor, backend) is not None):
             raise ValueError(
                 f"cuda_graphs=True is not possible here: {self._no_graphs_reason(executor, backend)}"
@@ -88,25 +94,23 @@ class ModelRunner:
         ]
         self._builder_args = (max_num_seqs, max_num_tokens, max_blocks_per_seq, block_size, self.device)
         self._num_blocks = num_blocks
-        self.builder = backend.make_builder(*self._builder_args, num_blocks=num_blocks)
+        self._geometry = (
+            executor.num_q_heads,
+            executor.num_kv_heads,
+            executor.head_dim,
+            kv_dtype,
+            executor.attention_scale,
+        )
+        # A bucket captured in a graph is planned on its own fixed-buffer wrapper (backends that plan on
+        # the host): a plan on the shared one would rebind the buffers a graph replays.
+        self.builder = self._make_builder(self.decode_buckets if cuda_graphs else ())
+        self._warm_inputs: tuple | None = None  # the background compile's buffers and builder, kept
         # compile="background": decode buckets compile in a thread of their own, eager until ready.
         self.background = (
             BackgroundCompiler(lambda: executor.compile(dynamic=False), self._warm_bucket)
             if compile_mode == "background"
             else None
         )
-        configure = getattr(self.builder, "configure", None)
-        if configure is not None:  # backends that plan on the host need the attention geometry once
-            configure(
-                executor.num_q_heads,
-                executor.num_kv_heads,
-                executor.head_dim,
-                kv_dtype,
-                executor.attention_scale,
-                # A bucket captured in a graph is planned on its own fixed-buffer wrapper: a plan on the
-                # shared one would rebind the buffers a graph replays.
-                cuda_graph_batch_sizes=self.decode_buckets if cuda_graphs else (),
-            )
         pin = self.device.type == "cuda"
         # One column more than a step uses: a step's [1, T] view then always has T below its row stride, so
         # a compiled forward never specialises on T == stride (transformers 5.17's rotary made dynamo
@@ -305,16 +309,30 @@ class ModelRunner:
             self.run(PackedStep(ids, [0] * len(ids), [], [], warmup_layout()), bucket=bucket)
         return time.perf_counter() - start
 
+    def _make_builder(self, graph_sizes: tuple[int, ...]) -> object:
+        """A metadata builder over buffers of its own, told the attention geometry where it plans."""
+        builder = self.backend.make_builder(*self._builder_args, num_blocks=self._num_blocks)
+        configure = getattr(builder, "configure", None)
+        if configure is not None:  # backends that plan on the host need the attention geometry once
+            configure(*self._geometry, cuda_graph_batch_sizes=graph_sizes)
+        return builder
+
+    def close(self) -> None:
+        """The engine is being released: no more background compiles (`BackgroundCompiler.close`)."""
+        if self.background is not None:
+            self.background.close()
+
     def _warm_bucket(self, compiled: Callable[..., torch.Tensor], bucket: int) -> None:
         """Run `compiled` once on a decode step of `bucket` padded sequences, from the background compile
         thread: buffers of its own like the engine's (shapes, strides, and made outside inference mode as
-        they were, so the engine's calls pass the graph's guards), a step of padding (it writes only the
-        scratch block, reads nothing)."""
-        buffers = {name: torch.zeros_like(buffer) for name, buffer in self._dev.items()}
+        they were, so the engine's calls pass the graph's guards), made once and kept with its builder,
+        and a step of padding (it writes only the scratch block, reads nothing)."""
+        if self._warm_inputs is None:
+            buffers = {name: torch.zeros_like(buffer) for name, buffer in self._dev.items()}
+            self._warm_inputs = (buffers, self._make_builder(()))
+        buffers, builder = self._warm_inputs
         layout = warmup_layout()
-        metadata = self.backend.make_builder(*self._builder_args, num_blocks=self._num_blocks).build(
-            layout, bucket, bucket
-        )
+        metadata = builder.build(layout, bucket, bucket)
         context = ForwardContext(self.backend, metadata, self.kv_caches, layout)
         with torch.inference_mode(), forward_context(context):
             self.executor.forward(

@@ -35,7 +35,15 @@ from hfaccel.patches.layer_support import has_recurrent_layers
 
 BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
 
-_local = threading.local()  # .groups: [(name, index)] and .num_tokens of this thread's engine step
+
+class _ThreadState(threading.local):
+    """This thread's engine step's adapter groups, a class default for every thread: a compiled
+    forward's guard on it then holds in any thread (`compile="background"` compiles in another)."""
+
+    step: tuple | None = None  # ([(name, index)], num_tokens) while `adapter_step` runs
+
+
+_local = _ThreadState()
 _install_lock = threading.Lock()
 _WRAPPED = "__hfaccel_token_adapters__"
 

@@ -125,6 +125,16 @@ def check_engine_config(model: torch.nn.Module, config: Any) -> None:
                 "a model with recurrent layers is served in one process: tensor, pipeline and expert "
                 "parallelism are not implemented for its per-sequence state"
             )
+    if config.compile == "background":
+        from hfaccel.engine import background_compile
+
+        if parallel_layout(model).model_parallel:  # every rank's step collectives must pair up
+            raise ValueError(
+                "compile='background' runs in one process: use compile='decode' with parallelism"
+            )
+        reason = background_compile.background_unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"compile='background': {reason}")
     param = next(model.parameters())
     kv_dtype = config.kv_dtype(param.dtype)
     head_dim = attention_dims(model)[1]

@@ -109,7 +109,9 @@ class PatchState:
     def release(self, reason: str) -> None:
         """Drop the engine (and its KV cache); requests in flight on its loop fail with `reason`."""
         with self.lock:
-            loop, self.loop, self.engine = self.loop, None, None
+            engine, loop, self.loop, self.engine = self.engine, self.loop, None, None
+        if engine is not None:  # a background compile stops here and lets the engine go
+            engine.runner.close()
         if loop is not None:
             loop.close(LoopClosed(reason))
 
