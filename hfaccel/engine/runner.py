@@ -292,8 +292,8 @@ class ModelRunner:
 
         Each bucket runs a step with no real sequence (it writes nowhere, reads nothing)."""
         start = time.perf_counter()
-        if self.background is not None:  # queue every bucket, largest first; nothing waits
-            for bucket in sorted(self.decode_buckets, reverse=True):
+        if self.background is not None:  # queue every bucket, smallest (the likeliest) first; nothing waits
+            for bucket in sorted(self.decode_buckets):
                 self.background.ready(bucket)
             return 0.0
         buckets = (
