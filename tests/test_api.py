@@ -217,5 +217,5 @@ def test_check_says_what_of_a_model_the_engine_serves_before_it_runs():
     assert sinks.served and sinks.needs == ["attention_sinks", "sliding_window"]
     assert sinks.backends["triton"] == "the triton backend does not serve attention sinks"
     refused = hfaccel.check(family_model("mamba2"))
-    assert not refused.served and "recurrent layers" in refused.reason
+    assert not refused.served and "recurrent" in refused.reason  # its layers, or (5.17-5.20) its mixer
     assert "refused at patch" in str(refused)
