@@ -53,3 +53,15 @@ def test_padded_head_rows_give_the_same_tokens():
     finally:
         hfaccel.unpatch(model)
     assert [c.token_ids for c in completions] == [hf_greedy(model, p, 6) for p in prompts]
+
+
+def test_two_engines_of_one_head_shape_share_the_choice_and_the_global_random_state_is_untouched():
+    """A second engine over a model of the same head shape takes the first one's choices (no timing of
+    its own that noise could send elsewhere: equal logits bits), and timing draws no random numbers."""
+    first = LogitRows(torch.nn.Linear(8, 32), 8, torch.float32)
+    state = torch.random.get_rng_state()
+    first.rows(3)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    second = LogitRows(torch.nn.Linear(8, 32), 8, torch.float32)
+    assert second.choice is first.choice and 3 in second.choice
+    assert LogitRows(torch.nn.Linear(8, 48), 8, torch.float32).choice is not first.choice
