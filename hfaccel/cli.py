@@ -19,6 +19,7 @@ import torch
 SUITES = (
     "offline", "prefix", "chunked", "batching", "concurrency", "speculative", "rollouts", "step", "start",
     "kernels", "tp", "goodput", "host", "coverage", "serve", "quant", "burst", "kvcache", "compile",
+    "threads",
 )  # fmt: skip
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -190,7 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(attention backends that run natively here), tp (TP=1 with 2 threads vs TP=2 with 1 thread each, 2 "
         "gloo processes), goodput (requests/s meeting TPOT and TTFT targets under Poisson arrivals: fixed "
         "settings vs adaptive scheduling vs HF generate_batch), coverage (which HF generate options run on the engine "
-        "and which fall back, on a tiny random Llama: a markdown table and a bar chart)",
+        "and which fall back, on a tiny random Llama: a markdown table and a bar chart), host (the host's share "
+        "of a step vs HF's eager step, a tiny model's grid), serve (hfaccel serve vs transformers serve over HTTP), "
+        "quant (weight formats vs llama.cpp), burst (40 requests under a TPOT target), kvcache (KV-cache "
+        "dtypes), compile (compile modes: first answer and throughput), threads (steps stepped by another "
+        "thread, OpenMP pools kept vs given back)",
     )
     bench.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="model dtype (default bfloat16)")
     bench.add_argument("--num-requests", type=_positive_int, default=32, help="offline: number of requests")
@@ -476,6 +481,7 @@ def run_bench(args: argparse.Namespace) -> None:
         "tp": ("parallel", "run_parallel_benchmark"),  # its own processes and SmolLM2-sized model
         "kernels": ("kernels", "run_kernel_benchmark"),
         "burst": ("burst", "run_burst_benchmark"),  # SmolLM2 float32, 40 requests from threads
+        "threads": ("thread_steps", "run_thread_steps_benchmark"),  # a process per run, OpenMP pools
         "quant": ("quant", "run_quant_benchmark"),  # SmolLM2 once per weight format, llama.cpp's GGUF
         "kvcache": ("kv_cache", "run_kv_cache_benchmark"),  # SmolLM2 float32, one engine per KV dtype
         "host": ("host", "run_host_benchmark"),  # a tiny random model of its own

@@ -34,6 +34,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from hfaccel.engine.engine import Engine
+from hfaccel.engine.openmp import release_thread_pool
 from hfaccel.engine.request import Request
 
 _POLL_S = 0.25  # a waiting caller wakes this often to check the loop is alive (and to take a Ctrl-C anywhere)
@@ -100,6 +101,7 @@ class Submission:
         self._sent = [0] * len(self.requests)  # tokens reported per request; -1 once its end is reported
         self._open = len(self.requests)
         self._deaf = False  # its channel failed (event loop closed): stop notifying
+        self._drove = self._pool_released = False  # caller side: stepped for itself; gave its pool back
 
     @property
     def done(self) -> bool:
@@ -131,6 +133,8 @@ class Submission:
             while self._pending:
                 yield self._received(self._get())
             complete = True
+            if self._drove:  # back to the caller's own code: another thread may step next
+                self._release_pool()
         finally:
             EngineLoop._wait_ended()
             if not complete:
@@ -192,12 +196,21 @@ class Submission:
             except queue.Empty:
                 pass
             if self.loop._drive_for(self):  # stepped in this thread: look again
+                self._drove = True
                 continue
+            if not self._pool_released:  # another thread steps while this one waits
+                self._release_pool()
             try:
                 return self._queue.get(timeout=_POLL_S)
             except queue.Empty:
                 if not self.loop._serving(self):
                     raise LoopClosed(f"the engine loop stopped without finishing {self!r}") from None
+
+    def _release_pool(self) -> None:
+        """Give back this thread's OpenMP pool (`engine/openmp.py`), unless it steps some loop."""
+        self._pool_released = True
+        if getattr(_this_thread, "loop", None) is None:
+            release_thread_pool()
 
     def _received(self, update: Update) -> Update:
         if update.finished:

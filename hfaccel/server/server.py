@@ -12,6 +12,7 @@ from typing import Any
 import uvicorn
 
 from hfaccel.api import patch, unpatch
+from hfaccel.engine.openmp import release_thread_pool
 from hfaccel.server.app import ServedModel, make_app
 from hfaccel.server.sampling import Limits
 
@@ -95,6 +96,9 @@ def serve(
                 unpatch(model)
             raise OSError(f"the server could not start on {host}:{port} (is the port in use?)")
         time.sleep(0.02)
+    # The caller (a notebook's main thread, say) goes back to its own code or idles: the engine's loop
+    # thread steps faster without this thread's OpenMP pool alive beside its own.
+    release_thread_pool()
     return ServerHandle(server, thread, model, patched_here)
 
 
