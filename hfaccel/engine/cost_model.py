@@ -10,8 +10,19 @@ every few steps, so the model follows the machine (another job taking cores, a w
 windows are kept, steps with prefill tokens and pure-decode steps, so a long stretch of one kind never
 erases what was learnt about the other.
 
-The scheduler asks it what a candidate step would cost (`predict`) to keep each step under the TPOT
-target; `python -m hfaccel bench goodput` and `hfaccel.plot_cost_model` show how well it fits.
+On a CPU a one-row step is a matrix-vector product, far cheaper per row than the matrix products of
+every larger step (SmolLM2 float32 on 2 AVX2 cores, 2026-11-26: 85 ms for one sequence, 140-180 ms for
+2 to 7), and a line through both prices each added sequence at the one-to-two jump, so a batch never
+grows under a target. So the line is fitted to the steps of more than one row once there are enough of
+them, and pure-decode steps are also kept in a table by batch size: `predict_decode` answers a batch
+size seen often enough from its own recent steps, any other from the line. A line fitted before any
+step of several rows knows nothing of what a row costs; the scheduler's batch check therefore grows
+the batch to at most twice the largest size seen (`largest_decode_seen`), so each doubling is measured
+before the next.
+
+The scheduler asks it what a candidate step would cost (`predict`, `predict_decode`) to keep each step
+under the TPOT target; `python -m hfaccel bench goodput` and `hfaccel.plot_cost_model` show how well it
+fits.
 """
 
 from __future__ import annotations
@@ -24,6 +35,9 @@ from typing import Any
 import numpy as np
 
 FEATURES = ("decode_seqs", "prefill_tokens", "kv_tokens")
+# Pure-decode steps kept per batch size, and how many a size needs before its own median is used.
+TABLE_WINDOW = 32
+TABLE_MIN_SAMPLES = 4
 
 
 @dataclass(frozen=True)
@@ -98,10 +112,14 @@ class StepCostModel:
         self._fit: CostFit | None = None
         self._since_fit = 0
         self.num_observed = 0
+        self._decode_table: dict[int, deque[tuple[float, float]]] = {}  # seqs -> (kv_tokens, seconds)
 
     def observe(self, decode_seqs: float, prefill_tokens: float, kv_tokens: float, seconds: float) -> None:
         sample = (float(decode_seqs), float(prefill_tokens), float(kv_tokens), float(seconds))
         (self._prefill if prefill_tokens else self._decode).append(sample)
+        if not prefill_tokens and decode_seqs >= 1:
+            rows = self._decode_table.setdefault(int(decode_seqs), deque(maxlen=TABLE_WINDOW))
+            rows.append((float(kv_tokens), float(seconds)))
         self._since_fit += 1
         self.num_observed += 1
 
@@ -131,6 +149,9 @@ class StepCostModel:
         deviations (1.4826 x the median absolute residual) from the fit. On a shared machine a step now
         and then stalls for a time slice of another process; one such step must not move the model."""
         data = np.array([*self._prefill, *self._decode], dtype=np.float64)
+        multi_row = data[:, 0] + data[:, 1] > 1
+        if multi_row.sum() >= self.min_samples:  # the line leaves one-row steps to the table
+            data = data[multi_row]
         features = np.column_stack([np.ones(len(data)), data[:, :3]])
         target = data[:, 3]
         all_features, all_target = features, target
@@ -153,6 +174,32 @@ class StepCostModel:
         """Predicted seconds of a step, or None before the model has seen enough steps."""
         fit = self.fit()
         return None if fit is None else fit.predict(decode_seqs, prefill_tokens, kv_tokens)
+
+    def predict_decode(self, decode_seqs: int, kv_tokens: float) -> float | None:
+        """Predicted seconds of a pure-decode step of `decode_seqs` sequences over `kv_tokens` of
+        context: the median of that batch size's recent steps (moved by the line's price of the context
+        difference) once it has `TABLE_MIN_SAMPLES`, else the line's. None before the model is ready."""
+        fit = self.fit()
+        if fit is None:
+            return None
+        rows = self._decode_table.get(int(decode_seqs))
+        if rows is None or len(rows) < TABLE_MIN_SAMPLES:
+            return fit.predict(decode_seqs, 0, kv_tokens)
+        kv = float(np.median([k for k, _ in rows]))
+        return float(np.median([t for _, t in rows])) + fit.coefficients[3] * (kv_tokens - kv)
+
+    @property
+    def largest_decode_seen(self) -> int:
+        """The largest batch size of a pure-decode step in the table (0 before any)."""
+        return max(self._decode_table, default=0)
+
+    def decode_table(self) -> dict[int, float]:
+        """Median seconds of the recent pure-decode steps by batch size (sizes with enough steps)."""
+        return {
+            n: float(np.median([t for _, t in rows]))
+            for n, rows in sorted(self._decode_table.items())
+            if len(rows) >= TABLE_MIN_SAMPLES
+        }
 
     @property
     def coefficients(self) -> dict[str, float] | None:

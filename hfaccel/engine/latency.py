@@ -118,7 +118,9 @@ class LatencyPolicy:
         if fit is None:
             return None
         running = self.scheduler.running
-        return BatchCheck(fit, self.tpot_limit(running), sum(r.num_tokens for r in running), self)
+        return BatchCheck(
+            self.scheduler.cost_model, self.tpot_limit(running), sum(r.num_tokens for r in running), self
+        )
 
     # ----------------------------------------------------------------- TTFT: estimate and admission
 
@@ -143,7 +145,6 @@ class LatencyPolicy:
         if fit is None:
             return None
         scheduler = self.scheduler
-        c0, c1, _, c3 = fit.coefficients
         block = scheduler.block_manager.block_size
         running = list(scheduler.running)
         ahead = [
@@ -158,11 +159,14 @@ class LatencyPolicy:
         per_step, step_s = self._prefill_pace(fit, request, prompts_ahead + own)
         limit = self.tpot_limit([*running, request])
         seats = scheduler.max_num_seqs
-        if limit is not None:
-            per_seq = c1 + c3 * (kv + request.num_tokens) / (len(running) + 1)
-            if per_seq > 0:
-                fixed = c0 + getattr(fit, "bias_s", 0.0)
-                seats = min(seats, max(1, int((limit - fixed) / per_seq)))
+        if limit is not None:  # the largest batch the target allows, its context at today's mean
+            per_seq_kv = (kv + request.num_tokens) / (len(running) + 1)
+            fits = (
+                n
+                for n in range(2, seats + 1)
+                if _predict_decode(scheduler.cost_model, fit, n, per_seq_kv * n) > limit
+            )
+            seats = next(fits, seats + 1) - 1
         seats -= len(running)
         position = len(ahead) + 1
         wait_steps = 0
@@ -358,12 +362,25 @@ class TimeBudget:
         return count
 
 
+def _predict_decode(cost_model: Any, fit: Any, decode_seqs: int, kv_tokens: float) -> float:
+    """A pure-decode step's predicted seconds: by batch size where the model keeps a table
+    (`StepCostModel.predict_decode`), else by its line."""
+    by_size = getattr(cost_model, "predict_decode", None)
+    predicted = by_size(decode_seqs, kv_tokens) if by_size is not None else None
+    return fit.predict(decode_seqs, 0, kv_tokens) if predicted is None else predicted
+
+
 class BatchCheck:
     """Admit a request only while the decode step of the batch it joins is predicted to meet the tightest
-    TPOT target among the batch and itself (the first request is always admitted)."""
+    TPOT target among the batch and itself (the first request is always admitted), and the batch stays
+    within twice the largest decode batch the step-time model has seen: a prediction for a batch size
+    never run is a guess, so the batch grows by doublings, each measured before the next."""
 
-    def __init__(self, fit: Any, limit_s: float | None, kv_tokens: int, policy: LatencyPolicy) -> None:
-        self.fit, self.limit, self.kv, self.policy = fit, limit_s, kv_tokens, policy
+    def __init__(self, cost_model: Any, limit_s: float | None, kv_tokens: int, policy: LatencyPolicy) -> None:
+        self.cost_model, self.fit = cost_model, cost_model.fit()
+        self.limit, self.kv, self.policy = limit_s, kv_tokens, policy
+        seen = getattr(cost_model, "largest_decode_seen", None)
+        self.largest = None if seen is None else max(2, 2 * seen)
 
     def admits(self, request: Request, num_running: int) -> bool:
         own = self.policy.tpot_target(request)
@@ -371,7 +388,14 @@ class BatchCheck:
         if own is not None:
             limit = HEADROOM * own if limit is None else min(limit, HEADROOM * own)
         kv = self.kv + request.num_tokens
-        if limit is not None and num_running > 0 and self.fit.predict(num_running + 1, 0, kv) > limit:
+        if (
+            limit is not None
+            and num_running > 0
+            and (
+                (self.largest is not None and num_running + 1 > self.largest)
+                or _predict_decode(self.cost_model, self.fit, num_running + 1, kv) > limit
+            )
+        ):
             return False
         self.kv, self.limit = kv, limit
         return True

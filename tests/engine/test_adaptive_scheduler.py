@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from hfaccel import EngineConfig
 from hfaccel.engine.block_manager import BlockManager
+from hfaccel.engine.cost_model import StepCostModel
 from hfaccel.engine.latency import MAX_STEP_TARGETS, MEAN_HEADROOM
 from hfaccel.engine.request import Request, StoppingParams
 from hfaccel.engine.scheduler import Scheduler
@@ -203,6 +204,47 @@ def test_the_batch_grows_under_a_deep_queue_and_shrinks_when_the_target_tightens
     assert waiting[small] > 0, "the batch shrank while requests were still waiting"
     assert max(running[small:]) <= 7
     assert running[0] > 8
+
+
+def cpu_step_seconds(decodes, prefill_tokens, kv_tokens):
+    """A CPU's step: one row is a matrix-vector product (40 ms); any more rows a matrix product (70 ms
+    and 1 ms a sequence, 0.1 ms a prompt token)."""
+    if decodes + prefill_tokens <= 1:
+        return 0.040
+    return 0.070 + 0.001 * decodes + 0.0001 * prefill_tokens
+
+
+def test_the_batch_grows_past_a_cheap_one_row_step():
+    """The step-time model that learns a one-row step apart (a table by batch size, a line on the
+    steps of more rows) lets the batch grow to what the target allows: 85 ms (0.85 x 100) is 15
+    sequences here (16 admitted is a fit's error), where a line through one- and two-row steps prices
+    each sequence at 31 ms and stops the batch at two. Every request keeps its TPOT."""
+    model = StepCostModel(min_samples=12)
+    for _ in range(3):  # a lone request was served before: its prompt, then one-row decodes
+        model.observe(0, 40, 40, cpu_step_seconds(0, 40, 40))
+        for i in range(8):
+            model.observe(1, 0, 41 + i, cpu_step_seconds(1, 0, 41 + i))
+    sched = scheduler(num_blocks=4096, cost_model=model, tpot_target_ms=100)
+    clock = timed(sched)
+    requests = [add_at(sched, make(i, 8, max_new=40)) for i in range(40)]
+    sizes = []
+    while sched.has_unfinished():
+        step = sched.schedule(False)
+        decodes = sum(1 for n in step.num_tokens if n == 1)
+        kv = sum(r.num_computed_tokens + n for r, n in zip(step.requests, step.num_tokens))
+        seconds = cpu_step_seconds(decodes, step.total_tokens - decodes, kv)
+        clock.now += seconds
+        model.observe(decodes, step.total_tokens - decodes, kv, seconds)
+        sampled = [
+            r for r, n in zip(step.requests, step.num_tokens) if r.num_computed_tokens + n == r.num_tokens
+        ]
+        sched.update(step, sampled, [7] * len(sampled))
+        sizes.append(decodes)
+    assert 12 <= max(sizes) <= 16  # 15 by the world; the line is a fit
+    assert model.predict_decode(1, 50) == pytest.approx(0.040)
+    for request in requests:
+        times = request.metrics.token_times
+        assert (times[-1] - times[0]) / (len(times) - 1) <= 0.100
 
 
 def test_a_per_request_tpot_target_bounds_the_batch_it_joins():
