@@ -32,7 +32,7 @@ def _child(release: bool) -> None:
     import hfaccel.engine.loop as loop_module
 
     if not release:
-        loop_module.release_thread_pool = lambda: False
+        loop_module.pause_function = lambda: None
     config = LlamaConfig(
         vocab_size=256,
         hidden_size=64,

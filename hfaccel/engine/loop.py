@@ -8,11 +8,11 @@ caller an `Update` per request that progressed (new tokens, finished) through th
 a `queue.SimpleQueue` for threads, an `asyncio.Queue` fed with ``call_soon_threadsafe`` for coroutines.
 
 Which thread steps: a caller blocked in a thread on its own submission, while it is the only one,
-steps the engine itself ("drives" it): a torch op costs several times more in a second thread while
-the main thread's OpenMP pool lives (docs/architecture.md, "Who steps"). Every other case starts the
-loop's background thread, which steps for everyone; one lock (the baton) keeps one stepper at a time,
-and a caller never steps another's requests, so a Ctrl-C in a driving caller fails only its own. The
-thread is a daemon and exits after `idle_timeout` idle seconds. `close` (unpatch, an engine rebuilt,
+steps the engine itself ("drives" it); every other case starts the loop's background thread, which
+steps for everyone, and waiting callers give their OpenMP pools back (docs/architecture.md, "Who
+steps"). One lock (the baton) keeps one stepper at a time; a caller never steps another's requests, so
+a Ctrl-C in a driving caller fails only its own. The thread is a daemon and exits after `idle_timeout`
+idle seconds. `close` (unpatch, an engine rebuilt,
 interpreter exit) fails whatever is still running with the reason and stops it.
 """
 
@@ -34,7 +34,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from hfaccel.engine.engine import Engine
-from hfaccel.engine.openmp import release_thread_pool
+from hfaccel.engine.openmp import OMP_PAUSE_SOFT, pause_function
 from hfaccel.engine.request import Request
 
 _POLL_S = 0.25  # a waiting caller wakes this often to check the loop is alive (and to take a Ctrl-C anywhere)
@@ -138,10 +138,10 @@ class Submission:
         finally:
             EngineLoop._wait_ended()
             if not complete:
-                # Wait for the cancellation to take effect (its blocks freed when this returns), except
-                # on KeyboardInterrupt (an interrupted caller gets control back at once) and on the loop
-                # thread itself: an abandoned stream's cleanup may run there (the garbage collector
-                # closes it wherever it collects), and the loop cannot wait for itself.
+                # Wait for the cancellation to take effect (its blocks freed when this returns), except on
+                # KeyboardInterrupt (the caller gets control back at once) and on the loop thread itself:
+                # an abandoned stream's cleanup may run there (the garbage collector closes it wherever it
+                # collects), and the loop cannot wait for itself.
                 self.cancel(
                     wait=not isinstance(sys.exc_info()[1], KeyboardInterrupt)
                     and threading.current_thread() not in (self.loop._thread, self.loop._stepper)
@@ -165,9 +165,7 @@ class Submission:
         try:
             self._wait(progress)
         except BaseException:
-            # A Ctrl-C before the updates began leaves them nothing to cancel: cancel here (after they
-            # began, they cancelled already and this is a no-op).
-            self.cancel()
+            self.cancel()  # a Ctrl-C before the updates began (after, they cancelled: a no-op)
             raise
 
     def _wait(self, progress: bool) -> None:
@@ -208,9 +206,9 @@ class Submission:
 
     def _release_pool(self) -> None:
         """Give back this thread's OpenMP pool (`engine/openmp.py`), unless it steps some loop."""
-        self._pool_released = True
-        if getattr(_this_thread, "loop", None) is None:
-            release_thread_pool()
+        self._pool_released, pause = True, pause_function()
+        if pause is not None and getattr(_this_thread, "loop", None) is None:
+            pause(OMP_PAUSE_SOFT)
 
     def _received(self, update: Update) -> Update:
         if update.finished:
@@ -233,8 +231,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, idle_timeout: float = 1.0, step_log_size: int = 4096) -> None:
         self.engine = engine
         self.idle_timeout = idle_timeout
-        # Bounded debug log: which submissions and caller threads each step served.
-        self.step_log: deque[LoopStep] = deque(maxlen=step_log_size)
+        self.step_log: deque[LoopStep] = deque(maxlen=step_log_size)  # who each step served (debug)
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Any]] = []
         self._thread: threading.Thread | None = None
@@ -313,8 +310,7 @@ class EngineLoop:
             if thread is not threading.current_thread():
                 thread.join(timeout)
             return
-        # No loop thread: apply the close here, once a driving caller's step is over (from inside that
-        # step, the driver applies it itself before its next one).
+        # No loop thread: applied here once a driver's step is over (from inside it, by the driver next).
         if self._stepper is threading.current_thread():
             return
         if self._baton.acquire(timeout=-1 if timeout is None else timeout):
@@ -536,14 +532,8 @@ class EngineLoop:
             served[submission.id] = submission
             num_seqs += 1
         if served:
-            self.step_log.append(
-                LoopStep(
-                    step_number,
-                    num_seqs,
-                    frozenset(served),
-                    frozenset(s.thread for s in served.values()),
-                )
-            )
+            threads = frozenset(s.thread for s in served.values())
+            self.step_log.append(LoopStep(step_number, num_seqs, frozenset(served), threads))
 
     def _after_failed_step(self, error: Exception) -> None:
         """A step raised. The engine fails that step's requests (finish_reason "error", `request.error`);
@@ -593,13 +583,10 @@ class EngineLoop:
 
 
 def close_all_loops(reason: str = "every engine loop was closed", timeout: float | None = 10.0) -> None:
-    """Stop every engine loop of this process and join its thread (see `EngineLoop.close`).
-
-    A loop thread keeps its engine alive, and with it whatever process groups the engine's executor holds
-    (tensor, pipeline, expert parallel). Call this before ``torch.distributed.destroy_process_group()``:
-    a gloo group that outlives it is torn down with its threads at interpreter exit, which can abort the
-    process (docs/parallelism.md).
-    """
+    """Stop every engine loop of this process and join its thread (see `EngineLoop.close`). A loop thread
+    keeps its engine, and the engine's process groups, alive: call this before
+    ``torch.distributed.destroy_process_group()`` (a gloo group torn down with its threads at interpreter
+    exit can abort the process, docs/parallelism.md)."""
     for loop in list(_loops):
         loop.close(LoopClosed(reason), timeout=timeout)
 

@@ -20,12 +20,13 @@ import logging
 from typing import Any
 
 logger = logging.getLogger("hfaccel")
-_OMP_PAUSE_SOFT = 1
+OMP_PAUSE_SOFT = 1
 
 
 @functools.cache
-def _pause_function() -> Any:
-    """libgomp's `omp_pause_resource_all`, from the copy this process has loaded, or None."""
+def pause_function() -> Any:
+    """libgomp's `omp_pause_resource_all` (call it with `OMP_PAUSE_SOFT`), from the copy this process
+    has loaded, or None. Cached: after the first call no Python code of this file runs to get it."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libgomp" in line and "/" in line}
@@ -45,11 +46,11 @@ def _pause_function() -> Any:
 def release_thread_pool() -> bool:
     """Free the calling thread's libgomp worker pool (a no-op inside a parallel region, or without
     libgomp); True if a libgomp took the request."""
-    pause = _pause_function()
+    pause = pause_function()
     if pause is None:
         return False
     try:
-        return pause(_OMP_PAUSE_SOFT) == 0
+        return pause(OMP_PAUSE_SOFT) == 0
     except Exception as error:  # never let a threading optimisation fail a call
         logger.debug("hfaccel: omp_pause_resource_all failed: %s", error)
         return False

@@ -10,10 +10,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hfaccel
 import hfaccel.engine.loop as loop_module
-from hfaccel.engine.openmp import _pause_function, release_thread_pool
+from hfaccel.engine.openmp import pause_function, release_thread_pool
 
 needs_libgomp = pytest.mark.skipif(
-    _pause_function() is None or torch.get_num_threads() < 2,
+    pause_function() is None or torch.get_num_threads() < 2,
     reason="needs GNU OpenMP (torch's Linux wheels) and at least two torch threads",
 )
 
@@ -52,7 +52,9 @@ def tiny_model():
 
 def test_a_waiting_caller_and_a_returning_driver_give_their_pools_back(monkeypatch):
     calls: list[int] = []
-    monkeypatch.setattr(loop_module, "release_thread_pool", lambda: calls.append(threading.get_ident()))
+    monkeypatch.setattr(
+        loop_module, "pause_function", lambda: lambda kind: calls.append(threading.get_ident())
+    )
     model = hfaccel.patch(tiny_model(), progress=False)
     try:
         hfaccel.generate(
