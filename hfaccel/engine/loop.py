@@ -12,8 +12,8 @@ steps the engine itself ("drives" it); every other case starts the loop's backgr
 steps for everyone, and waiting callers give their OpenMP pools back (docs/architecture.md, "Who
 steps"). One lock (the baton) keeps one stepper at a time; a caller never steps another's requests, so
 a Ctrl-C in a driving caller fails only its own. The thread is a daemon and exits after `idle_timeout`
-idle seconds. `close` (unpatch, an engine rebuilt,
-interpreter exit) fails whatever is still running with the reason and stops it.
+idle seconds. `close` (unpatch, an engine rebuilt, interpreter exit) fails whatever is still running
+with the reason and stops it.
 """
 
 from __future__ import annotations
