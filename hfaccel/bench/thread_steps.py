@@ -1,7 +1,7 @@
 """Steps of a thread other than the caller's, with the callers' OpenMP pools given back or kept
 (`python -m hfaccel bench threads`; `engine/openmp.py`).
 
-A tiny random Llama (4 layers, hidden 64), whose steps are nearly all host work: the per-op cost a
+The tiny random Llama of `bench host` (4 layers, hidden 64), whose steps are nearly all host work: the per-op cost a
 second OpenMP pool adds shows there first (on SmolLM2 float32 on 2 AVX2 cores it was within this
 machine's run-to-run noise). In a fresh process per run: one lone call in the main thread (it steps for
 itself), then 1 and then 8 callers in threads of their own, 64 tokens each, while the main thread waits
@@ -25,24 +25,13 @@ SIZES = (1, 8)
 
 
 def _child(release: bool) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import hfaccel
     import hfaccel.engine.loop as loop_module
+    from hfaccel.bench.host import tiny_llama
 
     if not release:
         loop_module.pause_function = lambda: None
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    model = hfaccel.patch(LlamaForCausalLM(config).eval(), progress=False)
+    model = hfaccel.patch(tiny_llama(), progress=False)
     options = {"max_new_tokens": 64, "min_new_tokens": 64, "progress": False}
     hfaccel.generate(model, [[1, 2, 3, 4]], **options)  # the main thread steps its own call
     engine = model._hfaccel.get_engine(model)

@@ -118,9 +118,8 @@ class LatencyPolicy:
         if fit is None:
             return None
         running = self.scheduler.running
-        return BatchCheck(
-            self.scheduler.cost_model, self.tpot_limit(running), sum(r.num_tokens for r in running), self
-        )
+        kv = sum(r.num_tokens for r in running)
+        return BatchCheck(self.scheduler.cost_model, fit, self.tpot_limit(running), kv, self)
 
     # ----------------------------------------------------------------- TTFT: estimate and admission
 
@@ -164,7 +163,7 @@ class LatencyPolicy:
             fits = (
                 n
                 for n in range(2, seats + 1)
-                if _predict_decode(scheduler.cost_model, fit, n, per_seq_kv * n) > limit
+                if scheduler.cost_model.predict_decode(n, per_seq_kv * n) > limit
             )
             seats = next(fits, seats + 1) - 1
         seats -= len(running)
@@ -362,25 +361,23 @@ class TimeBudget:
         return count
 
 
-def _predict_decode(cost_model: Any, fit: Any, decode_seqs: int, kv_tokens: float) -> float:
-    """A pure-decode step's predicted seconds: by batch size where the model keeps a table
-    (`StepCostModel.predict_decode`), else by its line."""
-    by_size = getattr(cost_model, "predict_decode", None)
-    predicted = by_size(decode_seqs, kv_tokens) if by_size is not None else None
-    return fit.predict(decode_seqs, 0, kv_tokens) if predicted is None else predicted
-
-
 class BatchCheck:
     """Admit a request only while the decode step of the batch it joins is predicted to meet the tightest
     TPOT target among the batch and itself (the first request is always admitted), and the batch stays
     within twice the largest decode batch the step-time model has seen: a prediction for a batch size
     never run is a guess, so the batch grows by doublings, each measured before the next."""
 
-    def __init__(self, cost_model: Any, limit_s: float | None, kv_tokens: int, policy: LatencyPolicy) -> None:
-        self.cost_model, self.fit = cost_model, cost_model.fit()
-        self.limit, self.kv, self.policy = limit_s, kv_tokens, policy
-        seen = getattr(cost_model, "largest_decode_seen", None)
-        self.largest = None if seen is None else max(2, 2 * seen)
+    def __init__(
+        self, cost_model: Any, fit: Any, limit_s: float | None, kv_tokens: int, policy: LatencyPolicy
+    ) -> None:
+        self.cost_model, self.fit, self.limit, self.kv, self.policy = (
+            cost_model,
+            fit,
+            limit_s,
+            kv_tokens,
+            policy,
+        )
+        self.largest = max(2, 2 * cost_model.largest_decode_seen)
 
     def admits(self, request: Request, num_running: int) -> bool:
         own = self.policy.tpot_target(request)
@@ -392,8 +389,7 @@ class BatchCheck:
             limit is not None
             and num_running > 0
             and (
-                (self.largest is not None and num_running + 1 > self.largest)
-                or _predict_decode(self.cost_model, self.fit, num_running + 1, kv) > limit
+                num_running + 1 > self.largest or self.cost_model.predict_decode(num_running + 1, kv) > limit
             )
         ):
             return False

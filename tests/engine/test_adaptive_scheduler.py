@@ -39,6 +39,11 @@ class FakeCostModel:
     def fit(self):
         return self.current
 
+    def predict_decode(self, decode_seqs, kv_tokens):
+        return self.current.predict(decode_seqs, 0, kv_tokens)
+
+    largest_decode_seen = 1 << 20  # the line is the world here: no doubling needed
+
 
 def make(rid, prompt_len, max_new=4, token=5, **fields):
     request = Request(rid, [token] * prompt_len, StoppingParams(max_new_tokens=max_new))

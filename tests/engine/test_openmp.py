@@ -6,11 +6,11 @@ import threading
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import hfaccel
 import hfaccel.engine.loop as loop_module
 from hfaccel.engine.openmp import pause_function, release_thread_pool
+from tests.helpers import tiny_model
 
 needs_libgomp = pytest.mark.skipif(
     pause_function() is None or torch.get_num_threads() < 2,
@@ -37,25 +37,12 @@ def test_the_pool_s_workers_exit_and_come_back_when_needed():
     assert threads_in_process() == with_pool
 
 
-def tiny_model():
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
-
-
 def test_a_waiting_caller_and_a_returning_driver_give_their_pools_back(monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(
         loop_module, "pause_function", lambda: lambda kind: calls.append(threading.get_ident())
     )
-    model = hfaccel.patch(tiny_model(), progress=False)
+    model = hfaccel.patch(tiny_model("llama"), progress=False)
     try:
         hfaccel.generate(
             model, [[1, 2, 3]], max_new_tokens=4, progress=False
