@@ -104,19 +104,39 @@ class StepPacker:
         self.logits_indices: list[int] = []
         self.state_slots: list[int] = []
 
-    def add(self, tokens: list[int], start: int, blocks: list[int], state_slot: int | None = None) -> None:
-        """One sequence's `tokens` at positions ``start..``, its K/V written into `blocks` (its recurrent
-        state into row `state_slot`, for a model with recurrent layers)."""
+    def add(
+        self,
+        tokens: list[int],
+        start: int,
+        blocks: list[int],
+        state_slot: int | None = None,
+        positions: list[int] | range | None = None,
+    ) -> None:
+        """One sequence's `tokens` at cache indices ``start..`` (and model `positions`, by default the
+        same), its K/V written into `blocks` (its recurrent state into row `state_slot`, for a model
+        with recurrent layers)."""
         end = start + len(tokens)
         size = self.block_size
         self.input_ids.extend(tokens)
-        self.positions.extend(range(start, end))
+        self.positions.extend(range(start, end) if positions is None else positions)
         self.slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
         self.query_lens.append(len(tokens))
         self.seq_lens.append(end)
         self.tables.append(blocks)
         if state_slot is not None:
             self.state_slots.append(state_slot)
+
+    def add_query_only(self, token: int, position: int, index: int, blocks: list[int]) -> None:
+        """A token fed for its logits alone (`Request.masked_last`): it sees the `index` tokens before
+        it and not itself (its sequence ends before it), and its K/V goes to its own slot, `index`, which
+        the next token fed there overwrites before anything reads it."""
+        size = self.block_size
+        self.input_ids.append(token)
+        self.positions.append(position)
+        self.slots.append(blocks[index // size] * size + index % size)
+        self.query_lens.append(1)
+        self.seq_lens.append(index)
+        self.tables.append(blocks)
 
     def layout(self, decode_query_len: int) -> StepLayout:
         return StepLayout(
@@ -156,7 +176,10 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
         blocks = request.block_ids
         if request.num_slid_blocks:  # the kernels never read them (outside every window): any valid id
             blocks = [0] * request.num_slid_blocks + blocks[request.num_slid_blocks :]
-        packer.add(tokens, start, blocks, request.state_slot)
+        if request.masked_last and end == request.num_tokens:  # its query-only last token, alone
+            packer.add_query_only(tokens[0], request.positions(start, end)[0], start, blocks)
+        else:
+            packer.add(tokens, start, blocks, request.state_slot, request.positions(start, end))
         if adapters is not None:
             adapters.extend([request.adapter] * count)
         if verifying:

@@ -120,6 +120,13 @@ class SpeculationCounts:
     steps: int = 0
     rejections: int = 0  # verification steps that rejected a draft (at most one each)
 
+    def record(self, drafts: int, accepted: int) -> None:
+        """One verification of `drafts` drafts, `accepted` of them accepted."""
+        self.drafted += drafts
+        self.accepted += accepted
+        self.steps += 1
+        self.rejections += accepted < drafts
+
     def acceptance(self, prior: float = 0.5, weight: float = 2.0) -> float:
         """The chance that a draft is accepted once the drafts before it were: accepted drafts over
         accepted plus rejected ones (each verification stops at its first rejection), starting from
@@ -207,6 +214,15 @@ class Request:
     prompt_embeds: Any = field(default=None, repr=False)
     imported_kv: list[tuple[Any, Any]] | None = field(default=None, repr=False)
     processor_sees_prompt: bool = True
+    # HF's right padding (an attention mask whose last column is masked): the prompt's last token is
+    # fed once for the first token's logits, at HF's position 0 (`position_shift`), seeing the tokens
+    # before it and not itself, and its K/V is never kept: the first generated token takes its cache
+    # index (`drop_masked_last`) and the generated tokens take HF's positions 1, 2, ... That token gets a
+    # step of its own (`Scheduler._chunk`): beside the tokens before it, a decode kernel that stores and
+    # attends row by row (the C kernel's threads) could read their slots before they are written.
+    masked_last: bool = False
+    position_shift: int = 0  # added to the position of every token from cache index `shift_from` on
+    shift_from: int = 0
     speculation: SpeculationState = field(default_factory=lambda: SpeculationState())
     # Adaptive scheduling: the request's own latency targets (None: the engine's), its user priority
     # (lower is admitted first, FCFS within a level; `priority` above is the engine's arrival order),
@@ -248,6 +264,31 @@ class Request:
         generated tokens."""
         body = self.all_token_ids if self.processor_sees_prompt else self.output_token_ids
         return self.processor_prefix + body
+
+    def positions(self, start: int, end: int) -> list[int] | range:
+        """The model positions of the tokens at cache indices ``[start, end)``."""
+        shift, since = self.position_shift, self.shift_from
+        if not shift or end <= since:
+            return range(start, end)
+        return [p + shift if p >= since else p for p in range(start, end)]
+
+    def feed_masked_last(self) -> None:
+        """Treat the prompt's last token as HF's masked last column (see `masked_last`)."""
+        if len(self.prompt_token_ids) < 2:
+            raise ValueError("a masked last prompt token needs at least one attended token before it")
+        self.masked_last = True
+        self.shift_from = len(self.prompt_token_ids) - 1
+        self.position_shift = -self.shift_from  # that token sits at HF's position 0
+        # Its generated tokens' K/V hold shifted positions: shared only with requests shifted alike.
+        self.cache_salt = ("masked last", self.shift_from, self.cache_salt)  # type: ignore[assignment]
+
+    def drop_masked_last(self) -> None:
+        """Once the masked last token gave its logits: it leaves the prompt and the cache, and the
+        tokens after it sit one position later than their cache index says."""
+        self.prompt_token_ids = self.prompt_token_ids[:-1]
+        self.num_computed_tokens -= 1
+        self.masked_last = False
+        self.position_shift += 1
 
     def token_at(self, position: int) -> int:
         prompt_len = len(self.prompt_token_ids)

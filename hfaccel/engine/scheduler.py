@@ -214,17 +214,13 @@ class Scheduler:
             if drafts and count == 1 + drafts:  # a verification: keep the accepted drafts' KV only
                 accepted = len(emitted.get(id(request), [None])) - 1
                 count = 1 + accepted
-                request.speculation.drafted += drafts
-                request.speculation.accepted += accepted
-                request.speculation.steps += 1
-                request.speculation.rejections += accepted < drafts
-                self.spec_totals.drafted += drafts
-                self.spec_totals.accepted += accepted
-                self.spec_totals.steps += 1
-                self.spec_totals.rejections += accepted < drafts
+                request.speculation.record(drafts, accepted)
+                self.spec_totals.record(drafts, accepted)
             request.speculation.drafts = []
             request.speculation.draft_probs = None
             request.num_computed_tokens += count
+            if request.masked_last and request.num_computed_tokens == request.num_tokens:
+                request.drop_masked_last()  # before its block can be registered in the prefix cache
             # A draft model fed the last token and its drafts: its KV stays valid up to the accepted ones.
             request.speculation.draft_computed = min(
                 request.speculation.draft_computed, request.num_computed_tokens
@@ -281,6 +277,9 @@ class Scheduler:
         """Tokens `request` may compute this step within `budget` (0: not this step). A decoding request
         computes its last token plus its drafts (as many as the budget leaves room for)."""
         remaining = request.num_uncomputed_tokens
+        if request.masked_last:  # its query-only last token: a step of its own, no drafts (see Request)
+            request.speculation.drafts.clear()
+            remaining -= remaining > 1
         if remaining == 1:
             if budget < 1:
                 return 0

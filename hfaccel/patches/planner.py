@@ -12,6 +12,7 @@ front-ends.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from functools import cached_property
 from typing import Any
@@ -303,26 +304,44 @@ def _padding_gate(call: GenerateCall) -> str | None:
     """Masked prompt tokens are dropped from the engine's rows. HF keeps them in place, but attends to
     none of them and numbers positions by the mask's running count, so a row gives the same tokens
     either way: left padding, or holes anywhere before the last token (transformers' own random masks,
-    some collators). The processors see the row as HF shows it (`make_requests`). Holes are not served
+    some collators). The processors see the row as HF shows it (`make_requests`). A masked last token
+    (right padding) is fed once for its logits, as HF does (`Request.masked_last`). Neither is served
     where the output holds per-position state of the prompt (beams, the returned cache), or with prompt
     inputs other than ids."""
     mask = call.mask.bool()
-    if not bool(mask[:, -1].all()):
-        return "an attention mask whose last column is masked (right padding)"
-    if is_left_padding(mask):
+    masked_last = not bool(mask[:, -1].all())
+    if not masked_last and is_left_padding(mask):
         return None
+    what = "an attention mask with holes"
+    if masked_last:
+        what = "an attention mask whose last column is masked (right padding)"
     if call.beam or call.embeds is not None or call.cache is not None:
-        return "an attention mask with holes, with beam search, inputs_embeds or a cache"
+        return f"{what}, with beam search, inputs_embeds or a cache"
     # transformers' recurrent layers scan over the masked positions, and its windows count them
     if has_recurrent_layers(call.model):
-        return "an attention mask with holes, with recurrent layers (they step over the masked tokens)"
+        return f"{what}, with recurrent layers (they step over the masked tokens)"
     needs = attention_needs(call.model)
     if "sliding_window" in needs or "chunked_attention" in needs:
-        return "an attention mask with holes, with sliding windows or chunks (they count the masked tokens)"
+        return f"{what}, with sliding windows or chunks (they count the masked tokens)"
     if call.config.return_dict_in_generate and call.config.use_cache is not False:
-        return "an attention mask with holes, with the cache returned (return_dict_in_generate)"
+        return f"{what}, with the cache returned (return_dict_in_generate)"
     if call.kwargs.get("position_ids") is not None:
-        return "an attention mask with holes, with position_ids"
+        return f"{what}, with position_ids"
+    if masked_last:
+        return _masked_last_reason(call, mask)
+    return None
+
+
+def _masked_last_reason(call: GenerateCall, mask: torch.Tensor) -> str | None:
+    """HF gives a masked last token position 0 and the tokens after it 1, 2, ...: only where the model
+    takes `position_ids` (else it numbers by cache position)."""
+    if not bool(mask.any(dim=1).all()):
+        return "an attention mask with a row of zeros only"
+    if "position_ids" not in inspect.signature(call.model.forward).parameters:
+        return "right padding, with a model that takes no position_ids (it numbers by cache position)"
+    drafter = call.state.config.speculative
+    if call.custom["assistant_model"] is not None or not (drafter is None or isinstance(drafter, str)):
+        return "right padding, with a draft model (its own cache is not shifted)"
     return None
 
 
@@ -378,9 +397,10 @@ def make_requests(
         samplings = _per_padding(call, call.mask.repeat_interleave(copies, dim=0), sampling)
     names = call.adapter_names
     adapters = [None] * len(rows) if names is None else [names[i // copies] for i in range(len(rows))]
+    masked_last = ~keep[:, -1]
     requests = [
         engine.make_request(
-            rows[i][keep[i]].tolist(),
+            _engine_tokens(rows[i], keep[i]),
             stopping,
             samplings[i],
             seed=None if seed is None else seed + i,
@@ -389,6 +409,8 @@ def make_requests(
         )
         for i in range(len(rows))
     ]
+    for request in (r for r, masked in zip(requests, masked_last.tolist()) if masked):
+        request.feed_masked_last()  # HF feeds the last token, masked, for the first token's logits
     if (sampling.processors or stopping.criteria is not None) and call.input_ids is not None:
         for request, row, kept in zip(requests, rows, keep):
             if is_left_padding(kept[None]):
@@ -397,6 +419,12 @@ def make_requests(
                 request.processor_prefix, request.processor_sees_prompt = row.tolist(), False
     attach_prompt_lookup(requests, call.config)
     return requests
+
+
+def _engine_tokens(row: torch.Tensor, kept: torch.Tensor) -> list[int]:
+    """A row's kept tokens, and its last token where that one is masked (`Request.masked_last`)."""
+    tokens = row[kept].tolist()
+    return tokens if bool(kept[-1]) else [*tokens, int(row[-1])]
 
 
 def beam_requests(

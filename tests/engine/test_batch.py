@@ -57,3 +57,31 @@ def test_pack_step_tokens_positions_slots_and_sampling():
     # The chunk stops before the prompt's end: no logits for it this step.
     assert packed.logits_indices == [0, 3]
     assert [r.request_id for r in packed.sampled_requests] == ["d", "f"]
+
+
+def test_a_masked_last_token_is_a_query_at_hf_position_zero_that_sees_the_tokens_before_it():
+    """HF's right padding: the last prompt token sits at position 0, sees the attended tokens and not
+    itself, and leaves no K/V; the generated tokens take its cache index and positions 1, 2, ..."""
+    r = req("r", [30, 31, 32, 99], blocks=[1, 3])
+    r.feed_masked_last()
+    assert list(r.positions(0, 4)) == [0, 1, 2, 0]
+    r.num_computed_tokens = 3  # the three attended tokens are cached (the scheduler feeds them first)
+    packed = pack_step(ScheduledStep([r], [1]), block_size=4)
+    assert packed.input_ids == [99] and packed.positions == [0]
+    layout = packed.layout
+    assert layout.query_lens == [1] and layout.seq_lens == [3]  # not itself
+    assert layout.slot_mapping == [1 * 4 + 3]  # its own slot, overwritten by the first new token
+    assert packed.logits_indices == [0] and packed.sampled_requests == [r]
+    r.num_computed_tokens = 4
+    r.drop_masked_last()
+    r.output_token_ids = [50]
+    assert r.prompt_token_ids == [30, 31, 32] and r.num_computed_tokens == 3 and not r.masked_last
+    packed = pack_step(ScheduledStep([r], [1]), block_size=4)
+    assert packed.input_ids == [50] and packed.positions == [1]
+    assert packed.layout.seq_lens == [4] and packed.layout.slot_mapping == [1 * 4 + 3]
+    assert list(r.positions(0, 5)) == [0, 1, 2, 1, 2]
+
+
+def test_a_masked_last_token_needs_a_token_before_it():
+    with pytest.raises(ValueError, match="at least one attended token"):
+        req("r", [99]).feed_masked_last()

@@ -75,6 +75,22 @@ def test_long_prefill_threshold_caps_chunks_and_decodes_keep_flowing():
     assert sizes[:4] == [6, 6, 6, 2]
 
 
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_masked_last_token_gets_a_step_of_its_own_and_leaves_the_prompt(chunked):
+    """Beside the tokens before it, a decode kernel that stores and attends row by row could read
+    them unwritten; afterwards it leaves the prompt and the cache (`Request.drop_masked_last`)."""
+    sched = scheduler(max_num_batched_tokens=32, chunked_prefill=chunked, prefix=True, block_size=2)
+    right = Request("right", [5, 6, 8, 9, 11], StoppingParams(max_new_tokens=3))
+    right.feed_masked_last()
+    steps = simulate(sched, [right])
+    assert [s.num_tokens for s in steps] == [[4], [1], [1], [1]]
+    assert right.prompt_token_ids == [5, 6, 8, 9] and right.output_token_ids == [7, 7, 7]
+    # Its blocks are registered under a salt of their own: the shifted tokens reach no other prompt.
+    plain = make("plain", 6, max_new=1)
+    plain.prompt_token_ids = [5, 6, 8, 9, 7, 7]
+    assert sched.block_manager.match_prefix(plain) == 0
+
+
 def test_without_chunking_a_prompt_runs_whole_or_waits():
     sched = scheduler(max_num_batched_tokens=16, chunked_prefill=False)
     steps = simulate(sched, [make("a", 10, max_new=2), make("b", 10, max_new=2)])

@@ -1,29 +1,14 @@
-"""Masks and windows: left padding, masks with holes and sequences past a sliding window are served
-with HF's tokens; calls whose result the engine would get wrong go to HF with a warning (right padding,
-holes where the output holds prompt positions). Never silently different, never truncated."""
+"""Masks and windows: left padding, right padding, masks with holes and sequences past a sliding window
+are served with HF's tokens; calls whose result the engine would get wrong go to HF with a warning
+(padding where the output holds prompt positions). Never silently different, never truncated."""
 
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, MistralConfig, MistralForCausalLM
 
 import hfaccel
+from hfaccel.kernels import cpu_decode
 from tests.helpers import left_padded, tiny_model
-
-
-def test_right_padded_masks_fall_back_and_equal_hf():
-    model = tiny_model("llama")
-    ids = torch.tensor([[5, 6, 7, 8, 0, 0], [9, 10, 11, 12, 13, 14]])
-    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
-    expected = type(model).generate(
-        model, input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False
-    )
-    hfaccel.patch(model)
-    try:
-        with pytest.warns(UserWarning, match="last column is masked"):
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
-    finally:
-        hfaccel.unpatch(model)
-    assert torch.equal(out, expected)
 
 
 class BoostColumnOne(LogitsProcessor):
@@ -33,6 +18,110 @@ class BoostColumnOne(LogitsProcessor):
         scores = scores.clone()
         scores[torch.arange(len(scores)), input_ids[:, 1]] += 50.0
         return scores
+
+
+def _right_padded(seed=1):
+    """Right padding (one and two pad columns) and a masked last column after holes."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 200, (4, 9), generator=g)
+    mask = torch.ones(4, 9, dtype=torch.long)
+    mask[0, -1:] = 0
+    mask[1, -4:] = 0
+    mask[2, [2, 5, 8]] = 0  # holes, then a masked last token
+    return ids, mask  # row 3: no padding at all
+
+
+def _patched_and_hf(model, ids, mask, strict=True, patch_options=None, **options):
+    expected = type(model).generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=10, **options)
+    hfaccel.patch(model, strict=strict, **(patch_options or {}))  # strict: a fallback would raise
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **options)
+    finally:
+        hfaccel.unpatch(model)
+    return out, expected
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"do_sample": False},
+        {"do_sample": False, "repetition_penalty": 1.6, "no_repeat_ngram_size": 2},
+        {"do_sample": False, "logits_processor": LogitsProcessorList([BoostColumnOne()])},
+    ],
+    ids=["greedy", "processors", "row-order"],
+)
+def test_right_padding_is_served_with_hf_tokens(family, options):
+    """HF feeds the masked last token at position 0, seeing the attended tokens but not itself, and
+    numbers the new tokens 1, 2, ...: the engine does the same (`Request.masked_last`)."""
+    out, expected = _patched_and_hf(tiny_model(family), *_right_padded(), **options)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize(
+    "patch_options",
+    [
+        {"block_size": 4, "long_prefill_token_threshold": 3},  # chunked, the last token a step alone
+        {"block_size": 4, "kv_cache_memory": 6 * 2048, "max_model_len": 24},  # 6 blocks: preempted
+        {"block_size": 4, "max_num_seqs": 1},  # one row a step: the masked token in a pure decode step
+    ],
+    ids=["chunked", "preempted", "alone"],
+)
+@pytest.mark.parametrize("c_kernel", [True, False], ids=["c-kernel", "sdpa"])
+def test_right_padding_holds_across_chunks_preemption_and_decode_paths(patch_options, c_kernel, monkeypatch):
+    if not c_kernel:
+        monkeypatch.setattr(cpu_decode, "supports", lambda *args: False)
+    out, expected = _patched_and_hf(
+        tiny_model("llama"), *_right_padded(seed=2), patch_options=patch_options, do_sample=False
+    )
+    assert torch.equal(out, expected)
+
+
+def test_shifted_tokens_never_reach_another_prompt_through_the_prefix_cache():
+    """A right-padded row's new tokens sit one position off their cache index: a later prompt of the
+    same tokens, unpadded, must not be served their K/V (nor the other way round)."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, 200, (1, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, -1] = 0
+    hfaccel.patch(model, strict=True, block_size=2)
+    try:
+        first = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        follow_up = torch.cat([ids[:, :-1], first[:, 9:]], dim=1)  # the kept tokens and the new ones
+        served = model.generate(input_ids=follow_up, max_new_tokens=6, do_sample=False)
+        again = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(
+        served, type(model).generate(model, input_ids=follow_up, max_new_tokens=6, do_sample=False)
+    )
+    assert torch.equal(again, first)
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({"num_beams": 2}, r"right padding\), with beam search"),
+        ({"return_dict_in_generate": True}, r"right padding\), with the cache returned"),
+    ],
+)
+def test_right_padding_falls_back_where_the_output_holds_the_prompt_positions(options, reason):
+    model = tiny_model("llama")
+    ids, mask = _right_padded()
+    expected = type(model).generate(
+        model, input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **options
+    )
+    hfaccel.patch(model)
+    try:
+        with pytest.warns(UserWarning, match=reason):
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **options
+            )
+    finally:
+        hfaccel.unpatch(model)
+    sequences = out.sequences if options.get("return_dict_in_generate") else out
+    expected = expected.sequences if options.get("return_dict_in_generate") else expected
+    assert torch.equal(sequences, expected)
 
 
 def _holey(rows, width, seed):
