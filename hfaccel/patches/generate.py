@@ -39,7 +39,7 @@ from hfaccel.patches.arguments import (
 )
 from hfaccel.patches.beam import beam_output
 from hfaccel.patches.patch_state import PatchState, call_seed, fall_back
-from hfaccel.patches.planner import GenerateCall, beam_requests, make_requests
+from hfaccel.patches.planner import GenerateCall, beam_requests, is_left_padding, make_requests
 
 
 def patched_generate(
@@ -95,7 +95,12 @@ def patched_generate(
     else:
         loop.run(requests, progress=state.progress)
     width = call.ids.shape[1]
-    output = generate_output(config, prompts, requests, self, kv_width=width)
+    columns = None
+    if keep_kv and not is_left_padding(call.mask):  # holes or right padding: kept tokens in place
+        columns = [
+            row.nonzero().flatten() for row in call.mask.bool().cpu().repeat_interleave(call.copies, 0)
+        ]
+    output = generate_output(config, prompts, requests, self, kv_width=width, columns=columns)
     if imported is None:
         return output
     built = output_cache(output) if config.return_dict_in_generate else None
@@ -150,11 +155,13 @@ def generate_output(
     requests: list[Request],
     model: Any = None,
     kv_width: int | None = None,
+    columns: list[torch.Tensor] | None = None,
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """HF's layout: each prompt as given, its new tokens, right-padded with the pad id; and, for
     ``return_dict_in_generate``, per-step ``scores``/``logits`` of shape ``[B, V]`` (a row that had
     already finished holds -inf there: it was not computed) and ``past_key_values`` (its prompt part
-    `kv_width` wide: the prompts' width, or the embeddings' for a prompt given as embeddings only)."""
+    `kv_width` wide: the prompts' width, or the embeddings' for a prompt given as embeddings only; each
+    row's kept prompt tokens at its `columns`, or right-aligned)."""
     pad = config._pad_token_tensor
     pad_id = int(pad.flatten()[0]) if pad is not None else 0
     width = max((len(r.output_token_ids) for r in requests), default=0)
@@ -169,7 +176,7 @@ def generate_output(
     cache = None
     if requests and all(r.kv_snapshot is not None for r in requests) and model is not None:
         kv_width = prompts.shape[1] if kv_width is None else kv_width
-        cache = dynamic_cache(model, requests, kv_width, width, prompts.device)
+        cache = dynamic_cache(model, requests, kv_width, width, prompts.device, columns)
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
         scores=_per_step(requests, "scores", width) if config.output_scores else None,
@@ -178,15 +185,28 @@ def generate_output(
     )
 
 
-def dynamic_cache(model: Any, requests: list[Request], prompt_width: int, width: int, device: Any) -> Any:
+def dynamic_cache(
+    model: Any,
+    requests: list[Request],
+    prompt_width: int,
+    width: int,
+    device: Any,
+    columns: list[torch.Tensor] | None = None,
+) -> Any:
     """The `DynamicCache` HF's generate would return, gathered from the requests' paged KV: per layer
-    ``[B, Hkv, prompt_width + width - 1, D]``, each row's prompt right-aligned (left padding, as given)
-    and its generated tokens after it. Padding positions hold zeros (HF holds the pad tokens' KV there:
-    masked for the left padding; for a row that finished before the longest one, HF's cache has the
-    KV of the pad tokens it kept generating)."""
+    ``[B, Hkv, prompt_width + width - 1, D]``, each row's kept prompt tokens at its `columns` (default:
+    right-aligned, as left padding leaves them) and its generated tokens after the prompt width. Masked
+    positions hold zeros: HF holds the K/V of the masked tokens there, which no later token attends to
+    (and for a row that finished before the longest one, the K/V of the pad tokens it kept
+    generating)."""
     from transformers import DynamicCache
 
     length = prompt_width + width - 1
+    places = []
+    for i, request in enumerate(requests):
+        prompt_len = len(request.prompt_token_ids)
+        kept = torch.arange(prompt_width - prompt_len, prompt_width) if columns is None else columns[i]
+        places.append(torch.cat([kept, torch.arange(prompt_width, length)]))
     cache = DynamicCache(config=model.config)
     for layer in range(len(requests[0].kv_snapshot)):
         k0 = requests[0].kv_snapshot[layer][0]
@@ -196,11 +216,9 @@ def dynamic_cache(model: Any, requests: list[Request], prompt_width: int, width:
         values = torch.zeros_like(keys)
         for i, request in enumerate(requests):
             k, v = request.kv_snapshot[layer]
-            prompt_len = len(request.prompt_token_ids)
-            start = prompt_width - prompt_len
-            count = min(k.shape[0], length - start)
-            keys[i, :, start : start + count] = k[:count].transpose(0, 1)
-            values[i, :, start : start + count] = v[:count].transpose(0, 1)
+            place = places[i][: k.shape[0]].to(k.device)
+            keys[i, :, place] = k[: len(place)].transpose(0, 1)
+            values[i, :, place] = v[: len(place)].transpose(0, 1)
         cache.update(keys.to(device), values.to(device), layer)
     for request in requests:
         request.kv_snapshot = None

@@ -195,6 +195,17 @@ def layer_windows(text_config: Any) -> list[int | None]:
     return [int(window) if kind == "sliding_attention" else None for kind in types]
 
 
+def narrowest_local_span(model: torch.nn.Module) -> int | None:
+    """The fewest positions any layer attends over: its smallest sliding window or attention chunk
+    (None: every layer attends in full)."""
+    text_config = model.config.get_text_config(decoder=True)
+    spans = [w for w in layer_windows(text_config) if w]
+    types = getattr(text_config, "layer_types", None) or []
+    if "chunked_attention" in types and getattr(text_config, "attention_chunk_size", None):
+        spans.append(int(text_config.attention_chunk_size))
+    return min(spans, default=None)
+
+
 def probe_reason(
     model: torch.nn.Module,
     text_config: Any,

@@ -132,6 +132,8 @@ def unsupported_reason(
         return (
             f"cache_implementation={implementation!r} on {device.type} (transformers offloads to CUDA only)"
         )
+    if implementation not in (None, "dynamic", "offloaded") and _compiles_its_forward(config, device):
+        return "compile_config with a static cache (the call asks for transformers' own compiled forward)"
     # HF builds these with the whole batch's prompts ([B, L]); the engine's processors run per request.
     if (config.encoder_repetition_penalty or 1.0) != 1.0:
         return "encoder_repetition_penalty"
@@ -144,6 +146,16 @@ def unsupported_reason(
     if getattr(config, "watermarking_config", None) is not None:
         return "watermarking_config"
     return None
+
+
+def _compiles_its_forward(config: GenerationConfig, device: torch.device | None) -> bool:
+    """An explicit `compile_config` where transformers honours it (an accelerator, or forced on every
+    device): with a cache of fixed shape, HF's generate compiles the model's forward for the call."""
+    compile_config = getattr(config, "compile_config", None)
+    if compile_config is None or getattr(config, "disable_compile", False):
+        return False
+    accelerator = device is not None and device.type in ("cuda", "xpu", "neuron", "tpu")
+    return accelerator or bool(getattr(compile_config, "_compile_all_devices", False))
 
 
 def has_default_lengths(

@@ -28,7 +28,12 @@ from hfaccel.patches import embeds as embeds_in
 from hfaccel.patches import model_kwargs as extra_inputs
 from hfaccel.patches.arguments import CACHE_NAME
 from hfaccel.patches.beam import beam_limits_reason, beam_unsupported_reason, is_beam_search
-from hfaccel.patches.layer_support import attention_needs, attention_shape, has_recurrent_layers
+from hfaccel.patches.layer_support import (
+    attention_needs,
+    attention_shape,
+    has_recurrent_layers,
+    narrowest_local_span,
+)
 from hfaccel.patches.models import quantized_activations_reason
 from hfaccel.patches.params import (
     has_default_lengths,
@@ -111,8 +116,18 @@ class GenerateCall:
         """(visible, engine) ids: HF's input_ids (the output's start, what the processors see; ``[B, 0]``
         for embeddings without ids) and the engine's prompt rows (placeholders there)."""
         if self.embeds is None:
-            return self.input_ids, self.input_ids
+            ids = self.input_ids if self.input_ids is not None else self._start_rows()
+            return ids, ids
         return embeds_in.visible_and_engine_ids(self.embeds, self.input_ids)
+
+    def _start_rows(self) -> torch.Tensor | None:
+        """HF's prompt rows for a call with no inputs: the BOS token, one row per batch row of the model
+        kwargs (None without a BOS token: HF raises, so the call goes to HF)."""
+        bos = self.config.bos_token_id
+        if bos is None:
+            return None
+        model_kwargs = self._prepared[1]
+        return self.model._maybe_initialize_input_ids_for_generation(None, torch.tensor(bos), model_kwargs)
 
     @property
     def ids(self) -> torch.Tensor:
@@ -164,7 +179,7 @@ class GenerateCall:
         ids = self.ids
         prepare_special_tokens(self.model, self.config, mask is not None, ids.device)
         if mask is None:  # HF infers padding from ids, never from embeddings
-            source = ids if self.input_ids is not None else self.embeds
+            source = ids if self.embeds is None or self.input_ids is not None else self.embeds
             return self.model._prepare_attention_mask_for_generation(source, self.config, model_kwargs)
         if mask.shape != ids.shape:
             raise ValueError(f"attention_mask has shape {tuple(mask.shape)}, input_ids {tuple(ids.shape)}")
@@ -241,6 +256,10 @@ def _cache_gate(call: GenerateCall) -> str | None:
     shape = attention_shape(call.model)
     if shape is not None and shape.value_head_dim != shape.head_dim:
         return "a cache given or returned, with multi-head latent attention (its cache holds latents)"
+    implementation = call.config.cache_implementation
+    if call.cache is None and implementation not in (None, "dynamic", "offloaded"):
+        # the engine returns a DynamicCache; HF a cache of this implementation's own class
+        return f"a cache returned, with cache_implementation={implementation!r} (HF returns its own class)"
     return None if call.cache is None else cache_in.type_reason(call.cache)
 
 
@@ -305,9 +324,9 @@ def _padding_gate(call: GenerateCall) -> str | None:
     none of them and numbers positions by the mask's running count, so a row gives the same tokens
     either way: left padding, or holes anywhere before the last token (transformers' own random masks,
     some collators). The processors see the row as HF shows it (`make_requests`). A masked last token
-    (right padding) is fed once for its logits, as HF does (`Request.masked_last`). Neither is served
-    where the output holds per-position state of the prompt (beams, the returned cache), or with prompt
-    inputs other than ids."""
+    (right padding) is fed once for its logits, as HF does (`Request.masked_last`). A returned cache
+    holds the kept tokens in their columns (`generate.dynamic_cache`). Neither is served with beams
+    (their output holds per-position state of the prompt) or prompt inputs other than ids."""
     mask = call.mask.bool()
     masked_last = not bool(mask[:, -1].all())
     if not masked_last and is_left_padding(mask):
@@ -322,9 +341,9 @@ def _padding_gate(call: GenerateCall) -> str | None:
         return f"{what}, with recurrent layers (they step over the masked tokens)"
     needs = attention_needs(call.model)
     if "sliding_window" in needs or "chunked_attention" in needs:
-        return f"{what}, with sliding windows or chunks (they count the masked tokens)"
-    if call.config.return_dict_in_generate and call.config.use_cache is not False:
-        return f"{what}, with the cache returned (return_dict_in_generate)"
+        span = narrowest_local_span(call.model)  # within it, every key is seen: nothing to count
+        if span is None or call.ids.shape[1] + call.stopping.max_new_tokens > span:
+            return f"{what}, with sliding windows or chunks (they count the masked tokens)"
     if call.kwargs.get("position_ids") is not None:
         return f"{what}, with position_ids"
     if masked_last:

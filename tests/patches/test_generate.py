@@ -81,6 +81,30 @@ def test_positional_inputs_without_mask(patched):
     assert out[0, len(prompt) :].tolist() == hf_greedy(patched, prompt, 6)
 
 
+def test_a_call_without_inputs_starts_from_bos_as_hf_does():
+    """HF starts each row from the BOS token (transformers' `test_generate_without_input_ids`); with no
+    BOS token HF raises, and so does the patched model (through HF)."""
+    model = tiny_model("llama")
+    model.generation_config.bos_token_id = 1
+    expected = type(model).generate(model, do_sample=False, max_new_tokens=6)
+    hfaccel.patch(model, strict=True)  # strict: a fallback would raise
+    try:
+        out = model.generate(do_sample=False, max_new_tokens=6)
+        assert torch.equal(out, expected) and out[0, 0] == 1
+    finally:
+        hfaccel.unpatch(model)
+    model.generation_config.bos_token_id = model.config.bos_token_id = None
+    hfaccel.patch(model)
+    try:
+        with (
+            pytest.warns(UserWarning, match="inputs other than"),
+            pytest.raises(ValueError, match="bos_token_id"),
+        ):
+            model.generate(do_sample=False, max_new_tokens=6)
+    finally:
+        hfaccel.unpatch(model)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
     [

@@ -617,3 +617,42 @@ def test_an_empty_input_is_refused_naming_it(shape):
     model = patch(tiny_model("llama"))
     with pytest.raises(ValueError, match=r"input_ids has shape .*at least one prompt of at least one token"):
         model.generate(torch.zeros(shape, dtype=torch.long), max_new_tokens=3)
+
+
+def test_a_call_asking_transformers_to_compile_its_forward_goes_to_transformers():
+    """An explicit `compile_config` with a static cache, where HF honours it (an accelerator, or forced
+    on every device as transformers' own tests do), asks for HF's compiled forward: HF serves it."""
+    from transformers import CompileConfig, GenerationConfig
+
+    from hfaccel.patches.params import unsupported_reason
+
+    forced = CompileConfig()
+    forced._compile_all_devices = True
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    static = {"cache_implementation": "static"}
+    reason = "compile_config with a static cache"
+    assert reason in unsupported_reason(GenerationConfig(compile_config=forced, **static), device=cpu)
+    assert reason in unsupported_reason(
+        GenerationConfig(compile_config=CompileConfig(), **static), device=cuda
+    )
+    # HF compiles nothing here: a CPU without the flag, a dynamic cache, or compiling turned off
+    assert unsupported_reason(GenerationConfig(compile_config=CompileConfig(), **static), device=cpu) is None
+    assert unsupported_reason(GenerationConfig(compile_config=forced), device=cpu) is None
+    off = GenerationConfig(compile_config=forced, disable_compile=True, **static)
+    assert unsupported_reason(off, device=cpu) is None
+
+
+def test_a_static_cache_to_return_goes_to_transformers_which_returns_its_own_class():
+    from transformers import StaticCache
+
+    from hfaccel.patches.arguments import CACHE_NAME
+
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    patch(model)
+    with pytest.warns(UserWarning, match=r"a cache returned, with cache_implementation='static'"):
+        out = model.generate(cache_implementation="static", return_dict_in_generate=True, **kwargs)
+    assert isinstance(getattr(out, CACHE_NAME), StaticCache)
+    with no_fallback():  # the sequences alone: served
+        model.generate(cache_implementation="static", **kwargs)

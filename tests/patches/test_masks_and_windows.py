@@ -8,6 +8,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, MistralConfig, Mi
 
 import hfaccel
 from hfaccel.kernels import cpu_decode
+from hfaccel.patches.arguments import CACHE_NAME
 from tests.helpers import left_padded, tiny_model
 
 
@@ -102,7 +103,6 @@ def test_shifted_tokens_never_reach_another_prompt_through_the_prefix_cache():
     ("options", "reason"),
     [
         ({"num_beams": 2}, r"right padding\), with beam search"),
-        ({"return_dict_in_generate": True}, r"right padding\), with the cache returned"),
     ],
 )
 def test_right_padding_falls_back_where_the_output_holds_the_prompt_positions(options, reason):
@@ -163,7 +163,6 @@ def test_masks_with_holes_are_served_with_hf_tokens(family, options):
     ("options", "reason"),
     [
         ({"num_beams": 2}, "holes, with beam search"),
-        ({"return_dict_in_generate": True}, "holes, with the cache returned"),
     ],
 )
 def test_masks_with_holes_fall_back_where_the_output_holds_the_prompt_positions(options, reason):
@@ -183,6 +182,56 @@ def test_masks_with_holes_fall_back_where_the_output_holds_the_prompt_positions(
     sequences = out.sequences if options.get("return_dict_in_generate") else out
     expected = expected.sequences if options.get("return_dict_in_generate") else expected
     assert torch.equal(sequences, expected)
+
+
+@pytest.mark.parametrize("masks", ["holes", "right-padding"])
+def test_the_returned_cache_holds_the_kept_tokens_in_their_columns(masks):
+    """HF returns K/V at every column; the masked ones are never attended again. The engine's cache
+    holds the kept tokens' K/V in their columns and zeros in the masked ones: scores match, and
+    generation continued from either cache gives the same tokens."""
+    model = tiny_model("llama")
+    ids, mask = _holey(3, 9, seed=7) if masks == "holes" else _right_padded(seed=3)
+    options = {
+        "max_new_tokens": 6,
+        "min_new_tokens": 6,  # no row finishes early (the engine does not compute a finished row)
+        "do_sample": False,
+        "return_dict_in_generate": True,
+        "output_scores": True,
+    }
+    expected = type(model).generate(model, input_ids=ids, attention_mask=mask, **options)
+    hfaccel.patch(model, strict=True)  # strict: a fallback would raise
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, **options)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(out.sequences, expected.sequences)
+    for ours, theirs in zip(out.scores, expected.scores):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    width = ids.shape[1] + len(out.scores) - 1
+    seen = torch.cat([mask, torch.ones(len(ids), len(out.scores) - 1, dtype=mask.dtype)], dim=1).bool()
+    for layer in range(len(getattr(expected, CACHE_NAME).layers)):
+        ours, theirs = (
+            getattr(out, CACHE_NAME).layers[layer].keys,
+            getattr(expected, CACHE_NAME).layers[layer].keys,
+        )
+        assert ours.shape == theirs.shape == (len(ids), 2, width, 16)
+        rows, columns = seen.nonzero(as_tuple=True)
+        torch.testing.assert_close(ours[rows, :, columns], theirs[rows, :, columns], rtol=1e-4, atol=1e-4)
+        assert not ours.permute(0, 2, 1, 3)[~seen].any()  # masked columns: zeros
+    follow = torch.cat([out.sequences, torch.full((len(ids), 1), 9)], dim=1)
+    follow_mask = torch.cat([seen, torch.ones(len(ids), 2, dtype=torch.bool)], dim=1).long()
+    continued = [
+        type(model).generate(
+            model,
+            input_ids=follow,
+            attention_mask=follow_mask,
+            **{CACHE_NAME: cache},
+            max_new_tokens=5,
+            do_sample=False,
+        )
+        for cache in (getattr(out, CACHE_NAME), getattr(expected, CACHE_NAME))
+    ]
+    assert torch.equal(continued[0], continued[1])
 
 
 def test_left_padding_stays_on_the_engine():
@@ -211,6 +260,32 @@ def _windowed_model(window=24):
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
     return model
+
+
+def test_holes_on_a_sliding_window_model_are_served_while_no_window_binds():
+    """transformers' windows count the masked tokens, the engine's rows drop them: the same tokens as
+    long as the padded row and its new tokens fit in the narrowest window; past that, HF serves it."""
+    model = _windowed_model(window=24)
+    ids, mask = _holey(3, 11, seed=9)
+    expected = type(model).generate(
+        model, input_ids=ids, attention_mask=mask, max_new_tokens=13, do_sample=False
+    )
+    hfaccel.patch(model, strict=True)  # strict: a fallback would raise
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=13, do_sample=False)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(out, expected)
+    hfaccel.patch(model)
+    try:
+        with pytest.warns(UserWarning, match="holes, with sliding windows or chunks"):
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False)
+    finally:
+        hfaccel.unpatch(model)
+    expected = type(model).generate(
+        model, input_ids=ids, attention_mask=mask, max_new_tokens=14, do_sample=False
+    )
+    assert torch.equal(out, expected)
 
 
 def test_sliding_window_models_past_the_window_stay_on_the_engine_with_hf_tokens():
