@@ -216,7 +216,11 @@ class BeamGroup:
         params = handle.sampling
         if params.processors or params.warpers:
             ids = torch.tensor(
-                [handle.processor_prefix + s.all_token_ids for s in slots],
+                [
+                    handle.processor_prefix
+                    + (s.all_token_ids if s.processor_sees_prompt else s.output_token_ids)
+                    for s in slots
+                ],
                 dtype=torch.long,
                 device=rows.device,
             )
@@ -247,6 +251,9 @@ class BeamGroup:
                 h.stopping,
                 sampling=h.sampling,
                 processor_prefix=h.processor_prefix,
+                processor_sees_prompt=h.processor_sees_prompt,
+                position_shift=h.position_shift,  # a masked last token (dropped by now) shifted them
+                shift_from=h.shift_from,
                 status=RequestStatus.RUNNING,
                 adapter=h.adapter,
                 cache_salt=h.cache_salt,

@@ -334,8 +334,8 @@ def _padding_gate(call: GenerateCall) -> str | None:
     what = "an attention mask with holes"
     if masked_last:
         what = "an attention mask whose last column is masked (right padding)"
-    if call.beam or call.embeds is not None or call.cache is not None:
-        return f"{what}, with beam search, inputs_embeds or a cache"
+    if call.embeds is not None or call.cache is not None:
+        return f"{what}, with inputs_embeds or a cache"
     # transformers' recurrent layers scan over the masked positions, and its windows count them
     if has_recurrent_layers(call.model):
         return f"{what}, with recurrent layers (they step over the masked tokens)"
@@ -461,21 +461,26 @@ def beam_requests(
         do_sample=bool(config.do_sample),
     )
     keep, rows = call.mask.bool().cpu(), call.ids.cpu()
-    by_padding: dict[int, SamplingParams] = {0: dataclasses.replace(sampling, beam=beam)}
+    by_padding = {(True,) * keep.shape[1]: dataclasses.replace(sampling, beam=beam)}
     requests = []
     for i in range(len(rows)):
-        padding = int((~keep[i]).sum())
+        padding = tuple(keep[i].tolist())  # the row's padding (or holes)
         if padding not in by_padding:
             padded = call.row_params(call.mask[i : i + 1].expand(config.num_beams, -1))[1]
             by_padding[padding] = dataclasses.replace(padded, beam=beam)
         request = engine.make_request(
-            rows[i][keep[i]].tolist(),
+            _engine_tokens(rows[i], keep[i]),
             call.stopping,
             by_padding[padding],
             seed=None if seed is None else seed + i,
             **(targets or {}),
         )
-        request.processor_prefix = rows[i][~keep[i]].tolist()
+        if not bool(keep[i, -1]):
+            request.feed_masked_last()  # HF feeds the last token, masked, for the first token's logits
+        if is_left_padding(keep[i : i + 1]):
+            request.processor_prefix = rows[i][~keep[i]].tolist()  # the padded row, as in HF
+        else:  # holes: the whole row as given, the prompt's kept tokens in place within it
+            request.processor_prefix, request.processor_sees_prompt = rows[i].tolist(), False
         requests.append(request)
     return requests
 

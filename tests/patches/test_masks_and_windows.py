@@ -99,31 +99,6 @@ def test_shifted_tokens_never_reach_another_prompt_through_the_prefix_cache():
     assert torch.equal(again, first)
 
 
-@pytest.mark.parametrize(
-    ("options", "reason"),
-    [
-        ({"num_beams": 2}, r"right padding\), with beam search"),
-    ],
-)
-def test_right_padding_falls_back_where_the_output_holds_the_prompt_positions(options, reason):
-    model = tiny_model("llama")
-    ids, mask = _right_padded()
-    expected = type(model).generate(
-        model, input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **options
-    )
-    hfaccel.patch(model)
-    try:
-        with pytest.warns(UserWarning, match=reason):
-            out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **options
-            )
-    finally:
-        hfaccel.unpatch(model)
-    sequences = out.sequences if options.get("return_dict_in_generate") else out
-    expected = expected.sequences if options.get("return_dict_in_generate") else expected
-    assert torch.equal(sequences, expected)
-
-
 def _holey(rows, width, seed):
     """Masks with holes anywhere before an attended last token, as transformers' `random_attention_mask`
     makes them."""
@@ -159,29 +134,36 @@ def test_masks_with_holes_are_served_with_hf_tokens(family, options):
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("masks", ["holes", "right-padding"])
 @pytest.mark.parametrize(
-    ("options", "reason"),
+    "options",
     [
-        ({"num_beams": 2}, "holes, with beam search"),
+        {"num_beams": 3},
+        {"num_beams": 3, "num_return_sequences": 2, "length_penalty": 0.5},
+        # processors that read the row in HF's order, holes included, and its mask
+        {"num_beams": 2, "repetition_penalty": 1.5, "no_repeat_ngram_size": 2},
     ],
+    ids=["beams", "returned", "processors"],
 )
-def test_masks_with_holes_fall_back_where_the_output_holds_the_prompt_positions(options, reason):
+def test_beam_search_over_holes_and_right_padding_gives_hf_beams(masks, options):
+    ids, mask = _holey(3, 9, seed=11) if masks == "holes" else _right_padded(seed=5)
+    out, expected = _patched_and_hf(tiny_model("llama"), ids, mask, do_sample=False, **options)
+    assert torch.equal(out, expected)
+
+
+def test_right_padding_with_inputs_embeds_falls_back():
     model = tiny_model("llama")
-    ids, mask = _holey(2, 7, seed=5)
-    expected = type(model).generate(
-        model, input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **options
-    )
+    ids, mask = _right_padded()
+    embeds = model.get_input_embeddings()(ids)
+    kwargs = {"inputs_embeds": embeds, "attention_mask": mask, "max_new_tokens": 4, "do_sample": False}
+    expected = type(model).generate(model, **kwargs)
     hfaccel.patch(model)
     try:
-        with pytest.warns(UserWarning, match=reason):
-            out = model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, **options
-            )
+        with pytest.warns(UserWarning, match=r"right padding\), with inputs_embeds or a cache"):
+            out = model.generate(**kwargs)
     finally:
         hfaccel.unpatch(model)
-    sequences = out.sequences if options.get("return_dict_in_generate") else out
-    expected = expected.sequences if options.get("return_dict_in_generate") else expected
-    assert torch.equal(sequences, expected)
+    assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("masks", ["holes", "right-padding"])
