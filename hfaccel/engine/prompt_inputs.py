@@ -57,7 +57,8 @@ def attach_prompt_embeds(engine: Any, request: Request, embeds: Any, hide_prompt
             f"{embeds.shape[0]} prompt embeddings for a prompt of {len(request.prompt_token_ids)} tokens"
         )
     request.prompt_embeds = embeds.to(engine.device)
-    request.processor_sees_prompt = not hide_prompt
+    if hide_prompt:
+        request.processor_sees_prompt = False
     request.speculation.enabled = False  # drafts from the ids would not see the embeddings
     isolate(request)
 

@@ -286,6 +286,8 @@ class Request:
         """Once the masked last token gave its logits: it leaves the prompt and the cache, and the
         tokens after it sit one position later than their cache index says."""
         self.prompt_token_ids = self.prompt_token_ids[:-1]
+        if self.prompt_embeds is not None and len(self.prompt_embeds) > len(self.prompt_token_ids):
+            self.prompt_embeds = self.prompt_embeds[: len(self.prompt_token_ids)]
         self.num_computed_tokens -= 1
         self.masked_last = False
         self.position_shift += 1

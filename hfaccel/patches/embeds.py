@@ -76,5 +76,7 @@ def attach(
     for i, request in enumerate(requests):
         row = i // copies
         if row not in rows:
-            rows[row] = embeds[row][keep[i].to(embeds.device)].detach()
+            kept = keep[i].clone()
+            kept[-1] = True  # a masked last token is fed too (`Request.masked_last`)
+            rows[row] = embeds[row][kept.to(embeds.device)].detach()
         attach_prompt_embeds(engine, request, rows[row], hide_prompt=not ids_given)

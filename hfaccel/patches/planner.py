@@ -334,8 +334,8 @@ def _padding_gate(call: GenerateCall) -> str | None:
     what = "an attention mask with holes"
     if masked_last:
         what = "an attention mask whose last column is masked (right padding)"
-    if call.embeds is not None or call.cache is not None:
-        return f"{what}, with inputs_embeds or a cache"
+    if call.cache is not None:
+        return f"{what}, with a cache given"
     # transformers' recurrent layers scan over the masked positions, and its windows count them
     if has_recurrent_layers(call.model):
         return f"{what}, with recurrent layers (they step over the masked tokens)"

@@ -151,16 +151,35 @@ def test_beam_search_over_holes_and_right_padding_gives_hf_beams(masks, options)
     assert torch.equal(out, expected)
 
 
-def test_right_padding_with_inputs_embeds_falls_back():
+@pytest.mark.parametrize("masks", ["holes", "right-padding"])
+@pytest.mark.parametrize("with_ids", [True, False], ids=["embeds-and-ids", "embeds-only"])
+def test_holes_and_right_padding_with_inputs_embeds_give_hf_tokens(masks, with_ids):
+    model = tiny_model("llama")
+    ids, mask = _holey(3, 9, seed=11) if masks == "holes" else _right_padded(seed=5)
+    embeds = model.get_input_embeddings()(ids).detach()
+    kwargs = {"inputs_embeds": embeds, "attention_mask": mask, "max_new_tokens": 8, "do_sample": False}
+    kwargs.update({"input_ids": ids} if with_ids else {})
+    kwargs.update(repetition_penalty=1.5, no_repeat_ngram_size=2)  # processors that read the row
+    expected = type(model).generate(model, **kwargs)
+    hfaccel.patch(model, strict=True)  # strict: a fallback would raise
+    try:
+        out = model.generate(**kwargs)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(out, expected)
+
+
+def test_right_padding_with_a_cache_given_falls_back():
+    from transformers import DynamicCache
+
     model = tiny_model("llama")
     ids, mask = _right_padded()
-    embeds = model.get_input_embeddings()(ids)
-    kwargs = {"inputs_embeds": embeds, "attention_mask": mask, "max_new_tokens": 4, "do_sample": False}
-    expected = type(model).generate(model, **kwargs)
+    kwargs = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 4, "do_sample": False}
+    expected = type(model).generate(model, **kwargs, **{CACHE_NAME: DynamicCache(config=model.config)})
     hfaccel.patch(model)
     try:
-        with pytest.warns(UserWarning, match=r"right padding\), with inputs_embeds or a cache"):
-            out = model.generate(**kwargs)
+        with pytest.warns(UserWarning, match=r"right padding\), with a cache given"):
+            out = model.generate(**kwargs, **{CACHE_NAME: DynamicCache(config=model.config)})
     finally:
         hfaccel.unpatch(model)
     assert torch.equal(out, expected)
