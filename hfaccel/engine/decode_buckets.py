@@ -108,3 +108,11 @@ class CapturedDecodeGraphs:
         self._graphs.clear()
         self._pool = None
         self._output = None
+
+
+def resolve_compile_mode(mode: str, device: torch.device) -> str:
+    """``"auto"``: compile decode steps on CUDA (with graphs, where the win is large); stay eager on a
+    CPU, where a cold compile of a 30-layer model costs minutes for a modest gain (docs/benchmarks.md)."""
+    if mode != "auto":
+        return mode
+    return "decode" if device.type == "cuda" else "off"

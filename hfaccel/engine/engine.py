@@ -18,6 +18,7 @@ from hfaccel.engine.batch import pack_step
 from hfaccel.engine.beam_search import attach as attach_beams
 from hfaccel.engine.block_manager import BlockManager, blocks_for
 from hfaccel.engine.cost_model import StepCostModel
+from hfaccel.engine.decode_buckets import resolve_compile_mode
 from hfaccel.engine.executor import ModelExecutor, make_executor
 from hfaccel.engine.limits import Limits, free_memory_bytes, resolve_limits
 from hfaccel.engine.metrics import StepStats
@@ -271,6 +272,7 @@ class Engine:
         tpot_target_ms: float | None = None,
         ttft_target_ms: float | None = None,
         priority: int = 0,
+        masked_last: bool = False,
     ) -> Request:
         """Build a validated `Request` without queueing it.
 
@@ -279,7 +281,8 @@ class Engine:
         `ttft_target_ms` override the engine's latency targets for this request; `priority` orders
         admission (lower first, first come first served within a level). `adapter` names a LoRA adapter
         the executor applies to this request alone (it must have ``check_adapter``); its prefix-cache
-        blocks are shared only with requests of the same adapter."""
+        blocks are shared only with requests of the same adapter. `masked_last`: the prompt's last token
+        is HF's masked last column (`Request.masked_last`), fed for its logits and never kept."""
         for name, value in (("tpot_target_ms", tpot_target_ms), ("ttft_target_ms", ttft_target_ms)):
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
@@ -290,9 +293,9 @@ class Engine:
         ids = [int(t) for t in prompt_token_ids]
         if not ids:
             raise ValueError("prompt is empty: a prompt needs at least one token")
-        if len(ids) >= self.max_model_len:
+        if (kept := len(ids) - masked_last) >= self.max_model_len:
             raise ValueError(
-                f"prompt has {len(ids)} tokens, but the model's context (max_model_len) is {self.max_model_len} "
+                f"prompt has {kept} tokens, but the model's context (max_model_len) is {self.max_model_len} "
                 "and at least one token must be generated"
             )
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -305,6 +308,8 @@ class Engine:
         request = Request(request_id, ids, stopping, sampling=sampling, adapter=adapter, cache_salt=adapter)
         request.tpot_target_ms, request.ttft_target_ms = tpot_target_ms, ttft_target_ms
         request.user_priority = priority
+        if masked_last:
+            request.feed_masked_last()
         # Per-step scores/logits/logprobs are recorded one token at a time: such requests do not speculate.
         request.speculation.enabled = not (
             sampling.output_scores or sampling.output_logits or sampling.output_logprobs
@@ -320,10 +325,10 @@ class Engine:
         """A beam search request (engine/beam_search.py): unstreamed, within the context."""
         if request.sampling.do_sample != request.sampling.beam.do_sample:
             raise ValueError("beam search: SamplingParams.do_sample must be its BeamParams.do_sample")
-        longest = len(request.prompt_token_ids) + request.stopping.max_new_tokens
-        if longest > self.max_model_len:
+        prompt = len(request.prompt_token_ids) - request.masked_last  # a masked last token is not kept
+        if prompt + request.stopping.max_new_tokens > self.max_model_len:
             raise ValueError(
-                f"beam search: the prompt ({len(request.prompt_token_ids)} tokens) plus max_new_tokens "
+                f"beam search: the prompt ({prompt} tokens) plus max_new_tokens "
                 f"({request.stopping.max_new_tokens}) runs past the model's context (max_model_len="
                 f"{self.max_model_len}); lower max_new_tokens"
             )
@@ -590,11 +595,3 @@ class Engine:
             f"generated_tokens={self.num_generated_tokens}, preemptions={s.num_preemptions}, "
             f"prefix_hit_rate={self.block_manager.stats.hit_rate:.2f}, {self.limits.describe()})"
         )
-
-
-def resolve_compile_mode(mode: str, device: torch.device) -> str:
-    """``"auto"``: compile decode steps on CUDA (with graphs, where the win is large); stay eager on a
-    CPU, where a cold compile of a 30-layer model costs minutes for a modest gain (docs/benchmarks.md)."""
-    if mode != "auto":
-        return mode
-    return "decode" if device.type == "cuda" else "off"

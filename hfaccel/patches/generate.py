@@ -117,12 +117,13 @@ def warn_past_context(requests: list[Request], max_model_len: int, names: list[s
     short = [
         i
         for i, r in enumerate(requests)
-        if len(r.prompt_token_ids) + r.stopping.max_new_tokens > max_model_len
+        if len(r.prompt_token_ids) - r.masked_last + r.stopping.max_new_tokens > max_model_len
     ]
     if not short:
         return
     i = short[0]
-    length, max_new_tokens = len(requests[i].prompt_token_ids), requests[i].stopping.max_new_tokens
+    length = len(requests[i].prompt_token_ids) - requests[i].masked_last  # a masked last token is not kept
+    max_new_tokens = requests[i].stopping.max_new_tokens
     name = names[i] if names is not None else f"row {i}"
     more = f" (and {len(short) - 1} more)" if len(short) > 1 else ""
     warnings.warn(

@@ -124,8 +124,8 @@ class GenerateCall:
         """HF's prompt rows for a call with no inputs: the BOS token, one row per batch row of the model
         kwargs (None without a BOS token: HF raises, so the call goes to HF)."""
         bos = self.config.bos_token_id
-        if bos is None:
-            return None
+        if bos is None or self.given_mask is not None or self.kwargs.get("attention_mask") is not None:
+            return None  # HF takes any mask beside its BOS rows, unchecked: it serves those
         model_kwargs = self._prepared[1]
         return self.model._maybe_initialize_input_ids_for_generation(None, torch.tensor(bos), model_kwargs)
 
@@ -424,12 +424,11 @@ def make_requests(
             samplings[i],
             seed=None if seed is None else seed + i,
             adapter=adapters[i],
+            masked_last=bool(masked_last[i]),  # HF feeds it for the first token's logits
             **(targets or {}),
         )
         for i in range(len(rows))
     ]
-    for request in (r for r, masked in zip(requests, masked_last.tolist()) if masked):
-        request.feed_masked_last()  # HF feeds the last token, masked, for the first token's logits
     if (sampling.processors or stopping.criteria is not None) and call.input_ids is not None:
         for request, row, kept in zip(requests, rows, keep):
             if is_left_padding(kept[None]):
@@ -473,10 +472,9 @@ def beam_requests(
             call.stopping,
             by_padding[padding],
             seed=None if seed is None else seed + i,
+            masked_last=not bool(keep[i, -1]),  # HF feeds it for the first token's logits
             **(targets or {}),
         )
-        if not bool(keep[i, -1]):
-            request.feed_masked_last()  # HF feeds the last token, masked, for the first token's logits
         if is_left_padding(keep[i : i + 1]):
             request.processor_prefix = rows[i][~keep[i]].tolist()  # the padded row, as in HF
         else:  # holes: the whole row as given, the prompt's kept tokens in place within it

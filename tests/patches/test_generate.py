@@ -93,6 +93,15 @@ def test_a_call_without_inputs_starts_from_bos_as_hf_does():
         assert torch.equal(out, expected) and out[0, 0] == 1
     finally:
         hfaccel.unpatch(model)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # HF takes any mask beside its BOS rows, unchecked
+    expected = type(model).generate(model, attention_mask=mask, do_sample=False, max_new_tokens=6)
+    hfaccel.patch(model)
+    try:
+        with pytest.warns(UserWarning, match="inputs other than"):
+            out = model.generate(attention_mask=mask, do_sample=False, max_new_tokens=6)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(out, expected)
     model.generation_config.bos_token_id = model.config.bos_token_id = None
     hfaccel.patch(model)
     try:

@@ -2,6 +2,8 @@
 are served with HF's tokens; calls whose result the engine would get wrong go to HF with a warning
 (padding where the output holds prompt positions). Never silently different, never truncated."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList, MistralConfig, MistralForCausalLM
@@ -305,3 +307,29 @@ def test_sliding_window_models_past_the_window_stay_on_the_engine_with_hf_tokens
     assert torch.equal(out, expected)
     for i, completion in enumerate(completions):
         assert completion.token_ids == expected[i, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("options", [{}, {"num_beams": 2}], ids=["greedy", "beams"])
+def test_a_masked_last_token_does_not_count_against_the_context(options):
+    """It leaves before any new token takes its place: a row that fills the context with it, or whose
+    kept tokens plus max_new_tokens reach the context exactly, is served, with no warning."""
+    model = tiny_model("llama", max_positions=24)
+    ids = torch.randint(3, 200, (1, 17), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[0, -1] = 0
+    kwargs = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 8, "do_sample": False, **options}
+    expected = type(model).generate(model, **kwargs)
+    full = torch.cat([ids, ids[:, :7]], dim=1)  # 24 columns, the last masked: 23 kept
+    full_mask = torch.ones_like(full)
+    full_mask[0, -1] = 0
+    one = {"input_ids": full, "attention_mask": full_mask, "max_new_tokens": 1, "do_sample": False}
+    expected_full = type(model).generate(model, **one)
+    hfaccel.patch(model, strict=True)  # strict: a fallback would raise
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # not even the past-the-context warning
+            out = model.generate(**kwargs)
+            out_full = model.generate(**one)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(out, expected) and torch.equal(out_full, expected_full)
