@@ -20,7 +20,7 @@ BOOKKEEPING = {
     "target_lookbehind": "a knob of assisted decoding with two tokenizers, see assistant_tokenizer",
     "cache_config": "arguments of the cache_implementation's class",
     "max_cache_len": "the size of a static cache, see cache_implementation",
-    "compile_config": "how HF's own loop compiles its forward: the tokens do not change",
+    "compile_config": "how HF's own loop compiles its forward (where HF would, the call falls back)",
     "disable_compile": "whether HF's own loop compiles its forward: the tokens do not change",
     "continuous_batching_config": "HF's own continuous batching, generate_batch, not generate",
     "low_memory": "a removed beam-search option that HF ignores",
