@@ -129,8 +129,6 @@ def plan(
     batch, width = attention_mask.shape
     if length == 0:
         return CacheImport(cache, 0, [None] * batch), None
-    if has_embeds:
-        return None, "inputs_embeds with a non-empty past_key_values"
     if copies > 1:
         return None, "num_return_sequences > 1 with a non-empty past_key_values"
     if config.use_cache is False:

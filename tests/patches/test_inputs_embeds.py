@@ -231,3 +231,43 @@ def test_a_streamer_sees_what_hf_shows_it():
         hfaccel.unpatch(model)
     assert ours.puts == theirs.puts and ours.puts[0] == [[]]
     assert ours.ended == theirs.ended == 1
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "left-padded"])
+def test_generation_continues_from_embeddings_and_the_cache_it_returned(padded):
+    """transformers' `test_generate_continue_from_inputs_embeds`: the embeddings of the whole sequence
+    with the cache of all but its last positions; the engine imports the cache and feeds the rest."""
+    from hfaccel.patches.arguments import CACHE_NAME
+
+    model = tiny_model("llama")
+    ids, mask = left_padded([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]])
+    embeds = embeddings(model, ids)
+    dict_out = {"return_dict_in_generate": True, "do_sample": False}
+
+    def flow(generate):
+        first_mask = {"attention_mask": mask} if padded else {}
+        first = generate(inputs_embeds=embeds, max_new_tokens=3, **first_mask, **dict_out)
+        with torch.no_grad():
+            more = torch.cat([embeds, model.get_input_embeddings()(first.sequences)], dim=1)
+        more_mask = {"attention_mask": torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], dim=1)}
+        cache = {CACHE_NAME: getattr(first, CACHE_NAME)}
+        return first, generate(
+            inputs_embeds=more, max_new_tokens=4, **(more_mask if padded else {}), **cache, **dict_out
+        )
+
+    expected = flow(lambda **kwargs: type(model).generate(model, **kwargs))
+    hfaccel.patch(model)
+    try:
+        out = flow(lambda **kwargs: served(model, **kwargs))
+    finally:
+        hfaccel.unpatch(model)
+    for ours, theirs in zip(out, expected):
+        assert torch.equal(ours.sequences, theirs.sequences)
+    layers = zip(getattr(out[1], CACHE_NAME).layers, getattr(expected[1], CACHE_NAME).layers)
+    for ours, theirs in layers:  # the attended columns (HF keeps the pad tokens' K/V in the others)
+        seen = torch.ones(ours.keys.shape[0], ours.keys.shape[2], dtype=torch.bool)
+        seen[:, : mask.shape[1]] = mask.bool() if padded else True
+        rows, columns = seen.nonzero(as_tuple=True)
+        torch.testing.assert_close(
+            ours.keys[rows, :, columns], theirs.keys[rows, :, columns], rtol=1e-4, atol=1e-4
+        )
