@@ -101,6 +101,12 @@ def patched_generate(
             row.nonzero().flatten() for row in call.mask.bool().cpu().repeat_interleave(call.copies, 0)
         ]
     output = generate_output(config, prompts, requests, self, kv_width=width, columns=columns)
+    if config.cache_implementation == "static" and output_cache(output) is not None:
+        visible = call.rows[0].shape[1]  # HF's max_length counts the ids (none for embeddings only)
+        extra = width if call.input_ids is None and embeds is not None else 0
+        limit = getattr(config, "max_cache_len", None)
+        built = static_cache(self, visible + call.stopping.max_new_tokens, limit, output_cache(output), extra)
+        setattr(output, CACHE_NAME, built)
     if imported is None:
         return output
     built = output_cache(output) if config.return_dict_in_generate else None
@@ -223,6 +229,21 @@ def dynamic_cache(
         cache.update(keys.to(device), values.to(device), layer)
     for request in requests:
         request.kv_snapshot = None
+    return cache
+
+
+def static_cache(model: Any, max_length: int, max_cache_len: int | None, built: Any, extra: int = 0) -> Any:
+    """The `StaticCache` HF's generate returns for ``cache_implementation="static"``, holding `built`'s
+    keys and values. Sized as HF sizes it: its ``max_length - 1`` (plus `extra`, the embeddings' width
+    for a prompt of embeddings only), at least ``max_cache_len`` and the size of the model's previous
+    static cache, which HF keeps on the model (to avoid recompiles) and so does this."""
+    from transformers import StaticCache
+
+    length = max(max_length - 1 + extra, max_cache_len or 0, getattr(model, "_previous_max_cache_length", -1))
+    model._previous_max_cache_length = length
+    cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
+    for index, layer in enumerate(built.layers):
+        cache.update(layer.keys, layer.values, index)
     return cache
 
 

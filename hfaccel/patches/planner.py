@@ -258,8 +258,12 @@ def _cache_gate(call: GenerateCall) -> str | None:
         return "a cache given or returned, with multi-head latent attention (its cache holds latents)"
     implementation = call.config.cache_implementation
     if call.cache is None and implementation not in (None, "dynamic", "offloaded"):
-        # the engine returns a DynamicCache; HF a cache of this implementation's own class
-        return f"a cache returned, with cache_implementation={implementation!r} (HF returns its own class)"
+        # the engine builds a DynamicCache, or a StaticCache of full layers (`generate.static_cache`)
+        local = {"sliding_window", "chunked_attention"} & attention_needs(call.model)
+        if implementation != "static" or local:
+            return (
+                f"a cache returned, with cache_implementation={implementation!r} (HF returns its own class)"
+            )
     return None if call.cache is None else cache_in.type_reason(call.cache)
 
 

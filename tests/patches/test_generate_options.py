@@ -642,17 +642,34 @@ def test_a_call_asking_transformers_to_compile_its_forward_goes_to_transformers(
     assert unsupported_reason(off, device=cpu) is None
 
 
-def test_a_static_cache_to_return_goes_to_transformers_which_returns_its_own_class():
+def test_a_static_cache_returned_is_hfs_class_and_size_and_falls_back_with_sliding_layers():
+    """HF returns a `StaticCache` sized by its max_length, `max_cache_len` and the size of the model's
+    previous static cache (kept on the model): the engine returns the same. Its sliding layers roll
+    their own way: such a model goes to HF."""
     from transformers import StaticCache
 
     from hfaccel.patches.arguments import CACHE_NAME
+    from tests.patches.test_masks_and_windows import _windowed_model
 
     model = tiny_model("llama")
     ids, mask = left_padded(PROMPTS)
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    kwargs = dict(input_ids=ids, attention_mask=mask, min_new_tokens=4, do_sample=False)
+    kwargs.update(cache_implementation="static", return_dict_in_generate=True)
+    calls = [{"max_new_tokens": 6}, {"max_new_tokens": 3}, {"max_new_tokens": 3, "max_cache_len": 40}]
+    expected = [hf(model, **kwargs, **extra) for extra in calls]
+    del model._previous_max_cache_length  # HF's state between calls: the engine keeps it the same way
     patch(model)
+    with no_fallback():
+        out = [model.generate(**kwargs, **extra) for extra in calls]
+    for ours, theirs in zip(out, expected):
+        assert torch.equal(ours.sequences, theirs.sequences)
+        ours, theirs = getattr(ours, CACHE_NAME), getattr(theirs, CACHE_NAME)
+        assert isinstance(ours, StaticCache)
+        assert [layer.keys.shape for layer in ours.layers] == [layer.keys.shape for layer in theirs.layers]
+        width = ids.shape[1] + 2  # row 1 has no padding: the prompt's positions and the new tokens'
+        torch.testing.assert_close(ours.layers[0].keys[1, :, :width], theirs.layers[0].keys[1, :, :width])
+    windowed = _windowed_model(window=8)
+    patch(windowed)
     with pytest.warns(UserWarning, match=r"a cache returned, with cache_implementation='static'"):
-        out = model.generate(cache_implementation="static", return_dict_in_generate=True, **kwargs)
+        out = windowed.generate(**kwargs, max_new_tokens=4)
     assert isinstance(getattr(out, CACHE_NAME), StaticCache)
-    with no_fallback():  # the sequences alone: served
-        model.generate(cache_implementation="static", **kwargs)
