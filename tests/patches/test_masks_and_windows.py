@@ -34,31 +34,14 @@ def _right_padded(seed=1):
     return ids, mask  # row 3: no padding at all
 
 
-def _patched_and_hf(model, ids, mask, strict=True, patch_options=None, **options):
+def _patched_and_hf(model, ids, mask, patch_options=None, **options):
     expected = type(model).generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=10, **options)
-    hfaccel.patch(model, strict=strict, **(patch_options or {}))  # strict: a fallback would raise
+    hfaccel.patch(model, strict=True, **(patch_options or {}))  # strict: a fallback would raise
     try:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **options)
     finally:
         hfaccel.unpatch(model)
     return out, expected
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"do_sample": False},
-        {"do_sample": False, "repetition_penalty": 1.6, "no_repeat_ngram_size": 2},
-        {"do_sample": False, "logits_processor": LogitsProcessorList([BoostColumnOne()])},
-    ],
-    ids=["greedy", "processors", "row-order"],
-)
-def test_right_padding_is_served_with_hf_tokens(family, options):
-    """HF feeds the masked last token at position 0, seeing the attended tokens but not itself, and
-    numbers the new tokens 1, 2, ...: the engine does the same (`Request.masked_last`)."""
-    out, expected = _patched_and_hf(tiny_model(family), *_right_padded(), **options)
-    assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize(
@@ -111,6 +94,7 @@ def _holey(rows, width, seed):
     return ids, mask
 
 
+@pytest.mark.parametrize("masks", ["holes", "right-padding"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize(
     "options",
@@ -123,16 +107,13 @@ def _holey(rows, width, seed):
     ],
     ids=["greedy", "processors", "row-order", "min-length"],
 )
-def test_masks_with_holes_are_served_with_hf_tokens(family, options):
-    model = tiny_model(family)
-    ids, mask = _holey(4, 11, seed=3)
-    assert not bool((mask[:, 1:] >= mask[:, :-1]).all())  # really holes, not left padding
-    expected = type(model).generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=8, **options)
-    hfaccel.patch(model, strict=True)  # strict: a fallback would raise
-    try:
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **options)
-    finally:
-        hfaccel.unpatch(model)
+def test_masks_with_holes_and_right_padding_are_served_with_hf_tokens(masks, family, options):
+    """Holes: the masked tokens are dropped. Right padding: HF feeds the masked last token at position
+    0, seeing the attended tokens but not itself, and numbers the new tokens 1, 2, ...: the engine does
+    the same (`Request.masked_last`)."""
+    ids, mask = _holey(4, 11, seed=3) if masks == "holes" else _right_padded()
+    assert not bool((mask[:, 1:] >= mask[:, :-1]).all())  # really holes or right padding, not left
+    out, expected = _patched_and_hf(tiny_model(family), ids, mask, **options)
     assert torch.equal(out, expected)
 
 
@@ -144,11 +125,15 @@ def test_masks_with_holes_are_served_with_hf_tokens(family, options):
         {"num_beams": 3, "num_return_sequences": 2, "length_penalty": 0.5},
         # processors that read the row in HF's order, holes included, and its mask
         {"num_beams": 2, "repetition_penalty": 1.5, "no_repeat_ngram_size": 2},
+        # a processor that counts the row's length: it sees HF's row, not the prompt beside it
+        {"num_beams": 2, "exponential_decay_length_penalty": (1, 3.0)},
     ],
-    ids=["beams", "returned", "processors"],
+    ids=["beams", "returned", "processors", "row-length"],
 )
 def test_beam_search_over_holes_and_right_padding_gives_hf_beams(masks, options):
     ids, mask = _holey(3, 9, seed=11) if masks == "holes" else _right_padded(seed=5)
+    if "exponential_decay_length_penalty" in options:  # an EOS the beams meet: the penalty boosts it
+        options = {**options, "eos_token_id": 10 if masks == "holes" else 9}
     out, expected = _patched_and_hf(tiny_model("llama"), ids, mask, do_sample=False, **options)
     assert torch.equal(out, expected)
 
