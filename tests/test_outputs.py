@@ -237,14 +237,13 @@ def test_fallback_copies_are_cut_at_their_eos(family):
     model = tiny_model(family)
     prompt = [5, 6, 7]
     torch.manual_seed(0)
-    with pytest.warns(
-        UserWarning, match="return_dict_in_generate with beam search"
-    ):  # transformers' generate
+    with pytest.warns(UserWarning, match="output_hidden_states"):  # transformers' generate
         out = hfaccel.generate(
             model,
             [prompt],
             num_beams=3,
             return_dict_in_generate=True,
+            output_hidden_states=True,
             num_return_sequences=3,
             max_new_tokens=12,
             progress=False,

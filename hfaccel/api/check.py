@@ -14,9 +14,8 @@ from hfaccel.patches.models import attention_dims, max_model_len, model_reason
 # Calls that go to transformers' generate whatever the model (patches/planner.py's gates), for the report.
 ALWAYS_FALLS_BACK = (
     "output_attentions / output_hidden_states",
-    "beam sampling, diverse and constrained beam search, beams with return_dict_in_generate",
+    "diverse and constrained beam search",
     "prefix_allowed_tokens_fn, negative prompts (classifier-free guidance), custom_generate",
-    "right-padded attention masks",
 )
 
 

@@ -96,6 +96,9 @@ class BeamSearch:
         self.finished_scores = torch.full((nb,), NEG, dtype=torch.float32, device=self.device)
         self.finished = torch.zeros(nb, dtype=torch.bool, device=self.device)
         self.finished_tokens: list[list[int]] = [[] for _ in range(nb)]
+        # HF's beam_indices: for each beam, the running beam each of its tokens continued (best first).
+        self.running_indices: list[list[int]] = [[] for _ in range(nb)]
+        self.finished_indices: list[list[int]] = [[] for _ in range(nb)]
         self.improvable = torch.ones((), dtype=torch.bool, device=self.device)
         self.generated = 0  # tokens generated so far (HF: cur_len - decoder_prompt_len)
         self.done = False
@@ -153,6 +156,9 @@ class BeamSearch:
         candidate_tokens = [list(beams[b]) + [t] for b, t in zip(parent_list, token_list)]
         merged_tokens = self.finished_tokens + candidate_tokens
         self.finished_tokens = [merged_tokens[k] for k in keep[0].tolist()]
+        candidate_indices = [self.running_indices[b] + [b] for b in parent_list]
+        merged_indices = self.finished_indices + candidate_indices
+        self.finished_indices = [merged_indices[k] for k in keep[0].tolist()]
         # _check_early_stop_heuristic, after cur_len += 1
         self.generated += 1
         best_length = self.max_new_tokens if early == "never" and lp > 0.0 else self.generated
@@ -163,6 +169,7 @@ class BeamSearch:
         all_full = bool(torch.all(self.finished)) and early is True
         self.done = (not bool(self.improvable)) or all_full or bool(torch.all(hits))
         chosen = next_indices[0].tolist()
+        self.running_indices = [candidate_indices[i] for i in chosen]
         return [parent_list[i] for i in chosen], [token_list[i] for i in chosen]
 
     def results(self) -> list[tuple[list[int], float]]:
@@ -170,6 +177,11 @@ class BeamSearch:
         n = self.params.num_return_sequences
         scores = self.finished_scores[:n].tolist()
         return [(list(self.finished_tokens[i]), scores[i]) for i in range(n)]
+
+    def result_beam_indices(self) -> list[list[int]]:
+        """For each of `results`, HF's ``beam_indices`` within this prompt: at each generated token, the
+        running beam (0 = best) that the hypothesis continued there."""
+        return [list(self.finished_indices[i]) for i in range(self.params.num_return_sequences)]
 
 
 class BeamGroup:
@@ -184,6 +196,11 @@ class BeamGroup:
         self.slots: list[Request] = [handle]
         self.pending: tuple[list[int], list[int]] | None = None  # the last search step's choice
         self.results: list[tuple[list[int], float]] | None = None  # when finished
+        # HF's per-step outputs, when the caller asked (``output_scores`` / ``output_logits``): one
+        # ``[num_beams, V]`` float32 tensor a step, the processed log-probabilities / the raw logits.
+        self.step_scores: list[torch.Tensor] = []
+        self.step_logits: list[torch.Tensor] = []
+        self.sources: list[Request] = []  # at the last step, the beam each slot continued
 
     @property
     def forked(self) -> bool:
@@ -196,6 +213,7 @@ class BeamGroup:
         self.search.reset()
         self.handle.output_token_ids = []
         self.handle.generator = None  # beam sampling draws again from its seed
+        self.step_scores, self.step_logits, self.sources = [], [], []
 
     def log_probs(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
         """HF's processed scores for this step: log-softmax of the float32 logits (``[slots, V]``), then
@@ -233,6 +251,11 @@ class BeamGroup:
     def choose(self, rows: torch.Tensor) -> None:
         """Run the search step on this step's logits rows (one per slot, in slot order)."""
         log_probs, beams = self.log_probs(rows)
+        sampling = self.handle.sampling
+        if sampling.output_logits:
+            self.step_logits.append(rows.to(torch.float32, copy=True).expand(len(log_probs), -1))
+        if sampling.output_scores:
+            self.step_scores.append(log_probs.clone())
         if self.search.device != log_probs.device:
             self.search.move_to(log_probs.device)
         generator = request_generator(self.handle, log_probs.device) if self.params.do_sample else None
@@ -265,6 +288,7 @@ class BeamGroup:
             )
             slot.speculation.enabled = False
             slot.beam_group = self
+            slot.keep_kv = h.keep_kv
             slot.cache_epoch = h.cache_epoch
             created.append(slot)
         return created
@@ -285,6 +309,7 @@ class BeamGroup:
             slot.num_computed_tokens = count
             slot.output_token_ids = history + [token]
         self.slots = slots
+        self.sources = sources
         metrics = self.handle.metrics
         metrics.token_times.append(now)
         if metrics.first_token_time is None:
@@ -322,6 +347,19 @@ def attach(request: Request) -> BeamGroup | None:
         request.beam_group = BeamGroup(request, params)
         request.speculation.enabled = False
     return request.beam_group
+
+
+def snapshot_kv(request: Request, kept: dict[int, list[int]], gather: Any) -> None:
+    """Copy out the KV of a request that finished this step and whose caller asked for it (`keep_kv`),
+    from the blocks it held (`kept`: each stepped request's id -> its block table before the step's
+    forks; the blocks were freed just now and not reused yet). A beam group's slots each get the KV of
+    the beam they continued: HF's cache after its last reorder. `gather(block_ids, count)` reads it."""
+    group = request.beam_group
+    if group is None:
+        request.kv_snapshot = gather(kept[id(request)], request.num_computed_tokens)
+        return
+    for slot, source in zip(group.slots, group.sources):
+        slot.kv_snapshot = gather(kept[id(source)], slot.num_computed_tokens)
 
 
 def choose_group_tokens(

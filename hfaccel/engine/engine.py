@@ -16,6 +16,7 @@ from hfaccel.config import EngineConfig
 from hfaccel.engine.async_step import AsyncStepper, resolve_async_scheduling
 from hfaccel.engine.batch import pack_step
 from hfaccel.engine.beam_search import attach as attach_beams
+from hfaccel.engine.beam_search import snapshot_kv
 from hfaccel.engine.block_manager import BlockManager, blocks_for
 from hfaccel.engine.cost_model import StepCostModel
 from hfaccel.engine.decode_buckets import resolve_compile_mode
@@ -404,7 +405,7 @@ class Engine:
         finished = self.scheduler.update(step, packed.sampled_requests, tokens)
         for request in finished:  # freed just now, not reused yet: copy the KV out for the caller
             if id(request) in kept:
-                request.kv_snapshot = self.runner.gather_kv(kept[id(request)], request.num_computed_tokens)
+                snapshot_kv(request, kept, self.runner.gather_kv)
         if self.proposer is not None or self._requests_bring_proposers:
             propose_drafts(self.scheduler, self.proposer, self.config, self.max_model_len, self.cost_model())
         num_decode = sum(1 for n in step.num_tokens if n == 1)

@@ -4,13 +4,17 @@ continuous batch (engine/beam_search.py).
 Served: ``num_beams``, ``length_penalty``, ``early_stopping`` (True, False, "never"),
 ``num_return_sequences <= num_beams``, ``max_new_tokens`` / ``max_length`` / ``min_new_tokens`` /
 ``min_length``, EOS, and every logits processor HF builds for beam search (they run on each beam's
-padded row, after the log-softmax, as in HF). The output is HF's: for each prompt its
-``num_return_sequences`` best hypotheses, best first, each the prompt as given followed by its tokens,
-right-padded with HF's fill value. What falls back to the original `generate` (one warning naming the
-reason): beam sampling (``do_sample=True``), diverse/group and constrained beam search (other generation
-modes), ``return_dict_in_generate`` (HF's per-step ``scores`` and the reordered cache describe beams
-the engine drops once a prompt is done), stop strings, streamers, ``adapter_names``, a prompt plus
-``max_new_tokens`` past the model's context, and parallel (TP/PP/EP/DP) patches.
+padded row, after the log-softmax, as in HF), beam sampling, and ``return_dict_in_generate`` with
+``output_scores`` / ``output_logits`` and the returned cache. The output is HF's
+(`patches/outputs.py`): for each prompt its ``num_return_sequences`` best hypotheses, best first, each
+the prompt as given followed by its tokens, right-padded with HF's fill value; with
+``return_dict_in_generate``, ``sequences_scores``, ``beam_indices``, the per-step rows of every running
+beam and the cache of the final running beams. HF goes on stepping a prompt whose search has ended until
+every prompt's has; the engine stops it, so in a batch whose prompts end at different steps those
+prompts' later rows differ (a warning says so). What falls back to the original `generate` (one warning
+naming the reason): diverse/group and constrained beam search (other generation modes),
+``output_attentions`` / ``output_hidden_states``, stop strings, streamers, ``adapter_names``, a prompt
+plus ``max_new_tokens`` past the model's context, and parallel (TP/PP/EP/DP) patches.
 """
 
 from __future__ import annotations
@@ -44,8 +48,6 @@ def beam_unsupported_reason(
     `unsupported_reason`)."""
     if parallel_layout(model).parallel:
         return "beam search with tensor/pipeline/expert/data parallelism"
-    if config.return_dict_in_generate:
-        return "return_dict_in_generate with beam search"
     if streamer is not None:
         return "a streamer with beam search"
     if names is not None:
@@ -70,26 +72,3 @@ def beam_limits_reason(
     if num_beams > min(engine.config.max_num_seqs, engine.config.max_num_batched_tokens):
         return "num_beams above the engine's max_num_seqs (or max_num_batched_tokens)"
     return None
-
-
-def beam_output(
-    config: GenerationConfig, prompts: torch.Tensor, results: list[list[tuple[list[int], float]]]
-) -> torch.Tensor:
-    """HF's `sequences` for beam search: per prompt its hypotheses (best first), each the prompt row as
-    given then its tokens, cut to the longest returned one and filled past each one's end with HF's
-    fill value (the pad id if it is non-zero, else the first EOS id; -1 without EOS)."""
-    pad, eos = config._pad_token_tensor, config._eos_token_tensor
-    fill = pad or eos[0] if eos is not None else -1  # HF's own expression, zero pad id included
-    fill = int(fill)
-    width = max((len(tokens) for hyps in results for tokens, _ in hyps), default=0)
-    count = sum(len(hyps) for hyps in results)
-    out = torch.full((count, prompts.shape[1] + width), fill, dtype=torch.long)
-    row = 0
-    for prompt, hyps in zip(prompts.cpu(), results):
-        for tokens, _ in hyps:
-            out[row, : prompts.shape[1]] = prompt
-            out[row, prompts.shape[1] : prompts.shape[1] + len(tokens)] = torch.tensor(
-                tokens, dtype=torch.long
-            )
-            row += 1
-    return out.to(prompts.device)

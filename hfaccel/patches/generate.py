@@ -37,7 +37,7 @@ from hfaccel.patches.arguments import (
     normalize_cache_argument,
     output_cache,
 )
-from hfaccel.patches.beam import beam_output
+from hfaccel.patches.outputs import beam_dict_output, beam_output, dynamic_cache, static_cache
 from hfaccel.patches.patch_state import PatchState, call_seed, fall_back
 from hfaccel.patches.planner import GenerateCall, beam_requests, is_left_padding, make_requests
 
@@ -69,18 +69,25 @@ def patched_generate(
         return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
     config, visible_ids = call.config, call.rows[0]
     loop = state.get_loop(self)
+    # HF returns the cache with return_dict_in_generate and use_cache (which it sets for inputs_embeds).
+    embeds = call.embeds
+    keep_kv = bool(config.return_dict_in_generate and (config.use_cache is not False or embeds is not None))
+    columns = _kept_columns(call) if keep_kv and not is_left_padding(call.mask) else None
+    width = call.ids.shape[1]
     if call.beam:
         requests = beam_requests(call, loop.engine, seed=call_seed() if call.config.do_sample else None)
+        for request in requests:
+            request.keep_kv = keep_kv
         loop.run(requests, progress=state.progress)
-        return beam_output(config, call.ids, [r.beam_group.results for r in requests])
+        if not config.return_dict_in_generate:
+            return beam_output(config, call.ids, [r.beam_group.results for r in requests])
+        output = beam_dict_output(config, call.ids, requests, self, columns)
+        return _as_static(self, call, output, width)
     prompts = visible_ids.repeat_interleave(call.copies, dim=0)
     if call.stopping.max_new_tokens <= 0:
         return generate_output(config, prompts, [])
     base_seed = call_seed()
     requests = make_requests(call, loop.engine, seed=base_seed)
-    # HF returns the cache with return_dict_in_generate and use_cache (which it sets for inputs_embeds).
-    embeds = call.embeds
-    keep_kv = bool(config.return_dict_in_generate and (config.use_cache is not False or embeds is not None))
     for request in requests:
         request.keep_kv = keep_kv
     if embeds is not None:  # after the draft source: embedded prompts never speculate
@@ -94,19 +101,9 @@ def patched_generate(
         _stream_one(loop, requests[0], visible_ids, call.streamer)
     else:
         loop.run(requests, progress=state.progress)
-    width = call.ids.shape[1]
-    columns = None
-    if keep_kv and not is_left_padding(call.mask):  # holes or right padding: kept tokens in place
-        columns = [
-            row.nonzero().flatten() for row in call.mask.bool().cpu().repeat_interleave(call.copies, 0)
-        ]
-    output = generate_output(config, prompts, requests, self, kv_width=width, columns=columns)
-    if config.cache_implementation == "static" and output_cache(output) is not None:
-        visible = call.rows[0].shape[1]  # HF's max_length counts the ids (none for embeddings only)
-        extra = width if call.input_ids is None and embeds is not None else 0
-        limit = getattr(config, "max_cache_len", None)
-        built = static_cache(self, visible + call.stopping.max_new_tokens, limit, output_cache(output), extra)
-        setattr(output, CACHE_NAME, built)
+    if columns is not None:
+        columns = [c for c in columns for _ in range(call.copies)]
+    output = _as_static(self, call, generate_output(config, prompts, requests, self, width, columns), width)
     if imported is None:
         return output
     built = output_cache(output) if config.return_dict_in_generate else None
@@ -114,6 +111,23 @@ def patched_generate(
         longest = max(len(r.output_token_ids) for r in requests)
         built = dynamic_cache(self, requests, width, longest, call.ids.device)
     return imported.finish(output, built)
+
+
+def _kept_columns(call: GenerateCall) -> list[torch.Tensor]:
+    """Each prompt row's kept columns (its mask's non-zero places): where the returned cache holds them."""
+    return [row.nonzero().flatten() for row in call.mask.bool().cpu()]
+
+
+def _as_static(model: Any, call: GenerateCall, output: Any, width: int) -> Any:
+    """`output`, its cache made the `StaticCache` HF returns when the call asks for a static cache."""
+    if call.config.cache_implementation != "static" or output_cache(output) is None:
+        return output
+    visible = call.rows[0].shape[1]  # HF's max_length counts the ids (none for embeddings only)
+    extra = width if call.input_ids is None and call.embeds is not None else 0
+    limit = getattr(call.config, "max_cache_len", None)
+    built = static_cache(model, visible + call.stopping.max_new_tokens, limit, output_cache(output), extra)
+    setattr(output, CACHE_NAME, built)
+    return output
 
 
 def warn_past_context(requests: list[Request], max_model_len: int, names: list[str] | None = None) -> None:
@@ -190,61 +204,6 @@ def generate_output(
         logits=_per_step(requests, "logits", width) if config.output_logits else None,
         **{CACHE_NAME: cache},
     )
-
-
-def dynamic_cache(
-    model: Any,
-    requests: list[Request],
-    prompt_width: int,
-    width: int,
-    device: Any,
-    columns: list[torch.Tensor] | None = None,
-) -> Any:
-    """The `DynamicCache` HF's generate would return, gathered from the requests' paged KV: per layer
-    ``[B, Hkv, prompt_width + width - 1, D]``, each row's kept prompt tokens at its `columns` (default:
-    right-aligned, as left padding leaves them) and its generated tokens after the prompt width. Masked
-    positions hold zeros: HF holds the K/V of the masked tokens there, which no later token attends to
-    (and for a row that finished before the longest one, the K/V of the pad tokens it kept
-    generating)."""
-    from transformers import DynamicCache
-
-    length = prompt_width + width - 1
-    places = []
-    for i, request in enumerate(requests):
-        prompt_len = len(request.prompt_token_ids)
-        kept = torch.arange(prompt_width - prompt_len, prompt_width) if columns is None else columns[i]
-        places.append(torch.cat([kept, torch.arange(prompt_width, length)]))
-    cache = DynamicCache(config=model.config)
-    for layer in range(len(requests[0].kv_snapshot)):
-        k0 = requests[0].kv_snapshot[layer][0]
-        keys = torch.zeros(
-            (len(requests), k0.shape[1], length, k0.shape[2]), dtype=k0.dtype, device=k0.device
-        )
-        values = torch.zeros_like(keys)
-        for i, request in enumerate(requests):
-            k, v = request.kv_snapshot[layer]
-            place = places[i][: k.shape[0]].to(k.device)
-            keys[i, :, place] = k[: len(place)].transpose(0, 1)
-            values[i, :, place] = v[: len(place)].transpose(0, 1)
-        cache.update(keys.to(device), values.to(device), layer)
-    for request in requests:
-        request.kv_snapshot = None
-    return cache
-
-
-def static_cache(model: Any, max_length: int, max_cache_len: int | None, built: Any, extra: int = 0) -> Any:
-    """The `StaticCache` HF's generate returns for ``cache_implementation="static"``, holding `built`'s
-    keys and values. Sized as HF sizes it: its ``max_length - 1`` (plus `extra`, the embeddings' width
-    for a prompt of embeddings only), at least ``max_cache_len`` and the size of the model's previous
-    static cache, which HF keeps on the model (to avoid recompiles) and so does this."""
-    from transformers import StaticCache
-
-    length = max(max_length - 1 + extra, max_cache_len or 0, getattr(model, "_previous_max_cache_length", -1))
-    model._previous_max_cache_length = length
-    cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
-    for index, layer in enumerate(built.layers):
-        cache.update(layer.keys, layer.values, index)
-    return cache
 
 
 def _per_step(requests: list[Request], name: str, steps: int) -> tuple[torch.Tensor, ...]:

@@ -258,7 +258,7 @@ def _cache_gate(call: GenerateCall) -> str | None:
         return "a cache given or returned, with multi-head latent attention (its cache holds latents)"
     implementation = call.config.cache_implementation
     if call.cache is None and implementation not in (None, "dynamic", "offloaded"):
-        # the engine builds a DynamicCache, or a StaticCache of full layers (`generate.static_cache`)
+        # the engine builds a DynamicCache, or a StaticCache of full layers (`outputs.static_cache`)
         local = {"sliding_window", "chunked_attention"} & attention_needs(call.model)
         if implementation != "static" or local:
             return (
@@ -329,8 +329,7 @@ def _padding_gate(call: GenerateCall) -> str | None:
     either way: left padding, or holes anywhere before the last token (transformers' own random masks,
     some collators). The processors see the row as HF shows it (`make_requests`). A masked last token
     (right padding) is fed once for its logits, as HF does (`Request.masked_last`). A returned cache
-    holds the kept tokens in their columns (`generate.dynamic_cache`). Neither is served with beams
-    (their output holds per-position state of the prompt) or prompt inputs other than ids."""
+    holds the kept tokens in their columns (`outputs.dynamic_cache`)."""
     mask = call.mask.bool()
     masked_last = not bool(mask[:, -1].all())
     if not masked_last and is_left_padding(mask):

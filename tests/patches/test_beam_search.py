@@ -121,10 +121,7 @@ def test_beams_run_beside_other_calls_and_share_the_cache():
     [
         ({"num_beam_groups": 2, "diversity_penalty": 1.0}, "group_beam_search"),
         ({"force_words_ids": [[7]]}, "constrained_beam_search"),
-        (
-            {"return_dict_in_generate": True, "output_scores": True},
-            "return_dict_in_generate with beam search",
-        ),
+        ({"return_dict_in_generate": True, "output_attentions": True}, "output_attentions"),
     ],
 )
 def test_what_the_engine_does_not_serve_falls_back_with_a_warning(kwargs, reason):
@@ -139,6 +136,83 @@ def test_what_the_engine_does_not_serve_falls_back_with_a_warning(kwargs, reason
     with pytest.warns(UserWarning, match=reason):
         assert model.generate(ids, num_beams=2, max_new_tokens=3, **kwargs) == "HF's result"
     assert calls and calls[0]["num_beams"] == 2
+
+
+DICT = {"return_dict_in_generate": True, "output_scores": True, "output_logits": True, "do_sample": False}
+
+
+def _hf_and_patched(model, ids, mask, kwargs):
+    with torch.no_grad():
+        reference = type(model).generate(model, input_ids=ids, attention_mask=mask, **kwargs)
+    hfaccel.patch(model, kv_cache_memory=2_000_000, block_size=4, strict=True)  # a fallback would raise
+    try:
+        out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        engine = model._hfaccel.engine
+        assert engine.block_manager.num_used_blocks == 0 and engine.scheduler.live == {}
+    finally:
+        hfaccel.unpatch(model)
+    return reference, out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("holes", [False, True])
+def test_beam_search_dict_output_equals_hf(family, holes):
+    """``return_dict_in_generate`` with beams: sequences, sequences_scores, beam_indices, every step's
+    scores and logits, and the cache of the final running beams are HF's (no EOS: every prompt's search
+    runs to max_new_tokens, as HF's does). With holes in the mask, each prompt's kept tokens sit in their
+    columns of the cache."""
+    model = tiny_model(family)
+    ids, mask = left_padded(PROMPTS[:3])
+    if holes:
+        mask[0, -2] = 0
+    kwargs = {"num_beams": 3, "num_return_sequences": 2, "max_new_tokens": 6, "eos_token_id": None, **DICT}
+    reference, out = _hf_and_patched(model, ids, mask, kwargs)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert torch.equal(out.beam_indices, reference.beam_indices)
+    assert out.beam_indices.dtype == reference.beam_indices.dtype
+    torch.testing.assert_close(out.sequences_scores, reference.sequences_scores, rtol=1e-4, atol=1e-4)
+    for name in ("scores", "logits"):
+        assert len(getattr(out, name)) == len(getattr(reference, name)) == 6
+        for mine, theirs in zip(getattr(out, name), getattr(reference, name)):
+            assert mine.shape == theirs.shape == (9, model.config.vocab_size)
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    mine, theirs = out.past_key_values, reference.past_key_values
+    kept = mask.repeat_interleave(3, dim=0).bool()
+    for layer in range(model.config.num_hidden_layers):
+        for a, b in (
+            (mine.layers[layer].keys, theirs.layers[layer].keys),
+            (mine.layers[layer].values, theirs.layers[layer].values),
+        ):
+            assert a.shape == b.shape
+            torch.testing.assert_close(
+                a[:, :, : ids.shape[1]][kept[:, None, :].expand(-1, a.shape[1], -1)],
+                b[:, :, : ids.shape[1]][kept[:, None, :].expand(-1, a.shape[1], -1)],
+                rtol=1e-4,
+                atol=1e-4,
+            )
+            torch.testing.assert_close(a[:, :, ids.shape[1] :], b[:, :, ids.shape[1] :], rtol=1e-4, atol=1e-4)
+
+
+def test_beam_search_dict_output_with_prompts_ending_apart():
+    """Prompts whose searches end at different steps (EOS): sequences, sequences_scores and beam_indices
+    are HF's; each prompt's scores are HF's until its search ended, -inf after it (HF goes on stepping
+    it), with a warning saying so."""
+    model = tiny_model()
+    ids, mask = left_padded(PROMPTS)
+    eos = likely_tokens(model, ids, mask)[0]
+    kwargs = {"num_beams": 3, "max_new_tokens": 12, "eos_token_id": eos, "use_cache": False, **DICT}
+    with pytest.warns(UserWarning, match="finished at different steps"):
+        reference, out = _hf_and_patched(model, ids, mask, kwargs)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert torch.equal(out.beam_indices, reference.beam_indices)
+    torch.testing.assert_close(out.sequences_scores, reference.sequences_scores, rtol=1e-4, atol=1e-4)
+    assert len(out.scores) == len(reference.scores) and out.past_key_values is None
+    stopped = 0
+    for mine, theirs in zip(out.scores, reference.scores):
+        ran = ~torch.isinf(mine).all(dim=-1)
+        stopped += int((~ran).sum())
+        torch.testing.assert_close(mine[ran], theirs[ran], rtol=1e-4, atol=1e-4)
+    assert stopped > 0  # some prompt's search did end early
 
 
 def test_beam_sampling_runs_on_the_engine_reproducibly():
