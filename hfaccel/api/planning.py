@@ -145,6 +145,7 @@ def plan_prompt(
         adapter_names=None if adapter is None else [adapter],
         adapters_checked=True,
         adapter_reason=adapter_fallback,
+        states_allowed=False,  # a Completion carries no hidden states or attentions
         beams_allowed=beams,
     )
     reason = call.first_reason()

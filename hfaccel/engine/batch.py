@@ -87,6 +87,9 @@ class PackedStep:
     # Prompt positions fed as embeddings (`Request.prompt_embeds`): (packed index of the first token,
     # request, first prompt position, end position) per run; None when the step has none.
     prompt_embeds: list[tuple[int, Request, int, int]] | None = None
+    # Requests that record what the model computes (`recorded_states.py`): (packed index of the first
+    # token, request, first position, token count, sequence length); None when the step has none.
+    recorded: list[tuple[int, Request, int, int, int]] | None = None
 
 
 class StepPacker:
@@ -159,6 +162,7 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
     rows: list[int] = []
     adapters: list[str | None] | None = [] if any(r.adapter is not None for r in step.requests) else None
     embedded: list[tuple[int, Request, int, int]] = []
+    recorded: list[tuple[int, Request, int, int, int]] = []
     for i in order:
         request, count = step.requests[i], step.num_tokens[i]
         start = request.num_computed_tokens
@@ -180,6 +184,9 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
             packer.add_query_only(tokens[0], request.positions(start, end)[0], start, blocks)
         else:
             packer.add(tokens, start, blocks, request.state_slot, request.positions(start, end))
+        if request.sampling.output_hidden_states or request.sampling.output_attentions:
+            first = len(packer.input_ids) - count
+            recorded.append((first, request, start, count, packer.seq_lens[-1]))
         if adapters is not None:
             adapters.extend([request.adapter] * count)
         if verifying:
@@ -192,5 +199,13 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
             rows.append(1)
     layout = packer.layout(decode_query_len)
     return PackedStep(
-        packer.input_ids, packer.positions, logits_indices, sampled, layout, rows, adapters, embedded or None
+        packer.input_ids,
+        packer.positions,
+        logits_indices,
+        sampled,
+        layout,
+        rows,
+        adapters,
+        embedded or None,
+        recorded or None,
     )

@@ -39,6 +39,7 @@ class ModelExecutor(Protocol):
         compiled: Callable[..., torch.Tensor] | None = None,
         token_adapters: list[str | None] | None = None,
         prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        record: bool = False,
     ) -> torch.Tensor:
         """``[1, T]`` packed ids and positions -> ``[N, V]`` logits at the `logits_indices` positions,
         through `compiled` (a function from `compile`) when given. The caller has set the forward
@@ -48,7 +49,11 @@ class ModelExecutor(Protocol):
         serve). `prompt_embeds` (passed only for a step with embedded prompt tokens, and then never with
         `compiled`): the packed indices ``[n]`` of those tokens and their embeddings ``[n, H]``, fed to
         the model instead of their ids (an executor that takes them, and imported K/V, see
-        `engine/prompt_inputs.py`, returns None from `prompt_inputs_reason`)."""
+        `engine/prompt_inputs.py`, returns None from `prompt_inputs_reason`). `record` (eager only, for
+        a step with requests that keep what the model computes, `engine/recorded_states.py`): the model's
+        per-layer hidden states ``[1, T, H]`` and attention probabilities ``[1, Hq, T, S]`` are left in
+        `recorded`, and the executor's attention layers return probabilities (the forward context's
+        ``record_attentions``); only the one-process HF executor takes it."""
 
     def compile(self, dynamic: bool) -> Callable[..., torch.Tensor]:
         """A ``torch.compile``d model forward for `forward`'s `compiled` (dynamic token dimension or not)."""

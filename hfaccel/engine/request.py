@@ -57,6 +57,9 @@ class SamplingParams:
     output_logprobs: bool = False  # keep the log-probability of each chosen token
     top_logprobs: int | None = None  # also keep the k most likely tokens' log-probabilities per step
     beam: Any = None  # a `beam_search.BeamParams`: beam search instead of one token per step
+    # Keep each computed token's hidden states / attention probabilities (`engine/recorded_states.py`)
+    output_hidden_states: bool = False
+    output_attentions: bool = False
 
 
 GREEDY = SamplingParams()
@@ -212,6 +215,9 @@ class Request:
     # blocks never match another prompt's by token ids. `processor_sees_prompt` False: the logits
     # processors see the generated tokens only (HF's ``inputs_embeds`` without ``input_ids``).
     prompt_embeds: Any = field(default=None, repr=False)
+    # With sampling.output_hidden_states / output_attentions: what the model computed for each token,
+    # by (kind, index) ("prompt" / "output"), recorded by the steps that computed it (recorded_states.py)
+    recorded: dict[tuple[str, int], Any] = field(default_factory=dict, repr=False)
     imported_kv: list[tuple[Any, Any]] | None = field(default=None, repr=False)
     processor_sees_prompt: bool = True
     # HF's right padding (an attention mask whose last column is masked): the prompt's last token is

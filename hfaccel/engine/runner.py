@@ -12,10 +12,12 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from hfaccel.engine import recorded_states
 from hfaccel.engine.background_compile import BackgroundCompiler, background_unavailable_reason
 from hfaccel.engine.batch import PackedStep
 from hfaccel.engine.decode_buckets import CapturedDecodeGraphs, GraphKey, choose_bucket, warmup_layout
@@ -178,6 +180,7 @@ class ModelRunner:
             and bucket is None
             and packed.layout.num_seqs > 1
             and packed.prompt_embeds is None
+            and packed.recorded is None
         ):
             parts = split_microbatches(
                 packed, self.num_microbatches, self.backend.capabilities.decode_query_len
@@ -203,7 +206,8 @@ class ModelRunner:
             self._copied.synchronize()
         adapters = packed.token_adapters  # per-token LoRA adapters: such a step runs eager
         embeds = packed.prompt_embeds  # prompt embeddings: only in prefill steps, which run eager
-        eager = adapters is not None or embeds is not None
+        recorded = packed.recorded  # requests that see what the model computes: such a step runs eager
+        eager = adapters is not None or embeds is not None or recorded is not None
         if bucket is None and self.decode_buckets and not eager:
             bucket = choose_bucket(packed.layout, self.decode_buckets)
         compiled = self._compiled_for(bucket) if not eager else None
@@ -226,6 +230,8 @@ class ModelRunner:
             self._copied = torch.cuda.Event()
             self._copied.record()
         context = ForwardContext(self.backend, metadata, self.kv_caches, packed.layout)
+        if recorded is not None:
+            return self._run_recorded(packed, context, input_ids, positions, logits_indices)
         key = self._graph_key(bucket, metadata) if bucket is not None and self.cuda_graphs else None
         if key is not None and key not in self.graphs:
             self._capture(key, context, input_ids, positions, logits_indices)
@@ -239,6 +245,25 @@ class ModelRunner:
                 logits = self.executor.forward(
                     input_ids, positions, logits_indices, compiled=compiled, **extra
                 )
+        return logits[: len(packed.logits_indices)]
+
+    def _run_recorded(
+        self, packed: PackedStep, context: ForwardContext, *inputs: torch.Tensor
+    ) -> torch.Tensor:
+        """An eager step whose recording requests keep their tokens' hidden states and attention
+        probabilities (`recorded_states`)."""
+        requests = [entry[1] for entry in packed.recorded]
+        context.record_attentions = any(r.sampling.output_attentions for r in requests)
+        extra: dict[str, Any] = {"record": True}
+        if packed.token_adapters is not None:
+            extra["token_adapters"] = packed.token_adapters
+        if packed.prompt_embeds is not None:
+            extra["prompt_embeds"] = self._prompt_embeds(packed.prompt_embeds)
+        with forward_context(context):
+            logits = self.executor.forward(*inputs, **extra)
+        hidden_states, attentions = self.executor.recorded
+        self.executor.recorded = None
+        recorded_states.store(packed.recorded, hidden_states, attentions)
         return logits[: len(packed.logits_indices)]
 
     def _prompt_embeds(self, runs: list) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,7 @@ class ForwardContext:
     metadata: Any  # the backend's metadata for this step
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
     layout: Any = None  # StepLayout
+    record_attentions: bool = False  # the attention layers return their probabilities (`attention_probs`)
 
 
 @contextmanager

@@ -30,6 +30,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedConfig
 
 import hfaccel.kernels.op  # noqa: F401  (registers torch.ops.hfaccel.paged_attention_v2)
+from hfaccel.kernels.attention_probs import attention_probs
 from hfaccel.kernels.op import current_forward_context
 
 ATTENTION_NAME = "hfaccel"
@@ -74,7 +75,7 @@ def paged_attention_forward(
     device = q.device.type
     if not torch.is_autocast_enabled(device):
         out = torch.ops.hfaccel.paged_attention_v2(q, k, v, module.layer_idx, float(scale), *local)
-        return out[..., :value_dim].unsqueeze(0), None
+        return out[..., :value_dim].unsqueeze(0), _probs(context, module, q, float(scale), local)
     # Under autocast (accelerate wraps a trainer's model.forward in it, and HF's generate runs inside it)
     # the projections come out in the autocast dtype: attend in the KV cache's dtype (an int8 cache: in
     # the query's, which rotary leaves in the model's), autocast off.
@@ -83,7 +84,15 @@ def paged_attention_forward(
     q, k, v = q.to(compute), k.to(compute), v.to(compute)
     with torch.autocast(device, enabled=False):
         out = torch.ops.hfaccel.paged_attention_v2(q, k, v, module.layer_idx, float(scale), *local)
-    return out[..., :value_dim].unsqueeze(0).to(query.dtype), None
+    return out[..., :value_dim].unsqueeze(0).to(query.dtype), _probs(context, module, q, float(scale), local)
+
+
+def _probs(context: Any, module: torch.nn.Module, q: torch.Tensor, scale: float, local: tuple) -> Any:
+    """The layer's attention probabilities when the step records them (HF's ``output_attentions``),
+    read from the cache the op has just written; else None, as the fast path returns."""
+    if not context.record_attentions:
+        return None
+    return attention_probs(q, context.kv_caches[module.layer_idx][0], context.layout, scale, *local)
 
 
 def layer_chunk(module: torch.nn.Module) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Hashable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -52,6 +53,9 @@ class HFExecutor(ExecutorBase):
             model.get_output_embeddings() if self.device.type == "cpu" and type(self) is HFExecutor else None
         )
         self._logit_rows = None if head is None else LogitRows(head, config.hidden_size, self.dtype)
+        self.recorded: tuple[Any, Any] | None = (
+            None  # the last recording forward's (hidden states, attentions)
+        )
 
     def max_model_len(self, requested: int | None) -> int:
         return resolve_max_model_len(self.model, requested)
@@ -64,7 +68,14 @@ class HFExecutor(ExecutorBase):
         compiled: Callable[..., torch.Tensor] | None = None,
         token_adapters: list[str | None] | None = None,
         prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+        record: bool = False,
     ) -> torch.Tensor:
+        if record:  # eager: the model's hidden states and attention probabilities kept in `recorded`
+            adapters = (
+                nullcontext() if token_adapters is None else lora.adapter_step(token_adapters, self.device)
+            )
+            with engine_attention(self.model), adapters:
+                return self._recording_forward(input_ids, positions, logits_indices, prompt_embeds)
         wanted = logits_indices.shape[0]
         if compiled is None and self._logit_rows is not None:  # eager on a CPU: see `LogitRows`
             logits_indices = padded_indices(logits_indices, self._logit_rows.rows(wanted))
@@ -140,6 +151,30 @@ class HFExecutor(ExecutorBase):
         output = self.model(
             inputs_embeds=embeds, position_ids=positions, use_cache=False, logits_to_keep=logits_indices
         )
+        return output.logits[0]
+
+    def _recording_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+        prompt_embeds: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        inputs: dict[str, Any] = {"input_ids": input_ids}
+        if prompt_embeds is not None:
+            index, rows = prompt_embeds
+            embeds = self.model.get_input_embeddings()(input_ids)
+            embeds[0, index] = rows.to(embeds.dtype)
+            inputs = {"inputs_embeds": embeds}
+        output = self.model(
+            **inputs,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=logits_indices,
+            output_hidden_states=True,
+            output_attentions=True,
+        )
+        self.recorded = (output.hidden_states, output.attentions)
         return output.logits[0]
 
     def state_token(self) -> Hashable:

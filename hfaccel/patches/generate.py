@@ -29,6 +29,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from hfaccel.engine.loop import EngineLoop
+from hfaccel.engine.prompt_inputs import isolate
 from hfaccel.engine.request import Request
 from hfaccel.patches import embeds as embeds_in
 from hfaccel.patches.arguments import (
@@ -37,7 +38,7 @@ from hfaccel.patches.arguments import (
     normalize_cache_argument,
     output_cache,
 )
-from hfaccel.patches.outputs import beam_dict_output, beam_output, dynamic_cache, static_cache
+from hfaccel.patches.outputs import beam_dict_output, beam_output, dynamic_cache, recorded_steps, static_cache
 from hfaccel.patches.patch_state import PatchState, call_seed, fall_back
 from hfaccel.patches.planner import GenerateCall, beam_requests, is_left_padding, make_requests
 
@@ -72,7 +73,9 @@ def patched_generate(
     # HF returns the cache with return_dict_in_generate and use_cache (which it sets for inputs_embeds).
     embeds = call.embeds
     keep_kv = bool(config.return_dict_in_generate and (config.use_cache is not False or embeds is not None))
-    columns = _kept_columns(call) if keep_kv and not is_left_padding(call.mask) else None
+    columns = (
+        _kept_columns(call) if config.return_dict_in_generate and not is_left_padding(call.mask) else None
+    )
     width = call.ids.shape[1]
     if call.beam:
         requests = beam_requests(call, loop.engine, seed=call_seed() if call.config.do_sample else None)
@@ -90,6 +93,9 @@ def patched_generate(
     requests = make_requests(call, loop.engine, seed=base_seed)
     for request in requests:
         request.keep_kv = keep_kv
+        if request.sampling.output_hidden_states or request.sampling.output_attentions:
+            isolate(request)  # every prompt token computed, none drafted: each one's states recorded
+            request.speculation.enabled = False
     if embeds is not None:  # after the draft source: embedded prompts never speculate
         keep = call.mask.bool().cpu().repeat_interleave(call.copies, dim=0)
         embeds_in.attach(loop.engine, requests, embeds, keep, call.copies, call.input_ids is not None)
@@ -198,10 +204,15 @@ def generate_output(
     if requests and all(r.kv_snapshot is not None for r in requests) and model is not None:
         kv_width = prompts.shape[1] if kv_width is None else kv_width
         cache = dynamic_cache(model, requests, kv_width, width, prompts.device, columns)
+    states = {}
+    for name, wanted in (("attentions", "output_attentions"), ("hidden_states", "output_hidden_states")):
+        if requests and getattr(requests[0].sampling, wanted):
+            states[name] = recorded_steps(requests, name, kv_width or prompts.shape[1], width, columns)
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
         scores=_per_step(requests, "scores", width) if config.output_scores else None,
         logits=_per_step(requests, "logits", width) if config.output_logits else None,
+        **states,
         **{CACHE_NAME: cache},
     )
 

@@ -158,3 +158,74 @@ def _beam_steps(per_group: list[list[torch.Tensor]], steps: int, nb: int) -> tup
     return tuple(
         torch.cat([rows[t] if t < len(rows) else filler for rows in per_group]) for t in range(steps)
     )
+
+
+def recorded_steps(
+    requests: list[Request],
+    name: str,
+    prompt_width: int,
+    steps: int,
+    columns: list[torch.Tensor] | None = None,
+) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """HF's per-step ``hidden_states`` or ``attentions`` (`name`) from the requests' recorded tokens
+    (`engine/recorded_states.py`): step 0 covers the prompt's `prompt_width` columns (hidden states
+    ``[B, W, H]``, attentions ``[B, Hq, W, W]``), step s the token fed at it (``[B, 1, H]``,
+    ``[B, Hq, 1, W + s]``). Each row's kept prompt tokens sit at its `columns` (default: right-aligned),
+    a masked last token at the last column, and each token's probabilities at the columns of the keys
+    it saw. Masked prompt positions and a row's steps after it finished hold zeros (warned): HF computes
+    them from tokens that no kept token attends to."""
+    attentions = name == "attentions"
+    sample = next(iter(requests[0].recorded.values()))
+    layers = sample.attentions if attentions else sample.hidden_states
+    zeros_used = False
+    places = []
+    for i, request in enumerate(requests):
+        kept = len(request.prompt_token_ids)
+        where = torch.arange(prompt_width - kept, prompt_width) if columns is None else columns[i]
+        places.append(where[:kept].tolist())
+        zeros_used |= kept < prompt_width or len(request.output_token_ids) < steps
+    out = []
+    for step in range(steps):
+        rows = prompt_width if step == 0 else 1
+        per_layer = []
+        for layer, like in enumerate(layers):
+            shape = (
+                (len(requests), like.shape[0], rows, prompt_width + step)
+                if attentions
+                else (len(requests), rows, like.shape[-1])
+            )
+            tensor = like.new_zeros(shape)
+            for i, request in enumerate(requests):
+                for row, keys, record in _step_tokens(request, places[i], prompt_width, step):
+                    values = (record.attentions if attentions else record.hidden_states)[layer]
+                    if attentions:
+                        tensor[i, :, row, keys] = values
+                    else:
+                        tensor[i, row] = values
+            per_layer.append(tensor)
+        out.append(tuple(per_layer))
+    if zeros_used:
+        warnings.warn(
+            f"hfaccel: {name} at masked prompt positions (padding) and of a row's steps after it finished "
+            "are zeros; transformers computes them from the masked or pad tokens, which no kept token "
+            "attends to",
+            UserWarning,
+            stacklevel=4,
+        )
+    return tuple(out)
+
+
+def _step_tokens(
+    request: Request, places: list[int], width: int, step: int
+) -> list[tuple[int, list[int], Any]]:
+    """The tokens of `request` that HF's step `step` fed: (row in the step, key columns, record)."""
+    recorded = request.recorded
+    if step > 0:
+        record = recorded.get(("output", step - 1))
+        keys = places + list(range(width, width + step))
+        return [] if record is None else [(0, keys, record)]
+    tokens = [(places[p], places[: p + 1], recorded[("prompt", p)]) for p in range(len(places))]
+    masked_last = recorded.get(("prompt", len(places)))  # right padding: fed last, seeing the kept ones
+    if masked_last is not None:
+        tokens.append((width - 1, places, masked_last))
+    return tokens

@@ -19,7 +19,6 @@ from transformers.generation.configuration_utils import GenerationMode
 from hfaccel.engine.request import SamplingParams, StoppingParams
 from hfaccel.patches.criteria import RowCriteria
 
-_UNSUPPORTED_OUTPUTS = ("output_attentions", "output_hidden_states")
 _SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 # transformers 5.23's cache implementations whose numerics are its default dynamic cache's: the KV is kept
 # whole and in the model's dtype (static: preallocated to max_length, masked past the tokens written;
@@ -120,9 +119,6 @@ def unsupported_reason(
         mode = config.get_generation_mode()
     if mode not in _SERVED_MODES:
         return f"generation mode {mode.value!r}"
-    for name in _UNSUPPORTED_OUTPUTS:
-        if getattr(config, name, False):
-            return f"{name}=True"
     if config.max_time is not None:
         return "max_time"
     implementation = config.cache_implementation
@@ -248,6 +244,9 @@ def request_params(
         warpers=score_only or None,
         output_scores=bool(config.output_scores),
         output_logits=bool(config.output_logits),
+        # Only a dict output carries them (HF ignores the flags otherwise); `planner._states_gate` judged them.
+        output_hidden_states=bool(config.return_dict_in_generate and config.output_hidden_states),
+        output_attentions=bool(config.return_dict_in_generate and config.output_attentions),
         output_logprobs=output_logprobs or top_logprobs is not None,
         top_logprobs=top_logprobs,
     )

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from hfaccel.distributed.layout import parallel_layout
 from hfaccel.engine.beam_search import BeamParams
 from hfaccel.engine.prompt_inputs import prompt_inputs_reason
 from hfaccel.engine.request import Request, SamplingParams, StoppingParams
@@ -62,7 +63,16 @@ PER_ROW_ARGUMENTS = {
 }
 # Arguments the planner takes out of the call before HF prepares its config: never model kwargs.
 _OWN = ("input_ids", "streamer", "tokenizer", "trust_remote_code", "adapter_names", *PER_ROW_ARGUMENTS)
-_SERVED_MODEL_KWARGS = {"input_ids", "attention_mask", "inputs_embeds", CACHE_NAME, *extra_inputs.SERVED}
+# output_attentions / output_hidden_states: judged with the config's (`_states_gate`)
+_STATE_FLAGS = ("output_attentions", "output_hidden_states")
+_SERVED_MODEL_KWARGS = {
+    "input_ids",
+    "attention_mask",
+    "inputs_embeds",
+    CACHE_NAME,
+    *extra_inputs.SERVED,
+    *_STATE_FLAGS,
+}
 
 
 @dataclasses.dataclass(eq=False)
@@ -88,6 +98,7 @@ class GenerateCall:
     adapters_checked: bool = False
     adapter_reason: str | None = None
     beams_allowed: bool = True  # False in streams: a beam search's hypotheses are known at its end
+    states_allowed: bool = True  # False in hfaccel.generate: its results carry no hidden states
     imported: Any = None  # the DynamicCache given, as planned on the engine (`cache_in.plan`)
 
     def __post_init__(self) -> None:
@@ -294,6 +305,38 @@ def _mode_gate(call: GenerateCall) -> str | None:
     return reason or (f"beam search with {custom_given[0]}" if custom_given else None)
 
 
+def _states_gate(call: GenerateCall) -> str | None:
+    """``output_hidden_states`` / ``output_attentions``: what HF returns per step is recorded token by
+    token (`engine/recorded_states.py`) and laid out as HF lays it (`outputs.recorded_steps`), where the
+    engine computes every token HF's output shows it computing: no window or chunk binding (HF's
+    sliding caches trim the keys its attentions show), one sequence per row (not beams), no cache given
+    (HF does not recompute it), no drafts, one process."""
+    config, model_kwargs = call.config, call._prepared[1]
+    wanted = [name for name in _STATE_FLAGS if getattr(config, name, False) or model_kwargs.get(name)]
+    if not wanted:
+        return None
+    what = f"{wanted[0]}=True"
+    if not config.return_dict_in_generate and call.states_allowed:
+        return None  # HF returns the sequences alone: nothing to record
+    if not isinstance(config.output_hidden_states, bool):
+        return "output_hidden_states selecting layers"
+    if call.beam:
+        return f"{what} with beam search"
+    if call.cache is not None:
+        return f"{what} with a cache given"
+    if has_recurrent_layers(call.model) or parallel_layout(call.model).parallel:
+        return f"{what} with recurrent layers or parallelism"
+    if call.custom["assistant_model"] is not None or config.prompt_lookup_num_tokens is not None:
+        return f"{what} with assisted decoding"
+    needs = attention_needs(call.model)
+    if "sliding_window" in needs or "chunked_attention" in needs:
+        span = narrowest_local_span(call.model)
+        width = call.mask.shape[1]  # (the mask first: it sets the special tokens the lengths read)
+        if span is None or width + call.stopping.max_new_tokens > span:
+            return f"{what} past a sliding window or chunk (HF's cache trims what its attentions show)"
+    return None if call.states_allowed else f"{what} (hfaccel.generate's results carry no hidden states)"
+
+
 def _streamer_gate(call: GenerateCall) -> str | None:
     if call.streamer is not None and call.ids.shape[0] * call.copies != 1:
         return "a streamer with more than one sequence"
@@ -396,6 +439,7 @@ GATES: tuple[tuple[str, Callable[[GenerateCall], str | None]], ...] = (
     ("activations quantized on the fly", lambda call: quantized_activations_reason(call.model)),
     ("adapters", _adapters_gate),
     ("generation mode and options", _mode_gate),
+    ("hidden states and attentions", _states_gate),
     ("streamer", _streamer_gate),
     ("criteria, assistants, extra inputs", _options_gate),
     ("padding", _padding_gate),

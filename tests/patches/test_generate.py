@@ -121,7 +121,6 @@ def test_a_call_without_inputs_starts_from_bos_as_hf_does():
             {"num_beams": 2, "return_dict_in_generate": True, "output_hidden_states": True},
             "output_hidden_states",
         ),
-        ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions=True"),
         ({"max_time": 30.0}, "max_time"),
     ],
 )
