@@ -131,7 +131,8 @@ def _as_static(model: Any, call: GenerateCall, output: Any, width: int) -> Any:
     visible = call.rows[0].shape[1]  # HF's max_length counts the ids (none for embeddings only)
     extra = width if call.input_ids is None and call.embeds is not None else 0
     limit = getattr(call.config, "max_cache_len", None)
-    built = static_cache(model, visible + call.stopping.max_new_tokens, limit, output_cache(output), extra)
+    length = visible + call.stopping.max_new_tokens
+    built = static_cache(model, length, limit, output_cache(output), width, extra)
     setattr(output, CACHE_NAME, built)
     return output
 
@@ -203,11 +204,13 @@ def generate_output(
     cache = None
     if requests and all(r.kv_snapshot is not None for r in requests) and model is not None:
         kv_width = prompts.shape[1] if kv_width is None else kv_width
-        cache = dynamic_cache(model, requests, kv_width, width, prompts.device, columns)
+        layered = config.cache_implementation != "static"  # a static one is built from it (`static_cache`)
+        cache = dynamic_cache(model, requests, kv_width, width, prompts.device, columns, layered)
     states = {}
     for name, wanted in (("attentions", "output_attentions"), ("hidden_states", "output_hidden_states")):
         if requests and getattr(requests[0].sampling, wanted):
-            states[name] = recorded_steps(requests, name, kv_width or prompts.shape[1], width, columns)
+            whole = config.use_cache is False  # HF recomputes every token at every step
+            states[name] = recorded_steps(requests, name, kv_width or prompts.shape[1], width, columns, whole)
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
         scores=_per_step(requests, "scores", width) if config.output_scores else None,

@@ -25,13 +25,15 @@ def dynamic_cache(
     width: int,
     device: Any,
     columns: list[torch.Tensor] | None = None,
+    layered: bool = True,
 ) -> Any:
-    """The `DynamicCache` HF's generate would return, gathered from the requests' paged KV: per layer
-    ``[B, Hkv, prompt_width + width - 1, D]``, each row's kept prompt tokens at its `columns` (default:
-    right-aligned, as left padding leaves them) and its generated tokens after the prompt width. Masked
-    positions hold zeros: HF holds the K/V of the masked tokens there, which no later token attends to
-    (and for a row that finished before the longest one, the K/V of the pad tokens it kept
-    generating)."""
+    """The `DynamicCache` HF's generate would return, gathered from the requests' paged KV (`layered`:
+    with the model's layer types, whose sliding layers keep their window's tokens only; else every layer
+    whole, what `static_cache` replays): per layer ``[B, Hkv, prompt_width + width - 1, D]``, each row's
+    kept prompt tokens at its `columns` (default: right-aligned, as left padding leaves them) and its
+    generated tokens after the prompt width. Masked positions hold zeros: HF holds the K/V of the masked
+    tokens there, which no later token attends to (and for a row that finished before the longest one,
+    the K/V of the pad tokens it kept generating)."""
     from transformers import DynamicCache
 
     length = prompt_width + width - 1
@@ -40,7 +42,7 @@ def dynamic_cache(
         prompt_len = len(request.prompt_token_ids)
         kept = torch.arange(prompt_width - prompt_len, prompt_width) if columns is None else columns[i]
         places.append(torch.cat([kept, torch.arange(prompt_width, length)]))
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config) if layered else DynamicCache()
     for layer in range(len(requests[0].kv_snapshot)):
         k0 = requests[0].kv_snapshot[layer][0]
         keys = torch.zeros(
@@ -58,18 +60,25 @@ def dynamic_cache(
     return cache
 
 
-def static_cache(model: Any, max_length: int, max_cache_len: int | None, built: Any, extra: int = 0) -> Any:
+def static_cache(
+    model: Any, max_length: int, max_cache_len: int | None, built: Any, prefill: int, extra: int = 0
+) -> Any:
     """The `StaticCache` HF's generate returns for ``cache_implementation="static"``, holding `built`'s
-    keys and values. Sized as HF sizes it: its ``max_length - 1`` (plus `extra`, the embeddings' width
-    for a prompt of embeddings only), at least ``max_cache_len`` and the size of the model's previous
-    static cache, which HF keeps on the model (to avoid recompiles) and so does this."""
+    keys and values (every layer whole). Sized as HF sizes it: its ``max_length - 1`` (plus `extra`, the
+    embeddings' width for a prompt of embeddings only), at least ``max_cache_len`` and the size of the
+    model's previous static cache, which HF keeps on the model (to avoid recompiles) and so does this.
+    The keys go in as HF's generate puts them, the first `prefill` columns at once and then one token at
+    a time, so each layer (a sliding one rolls its window) ends in the state HF's would."""
     from transformers import StaticCache
 
     length = max(max_length - 1 + extra, max_cache_len or 0, getattr(model, "_previous_max_cache_length", -1))
     model._previous_max_cache_length = length
     cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
     for index, layer in enumerate(built.layers):
-        cache.update(layer.keys, layer.values, index)
+        total = layer.keys.shape[-2]
+        cache.update(layer.keys[:, :, :prefill], layer.values[:, :, :prefill], index)
+        for t in range(prefill, total):
+            cache.update(layer.keys[:, :, t : t + 1], layer.values[:, :, t : t + 1], index)
     return cache
 
 
@@ -134,7 +143,8 @@ def beam_dict_output(
     slots = [slot for g in groups for slot in g.slots]
     if all(slot.kv_snapshot is not None for slot in slots) and len(slots) == nb * len(groups):
         places = None if columns is None else [c for c in columns for _ in range(nb)]
-        cache = dynamic_cache(model, slots, prompts.shape[1], steps, prompts.device, places)
+        layered = config.cache_implementation != "static"  # a static one is built from it (`static_cache`)
+        cache = dynamic_cache(model, slots, prompts.shape[1], steps, prompts.device, places, layered)
     scores = [g.step_scores for g in groups] if config.output_scores else None
     logits = [g.step_logits for g in groups] if config.output_logits else None
     return GenerateBeamDecoderOnlyOutput(
@@ -166,11 +176,14 @@ def recorded_steps(
     prompt_width: int,
     steps: int,
     columns: list[torch.Tensor] | None = None,
+    whole: bool = False,
 ) -> tuple[tuple[torch.Tensor, ...], ...]:
     """HF's per-step ``hidden_states`` or ``attentions`` (`name`) from the requests' recorded tokens
     (`engine/recorded_states.py`): step 0 covers the prompt's `prompt_width` columns (hidden states
     ``[B, W, H]``, attentions ``[B, Hq, W, W]``), step s the token fed at it (``[B, 1, H]``,
-    ``[B, Hq, 1, W + s]``). Each row's kept prompt tokens sit at its `columns` (default: right-aligned),
+    ``[B, Hq, 1, W + s]``); with `whole` (HF without a cache recomputes the whole sequence every step)
+    step s covers all ``W + s`` tokens so far. Each row's kept prompt tokens sit at its `columns`
+    (default: right-aligned),
     a masked last token at the last column, and each token's probabilities at the columns of the keys
     it saw. Masked prompt positions and a row's steps after it finished hold zeros (warned): HF computes
     them from tokens that no kept token attends to."""
@@ -186,7 +199,7 @@ def recorded_steps(
         zeros_used |= kept < prompt_width or len(request.output_token_ids) < steps
     out = []
     for step in range(steps):
-        rows = prompt_width if step == 0 else 1
+        rows = prompt_width + step if whole else (prompt_width if step == 0 else 1)
         per_layer = []
         for layer, like in enumerate(layers):
             shape = (
@@ -196,7 +209,7 @@ def recorded_steps(
             )
             tensor = like.new_zeros(shape)
             for i, request in enumerate(requests):
-                for row, keys, record in _step_tokens(request, places[i], prompt_width, step):
+                for row, keys, record in _step_tokens(request, places[i], prompt_width, step, whole):
                     values = (record.attentions if attentions else record.hidden_states)[layer]
                     if attentions:
                         tensor[i, :, row, keys] = values
@@ -216,16 +229,19 @@ def recorded_steps(
 
 
 def _step_tokens(
-    request: Request, places: list[int], width: int, step: int
+    request: Request, places: list[int], width: int, step: int, whole: bool
 ) -> list[tuple[int, list[int], Any]]:
-    """The tokens of `request` that HF's step `step` fed: (row in the step, key columns, record)."""
+    """The tokens of `request` that HF's step `step` fed: (row in the step, key columns, record); with
+    `whole`, every token up to that step (generated token k at row ``W + k``)."""
     recorded = request.recorded
-    if step > 0:
-        record = recorded.get(("output", step - 1))
-        keys = places + list(range(width, width + step))
-        return [] if record is None else [(0, keys, record)]
-    tokens = [(places[p], places[: p + 1], recorded[("prompt", p)]) for p in range(len(places))]
-    masked_last = recorded.get(("prompt", len(places)))  # right padding: fed last, seeing the kept ones
-    if masked_last is not None:
-        tokens.append((width - 1, places, masked_last))
+    tokens = []
+    if step == 0 or whole:
+        tokens = [(places[p], places[: p + 1], recorded[("prompt", p)]) for p in range(len(places))]
+        masked_last = recorded.get(("prompt", len(places)))  # right padding: fed last, seeing the kept ones
+        if masked_last is not None:
+            tokens.append((width - 1, places, masked_last))
+    for k in range(0 if whole else step - 1, step):
+        record = recorded.get(("output", k))
+        if record is not None:
+            tokens.append((width + k if whole else 0, places + list(range(width, width + k + 1)), record))
     return tokens

@@ -268,13 +268,9 @@ def _cache_gate(call: GenerateCall) -> str | None:
     if shape is not None and shape.value_head_dim != shape.head_dim:
         return "a cache given or returned, with multi-head latent attention (its cache holds latents)"
     implementation = call.config.cache_implementation
-    if call.cache is None and implementation not in (None, "dynamic", "offloaded"):
-        # the engine builds a DynamicCache, or a StaticCache of full layers (`outputs.static_cache`)
-        local = {"sliding_window", "chunked_attention"} & attention_needs(call.model)
-        if implementation != "static" or local:
-            return (
-                f"a cache returned, with cache_implementation={implementation!r} (HF returns its own class)"
-            )
+    if call.cache is None and implementation not in (None, "dynamic", "offloaded", "static"):
+        # the engine builds a DynamicCache, or HF's StaticCache (`outputs.static_cache`)
+        return f"a cache returned, with cache_implementation={implementation!r} (HF returns its own class)"
     return None if call.cache is None else cache_in.type_reason(call.cache)
 
 

@@ -642,10 +642,11 @@ def test_a_call_asking_transformers_to_compile_its_forward_goes_to_transformers(
     assert unsupported_reason(off, device=cpu) is None
 
 
-def test_a_static_cache_returned_is_hfs_class_and_size_and_falls_back_with_sliding_layers():
+def test_a_static_cache_returned_is_hfs_class_and_size_sliding_layers_included():
     """HF returns a `StaticCache` sized by its max_length, `max_cache_len` and the size of the model's
-    previous static cache (kept on the model): the engine returns the same. Its sliding layers roll
-    their own way: such a model goes to HF."""
+    previous static cache (kept on the model): the engine returns the same. A sliding layer rolls its
+    window as tokens come in; the engine's keys go in as HF's generate puts them, so the window holds
+    the same tokens in the same places (a prompt and new tokens longer than the window of 8)."""
     from transformers import StaticCache
 
     from hfaccel.patches.arguments import CACHE_NAME
@@ -669,7 +670,15 @@ def test_a_static_cache_returned_is_hfs_class_and_size_and_falls_back_with_slidi
         width = ids.shape[1] + 2  # row 1 has no padding: the prompt's positions and the new tokens'
         torch.testing.assert_close(ours.layers[0].keys[1, :, :width], theirs.layers[0].keys[1, :, :width])
     windowed = _windowed_model(window=8)
+    expected = hf(windowed, **kwargs, max_new_tokens=6)
+    del windowed._previous_max_cache_length
     patch(windowed)
-    with pytest.warns(UserWarning, match=r"a cache returned, with cache_implementation='static'"):
-        out = windowed.generate(**kwargs, max_new_tokens=4)
-    assert isinstance(getattr(out, CACHE_NAME), StaticCache)
+    with no_fallback():
+        out = windowed.generate(**kwargs, max_new_tokens=6)
+    assert torch.equal(out.sequences, expected.sequences)
+    ours, theirs = getattr(out, CACHE_NAME), getattr(expected, CACHE_NAME)
+    assert isinstance(ours, StaticCache) and ours.is_sliding == theirs.is_sliding == [True, True]
+    for mine, hfs in zip(ours.layers, theirs.layers):
+        assert mine.keys.shape == hfs.keys.shape and mine.cumulative_length_int == hfs.cumulative_length_int
+        torch.testing.assert_close(mine.keys[1], hfs.keys[1])  # row 1: no padding
+        torch.testing.assert_close(mine.values[1], hfs.values[1])

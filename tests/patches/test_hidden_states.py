@@ -31,8 +31,8 @@ def _masks(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _run(model, ids, mask, new=5, **patch):
-    kwargs = {"attention_mask": mask, "max_new_tokens": new, **STATES}
+def _run(model, ids, mask, new=5, use_cache=True, **patch):
+    kwargs = {"attention_mask": mask, "max_new_tokens": new, "use_cache": use_cache, **STATES}
     with torch.no_grad():
         reference = type(model).generate(model, ids, **kwargs)
     options = {"kv_cache_memory": 4_000_000, **patch}
@@ -120,6 +120,25 @@ def test_states_survive_chunked_prefill_and_preemption_and_rows_that_finish_earl
     ]
     assert min(lengths) < max(lengths) and out.preemptions > 0
     _assert_same_where_computed(out, reference, mask, finished_at=lengths)
+
+
+def test_without_a_cache_every_step_shows_every_token_so_far():
+    """HF without a cache recomputes the whole sequence at every step: step s covers all W + s tokens,
+    each row over the keys it saw (the same values as with a cache, to rounding)."""
+    model = tiny_model()
+    model.set_attn_implementation("eager")
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no padding, no early finish: nothing to warn about
+        reference, out = _run(model, ids, torch.ones_like(ids), new=4, use_cache=False)
+    assert torch.equal(out.sequences, reference.sequences)
+    for step in range(4):
+        for mine, theirs in zip(
+            out.attentions[step] + out.hidden_states[step],
+            reference.attentions[step] + reference.hidden_states[step],
+        ):
+            assert mine.shape == theirs.shape and mine.shape[-2] == 4 + step
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
 
 
 def test_states_of_a_prompt_given_as_embeddings_equal_hf():
