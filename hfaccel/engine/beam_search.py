@@ -201,6 +201,10 @@ class BeamGroup:
         self.step_scores: list[torch.Tensor] = []
         self.step_logits: list[torch.Tensor] = []
         self.sources: list[Request] = []  # at the last step, the beam each slot continued
+        # Recording requests (HF's output_hidden_states / output_attentions): for each step s and running
+        # beam j, the slot that fed each of its generated tokens (token k at step k + 1), from which HF's
+        # output without a cache (every token recomputed each step) is rebuilt.
+        self.lineage: list[list[list[int]]] = [[[] for _ in range(params.num_beams)]]
 
     @property
     def forked(self) -> bool:
@@ -214,6 +218,7 @@ class BeamGroup:
         self.handle.output_token_ids = []
         self.handle.generator = None  # beam sampling draws again from its seed
         self.step_scores, self.step_logits, self.sources = [], [], []
+        self.lineage = [[[] for _ in range(self.params.num_beams)]]
 
     def log_probs(self, rows: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
         """HF's processed scores for this step: log-softmax of the float32 logits (``[slots, V]``), then
@@ -310,6 +315,9 @@ class BeamGroup:
             slot.output_token_ids = history + [token]
         self.slots = slots
         self.sources = sources
+        sampling = self.handle.sampling
+        if sampling.output_hidden_states or sampling.output_attentions:
+            self.lineage.append([self.lineage[-1][p] + [j] for j, p in enumerate(parents)])
         metrics = self.handle.metrics
         metrics.token_times.append(now)
         if metrics.first_token_time is None:

@@ -38,9 +38,10 @@ from hfaccel.patches.arguments import (
     normalize_cache_argument,
     output_cache,
 )
-from hfaccel.patches.outputs import beam_dict_output, beam_output, dynamic_cache, recorded_steps, static_cache
+from hfaccel.patches.outputs import beam_dict_output, beam_output, dynamic_cache, static_cache
 from hfaccel.patches.patch_state import PatchState, call_seed, fall_back
 from hfaccel.patches.planner import GenerateCall, beam_requests, is_left_padding, make_requests
+from hfaccel.patches.state_outputs import recorded_steps, request_rows
 
 
 def patched_generate(
@@ -81,6 +82,8 @@ def patched_generate(
         requests = beam_requests(call, loop.engine, seed=call_seed() if call.config.do_sample else None)
         for request in requests:
             request.keep_kv = keep_kv
+            if request.sampling.output_hidden_states or request.sampling.output_attentions:
+                isolate(request)  # every prompt token computed: each one's states recorded
         loop.run(requests, progress=state.progress)
         if not config.return_dict_in_generate:
             return beam_output(config, call.ids, [r.beam_group.results for r in requests])
@@ -210,7 +213,9 @@ def generate_output(
     for name, wanted in (("attentions", "output_attentions"), ("hidden_states", "output_hidden_states")):
         if requests and getattr(requests[0].sampling, wanted):
             whole = config.use_cache is False  # HF recomputes every token at every step
-            states[name] = recorded_steps(requests, name, kv_width or prompts.shape[1], width, columns, whole)
+            prompt_width = kv_width or prompts.shape[1]
+            rows = request_rows(requests, prompt_width, columns)
+            states[name] = recorded_steps(rows, name, prompt_width, width, whole)
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
         scores=_per_step(requests, "scores", width) if config.output_scores else None,

@@ -16,6 +16,7 @@ from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 from hfaccel.engine.request import Request
 from hfaccel.patches.arguments import CACHE_NAME
+from hfaccel.patches.state_outputs import beam_rows, recorded_steps
 
 
 def dynamic_cache(
@@ -115,7 +116,8 @@ def beam_dict_output(
     """HF's `GenerateBeamDecoderOnlyOutput` for beam search requests (one per prompt): the hypotheses
     (`beam_output`), ``sequences_scores`` (with ``output_scores``, as HF), ``beam_indices`` (per
     hypothesis, the flat running beam ``prompt * num_beams + beam`` each token continued, -1 past its
-    end), per-step ``scores`` / ``logits`` ``[B * num_beams, V]``, and the cache HF holds after its last
+    end), per-step ``scores`` / ``logits`` ``[B * num_beams, V]`` (and hidden states / attentions,
+    `state_outputs`), and the cache HF holds after its last
     reorder: the final running beams, each without its last token (`columns`: each prompt's kept
     columns, for masks that are not left padding). HF goes on stepping a prompt whose search has ended
     until every prompt's has; the engine stops it, so its later rows differ (warned)."""
@@ -145,6 +147,11 @@ def beam_dict_output(
         places = None if columns is None else [c for c in columns for _ in range(nb)]
         layered = config.cache_implementation != "static"  # a static one is built from it (`static_cache`)
         cache = dynamic_cache(model, slots, prompts.shape[1], steps, prompts.device, places, layered)
+    states = {}
+    for name, wanted in (("attentions", "output_attentions"), ("hidden_states", "output_hidden_states")):
+        if getattr(requests[0].sampling, wanted):
+            rows = beam_rows(groups, prompts.shape[1], columns)
+            states[name] = recorded_steps(rows, name, prompts.shape[1], steps, config.use_cache is False)
     scores = [g.step_scores for g in groups] if config.output_scores else None
     logits = [g.step_logits for g in groups] if config.output_logits else None
     return GenerateBeamDecoderOnlyOutput(
@@ -157,6 +164,7 @@ def beam_dict_output(
         scores=_beam_steps(scores, steps, nb) if scores is not None else None,
         logits=_beam_steps(logits, steps, nb) if logits is not None else None,
         beam_indices=indices.to(prompts.device),
+        **states,
         **{CACHE_NAME: cache},
     )
 
@@ -168,80 +176,3 @@ def _beam_steps(per_group: list[list[torch.Tensor]], steps: int, nb: int) -> tup
     return tuple(
         torch.cat([rows[t] if t < len(rows) else filler for rows in per_group]) for t in range(steps)
     )
-
-
-def recorded_steps(
-    requests: list[Request],
-    name: str,
-    prompt_width: int,
-    steps: int,
-    columns: list[torch.Tensor] | None = None,
-    whole: bool = False,
-) -> tuple[tuple[torch.Tensor, ...], ...]:
-    """HF's per-step ``hidden_states`` or ``attentions`` (`name`) from the requests' recorded tokens
-    (`engine/recorded_states.py`): step 0 covers the prompt's `prompt_width` columns (hidden states
-    ``[B, W, H]``, attentions ``[B, Hq, W, W]``), step s the token fed at it (``[B, 1, H]``,
-    ``[B, Hq, 1, W + s]``); with `whole` (HF without a cache recomputes the whole sequence every step)
-    step s covers all ``W + s`` tokens so far. Each row's kept prompt tokens sit at its `columns`
-    (default: right-aligned),
-    a masked last token at the last column, and each token's probabilities at the columns of the keys
-    it saw. Masked prompt positions and a row's steps after it finished hold zeros (warned): HF computes
-    them from tokens that no kept token attends to."""
-    attentions = name == "attentions"
-    sample = next(iter(requests[0].recorded.values()))
-    layers = sample.attentions if attentions else sample.hidden_states
-    zeros_used = False
-    places = []
-    for i, request in enumerate(requests):
-        kept = len(request.prompt_token_ids)
-        where = torch.arange(prompt_width - kept, prompt_width) if columns is None else columns[i]
-        places.append(where[:kept].tolist())
-        zeros_used |= kept < prompt_width or len(request.output_token_ids) < steps
-    out = []
-    for step in range(steps):
-        rows = prompt_width + step if whole else (prompt_width if step == 0 else 1)
-        per_layer = []
-        for layer, like in enumerate(layers):
-            shape = (
-                (len(requests), like.shape[0], rows, prompt_width + step)
-                if attentions
-                else (len(requests), rows, like.shape[-1])
-            )
-            tensor = like.new_zeros(shape)
-            for i, request in enumerate(requests):
-                for row, keys, record in _step_tokens(request, places[i], prompt_width, step, whole):
-                    values = (record.attentions if attentions else record.hidden_states)[layer]
-                    if attentions:
-                        tensor[i, :, row, keys] = values
-                    else:
-                        tensor[i, row] = values
-            per_layer.append(tensor)
-        out.append(tuple(per_layer))
-    if zeros_used:
-        warnings.warn(
-            f"hfaccel: {name} at masked prompt positions (padding) and of a row's steps after it finished "
-            "are zeros; transformers computes them from the masked or pad tokens, which no kept token "
-            "attends to",
-            UserWarning,
-            stacklevel=4,
-        )
-    return tuple(out)
-
-
-def _step_tokens(
-    request: Request, places: list[int], width: int, step: int, whole: bool
-) -> list[tuple[int, list[int], Any]]:
-    """The tokens of `request` that HF's step `step` fed: (row in the step, key columns, record); with
-    `whole`, every token up to that step (generated token k at row ``W + k``)."""
-    recorded = request.recorded
-    tokens = []
-    if step == 0 or whole:
-        tokens = [(places[p], places[: p + 1], recorded[("prompt", p)]) for p in range(len(places))]
-        masked_last = recorded.get(("prompt", len(places)))  # right padding: fed last, seeing the kept ones
-        if masked_last is not None:
-            tokens.append((width - 1, places, masked_last))
-    for k in range(0 if whole else step - 1, step):
-        record = recorded.get(("output", k))
-        if record is not None:
-            tokens.append((width + k if whole else 0, places + list(range(width, width + k + 1)), record))
-    return tokens

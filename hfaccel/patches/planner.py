@@ -305,7 +305,7 @@ def _states_gate(call: GenerateCall) -> str | None:
     """``output_hidden_states`` / ``output_attentions``: what HF returns per step is recorded token by
     token (`engine/recorded_states.py`) and laid out as HF lays it (`outputs.recorded_steps`), where the
     engine computes every token HF's output shows it computing: no window or chunk binding (HF's
-    sliding caches trim the keys its attentions show), one sequence per row (not beams), no cache given
+    sliding caches trim the keys its attentions show), no cache given
     (HF does not recompute it), no drafts, one process."""
     config, model_kwargs = call.config, call._prepared[1]
     wanted = [name for name in _STATE_FLAGS if getattr(config, name, False) or model_kwargs.get(name)]
@@ -316,8 +316,6 @@ def _states_gate(call: GenerateCall) -> str | None:
         return None  # HF returns the sequences alone: nothing to record
     if not isinstance(config.output_hidden_states, bool):
         return "output_hidden_states selecting layers"
-    if call.beam:
-        return f"{what} with beam search"
     if call.cache is not None:
         return f"{what} with a cache given"
     if has_recurrent_layers(call.model) or parallel_layout(call.model).parallel:

@@ -11,7 +11,7 @@ import torch
 
 import hfaccel
 from hfaccel.bench.families import family_model
-from tests.helpers import left_padded, tiny_model
+from tests.helpers import EOS, left_padded, tiny_model
 
 STATES = {
     "return_dict_in_generate": True,
@@ -31,8 +31,14 @@ def _masks(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _run(model, ids, mask, new=5, use_cache=True, **patch):
+def _run(
+    model, ids, mask, new=5, use_cache=True, num_beams=1, num_return_sequences=1, eos_token_id=EOS, **patch
+):
     kwargs = {"attention_mask": mask, "max_new_tokens": new, "use_cache": use_cache, **STATES}
+    if num_beams > 1:
+        kwargs.update(
+            num_beams=num_beams, num_return_sequences=num_return_sequences, eos_token_id=eos_token_id
+        )
     with torch.no_grad():
         reference = type(model).generate(model, ids, **kwargs)
     options = {"kv_cache_memory": 4_000_000, **patch}
@@ -141,6 +147,32 @@ def test_without_a_cache_every_step_shows_every_token_so_far():
             torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_beam_search_states_are_its_running_beams(use_cache):
+    """Beam search: each step's rows are the running beams (step 0 the prompt, once per beam); without a
+    cache, each beam's whole history as the beams that fed it computed it."""
+    model = tiny_model()
+    model.set_attn_implementation("eager")
+    ids, mask = _masks("holes")
+    kwargs = {"num_beams": 3, "num_return_sequences": 2, "eos_token_id": None}
+    with pytest.warns(UserWarning, match="masked prompt positions"):
+        reference, out = _run(model, ids, mask, new=4, use_cache=use_cache, **kwargs)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert torch.equal(out.beam_indices, reference.beam_indices)
+    kept = mask.bool().repeat_interleave(3, dim=0)
+    for step in range(4):
+        if step == 0 or not use_cache:
+            queries = torch.cat([kept, torch.ones(len(kept), step, dtype=torch.bool)], dim=1)
+        else:
+            queries = torch.ones(len(kept), 1, dtype=torch.bool)
+        for mine, theirs in zip(out.attentions[step], reference.attentions[step]):
+            assert mine.shape == theirs.shape
+            torch.testing.assert_close(mine.transpose(1, 2)[queries], theirs.transpose(1, 2)[queries])
+        for mine, theirs in zip(out.hidden_states[step], reference.hidden_states[step], strict=True):
+            assert mine.shape == theirs.shape
+            torch.testing.assert_close(mine[queries], theirs[queries], rtol=1e-4, atol=1e-5)
+
+
 def test_states_of_a_prompt_given_as_embeddings_equal_hf():
     model = tiny_model()
     model.set_attn_implementation("eager")
@@ -176,7 +208,6 @@ def test_flags_without_a_dict_output_are_served_without_recording():
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
     [
-        ({"num_beams": 2}, "output_attentions=True with beam search"),
         ({"prompt_lookup_num_tokens": 2}, "output_attentions=True with assisted decoding"),
     ],
 )

@@ -32,8 +32,8 @@ CALLS = [
     ({"prefix_allowed_tokens_fn": lambda b, ids: [1, 2]}, "prefix_allowed_tokens_fn (constrained decoding)"),
     ({"num_beams": 2, "logits_processor": [Identity()]}, "beam search with logits_processor"),
     (
-        {"output_attentions": True, "return_dict_in_generate": True, "num_beams": 2},
-        "output_attentions=True with beam search",
+        {"output_attentions": True, "return_dict_in_generate": True, "max_time": 5.0},
+        "max_time",
     ),
 ]
 
