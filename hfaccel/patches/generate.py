@@ -84,10 +84,14 @@ def patched_generate(
             request.keep_kv = keep_kv
             if request.sampling.output_hidden_states or request.sampling.output_attentions:
                 isolate(request)  # every prompt token computed: each one's states recorded
+        if embeds is not None:  # a beam's slots fork after the prompt: the request alone takes them
+            embeds_in.attach(
+                loop.engine, requests, embeds, call.mask.bool().cpu(), 1, call.input_ids is not None
+            )
         loop.run(requests, progress=state.progress)
         if not config.return_dict_in_generate:
-            return beam_output(config, call.ids, [r.beam_group.results for r in requests])
-        output = beam_dict_output(config, call.ids, requests, self, columns)
+            return beam_output(config, visible_ids, [r.beam_group.results for r in requests])
+        output = beam_dict_output(config, visible_ids, requests, self, columns, width)
         return _as_static(self, call, output, width)
     prompts = visible_ids.repeat_interleave(call.copies, dim=0)
     if call.stopping.max_new_tokens <= 0:
@@ -97,8 +101,7 @@ def patched_generate(
     for request in requests:
         request.keep_kv = keep_kv
         if request.sampling.output_hidden_states or request.sampling.output_attentions:
-            isolate(request)  # every prompt token computed, none drafted: each one's states recorded
-            request.speculation.enabled = False
+            isolate(request)  # every prompt token computed: each one's states recorded
     if embeds is not None:  # after the draft source: embedded prompts never speculate
         keep = call.mask.bool().cpu().repeat_interleave(call.copies, dim=0)
         embeds_in.attach(loop.engine, requests, embeds, keep, call.copies, call.input_ids is not None)

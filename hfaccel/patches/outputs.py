@@ -112,6 +112,7 @@ def beam_dict_output(
     requests: list[Request],
     model: Any,
     columns: list[torch.Tensor] | None = None,
+    prompt_width: int | None = None,
 ) -> GenerateBeamDecoderOnlyOutput:
     """HF's `GenerateBeamDecoderOnlyOutput` for beam search requests (one per prompt): the hypotheses
     (`beam_output`), ``sequences_scores`` (with ``output_scores``, as HF), ``beam_indices`` (per
@@ -119,10 +120,13 @@ def beam_dict_output(
     end), per-step ``scores`` / ``logits`` ``[B * num_beams, V]`` (and hidden states / attentions,
     `state_outputs`), and the cache HF holds after its last
     reorder: the final running beams, each without its last token (`columns`: each prompt's kept
-    columns, for masks that are not left padding). HF goes on stepping a prompt whose search has ended
-    until every prompt's has; the engine stops it, so its later rows differ (warned)."""
+    columns, for masks that are not left padding; `prompt_width`: the prompt's width in the cache and
+    the states, when `prompts` are not as wide: embeddings without ids). HF goes on stepping a prompt
+    whose search has ended until every prompt's has; the engine stops it, so its later rows differ
+    (warned)."""
     groups = [r.beam_group for r in requests]
     sequences = beam_output(config, prompts, [g.results for g in groups])
+    kv_width = prompts.shape[1] if prompt_width is None else prompt_width
     nb = config.num_beams
     width = sequences.shape[1] - prompts.shape[1]
     indices = torch.full((sequences.shape[0], width), -1, dtype=torch.int32)
@@ -146,12 +150,12 @@ def beam_dict_output(
     if all(slot.kv_snapshot is not None for slot in slots) and len(slots) == nb * len(groups):
         places = None if columns is None else [c for c in columns for _ in range(nb)]
         layered = config.cache_implementation != "static"  # a static one is built from it (`static_cache`)
-        cache = dynamic_cache(model, slots, prompts.shape[1], steps, prompts.device, places, layered)
+        cache = dynamic_cache(model, slots, kv_width, steps, prompts.device, places, layered)
     states = {}
     for name, wanted in (("attentions", "output_attentions"), ("hidden_states", "output_hidden_states")):
         if getattr(requests[0].sampling, wanted):
-            rows = beam_rows(groups, prompts.shape[1], columns)
-            states[name] = recorded_steps(rows, name, prompts.shape[1], steps, config.use_cache is False)
+            rows = beam_rows(groups, kv_width, columns)
+            states[name] = recorded_steps(rows, name, kv_width, steps, config.use_cache is False)
     scores = [g.step_scores for g in groups] if config.output_scores else None
     logits = [g.step_logits for g in groups] if config.output_logits else None
     return GenerateBeamDecoderOnlyOutput(

@@ -295,18 +295,19 @@ def _mode_gate(call: GenerateCall) -> str | None:
         return "beam search with recurrent layers (a beam's state would have to be forked)"
     names = call.adapter_names
     reason = beam_unsupported_reason(call.model, call.config, call.extra, call.streamer, names, call.device)
-    if reason is None and (call.embeds is not None or call.cache is not None):
-        reason = "beam search with inputs_embeds or past_key_values"
+    if reason is None and call.cache is not None:
+        reason = "beam search with past_key_values"
     custom_given = [name for name, value in call.custom.items() if given(value)]
     return reason or (f"beam search with {custom_given[0]}" if custom_given else None)
 
 
 def _states_gate(call: GenerateCall) -> str | None:
     """``output_hidden_states`` / ``output_attentions``: what HF returns per step is recorded token by
-    token (`engine/recorded_states.py`) and laid out as HF lays it (`outputs.recorded_steps`), where the
+    token (`engine/recorded_states.py`) and laid out as HF lays it (`state_outputs.py`), where the
     engine computes every token HF's output shows it computing: no window or chunk binding (HF's
-    sliding caches trim the keys its attentions show), no cache given
-    (HF does not recompute it), no drafts, one process."""
+    sliding caches trim the keys its attentions show), no cache given (HF does not recompute it), one
+    process. Drafts are served: HF splits a verification's states into one step per token, and a
+    rejected draft's record is overwritten by the token that replaces it when that one is fed."""
     config, model_kwargs = call.config, call._prepared[1]
     wanted = [name for name in _STATE_FLAGS if getattr(config, name, False) or model_kwargs.get(name)]
     if not wanted:
@@ -320,8 +321,6 @@ def _states_gate(call: GenerateCall) -> str | None:
         return f"{what} with a cache given"
     if has_recurrent_layers(call.model) or parallel_layout(call.model).parallel:
         return f"{what} with recurrent layers or parallelism"
-    if call.custom["assistant_model"] is not None or config.prompt_lookup_num_tokens is not None:
-        return f"{what} with assisted decoding"
     needs = attention_needs(call.model)
     if "sliding_window" in needs or "chunked_attention" in needs:
         span = narrowest_local_span(call.model)

@@ -173,6 +173,38 @@ def test_beam_search_states_are_its_running_beams(use_cache):
             torch.testing.assert_close(mine[queries], theirs[queries], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("assist", ["prompt_lookup", "draft_model"])
+def test_assisted_decoding_states_are_hfs(assist):
+    """Drafts verified several at a time: HF splits each verification's states into one step per token;
+    so does the engine's record, a rejected draft's record replaced by the token fed in its place."""
+    model = tiny_model()
+    model.set_attn_implementation("eager")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # repeats: prompt lookup drafts
+    draft = tiny_model(seed=3)  # a random draft: most of its drafts are rejected
+    extra = {"prompt_lookup_num_tokens": 3} if assist == "prompt_lookup" else {"assistant_model": draft}
+    kwargs = {"max_new_tokens": 8, **STATES, **extra}
+    with torch.no_grad():
+        reference = type(model).generate(model, ids, **kwargs)
+    speculative = {} if assist == "prompt_lookup" else {"speculative": draft}
+    hfaccel.patch(model, kv_cache_memory=4_000_000, strict=True, **speculative)
+    try:
+        out = model.generate(ids, **kwargs)
+        drafted = model._hfaccel.engine.scheduler.spec_totals
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(out.sequences, reference.sequences)
+    assert len(out.attentions) == len(reference.attentions) == 8
+    for step in range(8):
+        for mine, theirs in zip(
+            out.attentions[step] + out.hidden_states[step],
+            reference.attentions[step] + reference.hidden_states[step],
+        ):
+            assert mine.shape == theirs.shape
+            torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+    assert drafted.drafted > 0
+    assert assist == "prompt_lookup" or drafted.rejections > 0  # the random draft: rejected ones replaced
+
+
 def test_states_of_a_prompt_given_as_embeddings_equal_hf():
     model = tiny_model()
     model.set_attn_implementation("eager")
@@ -208,7 +240,7 @@ def test_flags_without_a_dict_output_are_served_without_recording():
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
     [
-        ({"prompt_lookup_num_tokens": 2}, "output_attentions=True with assisted decoding"),
+        ({"cache_implementation": "quantized"}, "cache_implementation='quantized'"),
     ],
 )
 def test_what_is_not_recorded_falls_back(kwargs, reason):

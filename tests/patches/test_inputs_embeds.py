@@ -71,6 +71,44 @@ def test_ids_and_embeddings_equal_hf(prompts):
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_beam_search_from_embeddings_equals_hf(prompts, with_ids):
+    """Beams over embedded prompts (left padded, a hole in one): HF's hypotheses, and with a dict output
+    its scores, beam indices and the cache of the final beams, the prompt part as wide as the
+    embeddings."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(prompts[:3])
+    mask[1, -3] = 0
+    kwargs = {
+        "inputs_embeds": embeddings(model, ids),
+        "attention_mask": mask,
+        "max_new_tokens": 5,
+        "num_beams": 3,
+        "num_return_sequences": 2,
+        "do_sample": False,
+        "eos_token_id": None,
+        "return_dict_in_generate": True,
+        "output_scores": True,
+    }
+    if with_ids:
+        kwargs["input_ids"] = ids
+    expected = hf(model, **kwargs)
+    hfaccel.patch(model, block_size=8, kv_cache_memory=4_000_000, strict=True)  # a fallback would raise
+    try:
+        out = served(model, **kwargs)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert out.sequences.shape[1] == 5 + (ids.shape[1] if with_ids else 0)
+    assert torch.equal(out.beam_indices, expected.beam_indices)
+    torch.testing.assert_close(out.sequences_scores, expected.sequences_scores)
+    for mine, theirs in zip(out.scores, expected.scores, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    mine, theirs = out.past_key_values.layers[0].keys, expected.past_key_values.layers[0].keys
+    assert mine.shape == theirs.shape
+    torch.testing.assert_close(mine[:, :, ids.shape[1] :], theirs[:, :, ids.shape[1] :])
+
+
 def test_lengths_processors_copies_and_cache_follow_hf(prompts):
     model = tiny_model("llama")
     ids, mask = left_padded(prompts[:4])
