@@ -9,11 +9,13 @@ samples are not the same ones (neither are plain sampled ones: each engine reque
 - ``prompt_lookup_num_tokens=n``: the request drafts up to n tokens a step by prompt lookup
   (`NgramProposer`, matching n-grams of up to ``max_matching_ngram_size`` tokens, 2 by default, as HF's
   `PromptLookupCandidateGenerator`). Per request: nothing in the shared engine changes.
-- ``assistant_model=draft``: served when it is the engine's own draft model
-  (``hfaccel.patch(model, speculative=draft)``), drafting ``num_speculative_tokens`` a step. A draft
-  model needs its own paged KV cache in the engine, sized with the target's; building one per call
-  would change the engine under every other caller, so another assistant falls back (the warning says
-  to patch with ``speculative=assistant_model``).
+- ``assistant_model=draft``: drafts when it is the engine's own draft model
+  (``hfaccel.patch(model, speculative=draft)``), ``num_speculative_tokens`` a step. A draft model needs
+  its own paged KV cache in the engine, sized with the target's; building one per call would change the
+  engine under every other caller, so another assistant (the model itself, in transformers' own tests)
+  does not draft: the call is served with the engine's own speculation setting, which gives the same
+  tokens (HF's greedy assisted result is plain greedy's; sampled, both keep the model's distribution),
+  and one warning per model says so.
 
 Whatever HF refuses for assisted decoding (a batch of more than one row, ``num_return_sequences > 1``,
 ``use_cache=False``, a static cache) falls back too, so HF raises its own error; as do the options that
@@ -28,6 +30,7 @@ engine uses its own.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 from transformers import GenerationConfig
@@ -80,12 +83,31 @@ def unsupported_reason(
             f"assisted decoding ({what}) with stop_strings or stopping_criteria (transformers checks them "
             "once per accepted block of tokens, not after each token)"
         )
-    if lookup is None and assistant_model is not engine_draft:
-        return (
-            "an assistant_model other than the engine's draft model "
-            "(hfaccel.patch(model, speculative=assistant_model) serves it)"
-        )
     return None
+
+
+def foreign_assistant(config: GenerationConfig, assistant_model: Any, engine_draft: Any) -> bool:
+    """Whether a served call names an assistant that is not the engine's draft model: the engine serves
+    it with its own speculation setting, as HF's greedy result is plain greedy's (`warn_foreign`)."""
+    return (
+        config.prompt_lookup_num_tokens is None
+        and assistant_model is not None
+        and assistant_model is not engine_draft
+    )
+
+
+def warn_foreign(warned: set[str]) -> None:
+    """Say once per model that an assistant was not used to draft (the tokens are HF's regardless)."""
+    if "foreign assistant" in warned:
+        return
+    warned.add("foreign assistant")
+    warnings.warn(
+        "hfaccel: assistant_model is not the engine's draft model, so it does not draft here: the engine "
+        "serves the call with its own speculation (the tokens are the ones HF's assisted decoding gives; "
+        "hfaccel.patch(model, speculative=assistant_model) drafts from it)",
+        UserWarning,
+        stacklevel=5,
+    )
 
 
 def request_speculation(config: GenerationConfig) -> tuple[NgramProposer | None, int | None]:

@@ -449,6 +449,8 @@ def make_requests(
     the padded row as in HF."""
     copies, rows = call.copies, call.ids
     stopping, sampling = call.params
+    if assisted.foreign_assistant(call.config, call.custom["assistant_model"], call.state.config.speculative):
+        assisted.warn_foreign(call.state.warned)
     keep = call.mask.bool().cpu().repeat_interleave(copies, dim=0)
     rows = rows.repeat_interleave(copies, dim=0).cpu()
     samplings = [sampling] * len(rows)

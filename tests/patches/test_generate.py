@@ -117,10 +117,7 @@ def test_a_call_without_inputs_starts_from_bos_as_hf_does():
 @pytest.mark.parametrize(
     ("kwargs", "reason"),
     [
-        (
-            {"num_beams": 2, "return_dict_in_generate": True, "output_hidden_states": True},
-            "output_hidden_states",
-        ),
+        ({"guidance_scale": 1.5}, "guidance_scale"),
         ({"max_time": 30.0}, "max_time"),
     ],
 )
