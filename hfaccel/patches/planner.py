@@ -397,8 +397,8 @@ def _masked_last_reason(call: GenerateCall, mask: torch.Tensor) -> str | None:
         return "an attention mask with a row of zeros only"
     if "position_ids" not in inspect.signature(call.model.forward).parameters:
         return "right padding, with a model that takes no position_ids (it numbers by cache position)"
-    drafter = call.state.config.speculative
-    if call.custom["assistant_model"] is not None or not (drafter is None or isinstance(drafter, str)):
+    drafter = call.state.config.speculative  # an assistant_model drafts only as the engine's (`assisted`)
+    if not (drafter is None or isinstance(drafter, str)):
         return "right padding, with a draft model (its own cache is not shifted)"
     return None
 

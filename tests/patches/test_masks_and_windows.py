@@ -172,6 +172,28 @@ def test_right_padding_with_a_cache_given_falls_back():
     assert torch.equal(out, expected)
 
 
+def test_right_padding_falls_back_only_where_a_draft_model_drafts():
+    """A draft model keeps its own cache, not shifted as the target's: with the engine's draft model the
+    call goes to HF; an assistant that is not the engine's drafts nothing, so the row is served."""
+    model, draft = tiny_model("llama"), tiny_model("llama", seed=3)
+    ids, mask = _right_padded()
+    one = {"input_ids": ids[1:2], "attention_mask": mask[1:2], "max_new_tokens": 4, "do_sample": False}
+    assert not bool(mask[1, -1])
+    expected = type(model).generate(model, **one)
+    hfaccel.patch(model, strict=True)
+    try:
+        with pytest.warns(UserWarning, match="assistant_model is not the engine's draft model"):
+            assert torch.equal(model.generate(**one, assistant_model=draft), expected)
+    finally:
+        hfaccel.unpatch(model)
+    hfaccel.patch(model, speculative=draft, strict=True)
+    try:
+        with pytest.raises(ValueError, match="right padding, with a draft model"):
+            model.generate(**one, assistant_model=draft)
+    finally:
+        hfaccel.unpatch(model)
+
+
 @pytest.mark.parametrize("masks", ["holes", "right-padding"])
 def test_the_returned_cache_holds_the_kept_tokens_in_their_columns(masks):
     """HF returns K/V at every column; the masked ones are never attended again. The engine's cache
