@@ -449,7 +449,10 @@ def make_requests(
     the padded row as in HF."""
     copies, rows = call.copies, call.ids
     stopping, sampling = call.params
-    if assisted.foreign_assistant(call.config, call.custom["assistant_model"], call.state.config.speculative):
+    assistant = call.custom["assistant_model"]  # (asked only then: assisted.py stays off plain calls)
+    if assistant is not None and assisted.foreign_assistant(
+        call.config, assistant, call.state.config.speculative
+    ):
         assisted.warn_foreign(call.state.warned)
     keep = call.mask.bool().cpu().repeat_interleave(copies, dim=0)
     rows = rows.repeat_interleave(copies, dim=0).cpu()
