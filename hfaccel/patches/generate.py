@@ -91,7 +91,7 @@ def patched_generate(
         loop.run(requests, progress=state.progress)
         if not config.return_dict_in_generate:
             return beam_output(config, visible_ids, [r.beam_group.results for r in requests])
-        output = beam_dict_output(config, visible_ids, requests, self, columns, width)
+        output = beam_dict_output(config, visible_ids, requests, self, columns, width, _recomputes(call))
         return _as_static(self, call, output, width)
     prompts = visible_ids.repeat_interleave(call.copies, dim=0)
     if call.stopping.max_new_tokens <= 0:
@@ -115,7 +115,8 @@ def patched_generate(
         loop.run(requests, progress=state.progress)
     if columns is not None:
         columns = [c for c in columns for _ in range(call.copies)]
-    output = _as_static(self, call, generate_output(config, prompts, requests, self, width, columns), width)
+    output = generate_output(config, prompts, requests, self, width, columns, _recomputes(call))
+    output = _as_static(self, call, output, width)
     if imported is None:
         return output
     built = output_cache(output) if config.return_dict_in_generate else None
@@ -123,6 +124,12 @@ def patched_generate(
         longest = max(len(r.output_token_ids) for r in requests)
         built = dynamic_cache(self, requests, width, longest, call.ids.device)
     return imported.finish(output, built)
+
+
+def _recomputes(call: GenerateCall) -> bool:
+    """Whether HF's generate runs this call without a cache, recomputing every token at every step (it
+    keeps one for a prompt of embeddings whatever ``use_cache`` says)."""
+    return call.config.use_cache is False and call.embeds is None
 
 
 def _kept_columns(call: GenerateCall) -> list[torch.Tensor]:
@@ -190,12 +197,14 @@ def generate_output(
     model: Any = None,
     kv_width: int | None = None,
     columns: list[torch.Tensor] | None = None,
+    recompute: bool = False,
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """HF's layout: each prompt as given, its new tokens, right-padded with the pad id; and, for
     ``return_dict_in_generate``, per-step ``scores``/``logits`` of shape ``[B, V]`` (a row that had
     already finished holds -inf there: it was not computed) and ``past_key_values`` (its prompt part
     `kv_width` wide: the prompts' width, or the embeddings' for a prompt given as embeddings only; each
-    row's kept prompt tokens at its `columns`, or right-aligned)."""
+    row's kept prompt tokens at its `columns`, or right-aligned); hidden states and attentions per step
+    (`state_outputs`; `recompute`: HF ran without a cache, recomputing every token at every step)."""
     pad = config._pad_token_tensor
     pad_id = int(pad.flatten()[0]) if pad is not None else 0
     width = max((len(r.output_token_ids) for r in requests), default=0)
@@ -215,10 +224,9 @@ def generate_output(
     states = {}
     for name, wanted in (("attentions", "output_attentions"), ("hidden_states", "output_hidden_states")):
         if requests and getattr(requests[0].sampling, wanted):
-            whole = config.use_cache is False  # HF recomputes every token at every step
             prompt_width = kv_width or prompts.shape[1]
             rows = request_rows(requests, prompt_width, columns)
-            states[name] = recorded_steps(rows, name, prompt_width, width, whole)
+            states[name] = recorded_steps(rows, name, prompt_width, width, recompute)
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
         scores=_per_step(requests, "scores", width) if config.output_scores else None,

@@ -113,6 +113,7 @@ def beam_dict_output(
     model: Any,
     columns: list[torch.Tensor] | None = None,
     prompt_width: int | None = None,
+    recompute: bool = False,
 ) -> GenerateBeamDecoderOnlyOutput:
     """HF's `GenerateBeamDecoderOnlyOutput` for beam search requests (one per prompt): the hypotheses
     (`beam_output`), ``sequences_scores`` (with ``output_scores``, as HF), ``beam_indices`` (per
@@ -121,7 +122,8 @@ def beam_dict_output(
     `state_outputs`), and the cache HF holds after its last
     reorder: the final running beams, each without its last token (`columns`: each prompt's kept
     columns, for masks that are not left padding; `prompt_width`: the prompt's width in the cache and
-    the states, when `prompts` are not as wide: embeddings without ids). HF goes on stepping a prompt
+    the states, when `prompts` are not as wide: embeddings without ids; `recompute`: HF ran without a
+    cache). HF goes on stepping a prompt
     whose search has ended until every prompt's has; the engine stops it, so its later rows differ
     (warned)."""
     groups = [r.beam_group for r in requests]
@@ -155,7 +157,7 @@ def beam_dict_output(
     for name, wanted in (("attentions", "output_attentions"), ("hidden_states", "output_hidden_states")):
         if getattr(requests[0].sampling, wanted):
             rows = beam_rows(groups, kv_width, columns)
-            states[name] = recorded_steps(rows, name, kv_width, steps, config.use_cache is False)
+            states[name] = recorded_steps(rows, name, kv_width, steps, recompute)
     scores = [g.step_scores for g in groups] if config.output_scores else None
     logits = [g.step_logits for g in groups] if config.output_logits else None
     return GenerateBeamDecoderOnlyOutput(

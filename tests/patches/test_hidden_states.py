@@ -205,12 +205,14 @@ def test_assisted_decoding_states_are_hfs(assist):
     assert assist == "prompt_lookup" or drafted.rejections > 0  # the random draft: rejected ones replaced
 
 
-def test_states_of_a_prompt_given_as_embeddings_equal_hf():
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_states_of_a_prompt_given_as_embeddings_equal_hf(use_cache):
+    """HF keeps a cache for a prompt of embeddings whatever use_cache says: one token a step."""
     model = tiny_model()
     model.set_attn_implementation("eager")
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     embeds = model.get_input_embeddings()(ids).detach() * 1.5  # not any token's embedding
-    kwargs = {"inputs_embeds": embeds, "max_new_tokens": 4, **STATES}
+    kwargs = {"inputs_embeds": embeds, "max_new_tokens": 4, "use_cache": use_cache, **STATES}
     with torch.no_grad():
         reference = type(model).generate(model, **kwargs)
     hfaccel.patch(model, kv_cache_memory=4_000_000, strict=True)
