@@ -121,7 +121,7 @@ def test_beams_run_beside_other_calls_and_share_the_cache():
     [
         ({"num_beam_groups": 2, "diversity_penalty": 1.0}, "group_beam_search"),
         ({"force_words_ids": [[7]]}, "constrained_beam_search"),
-        ({"return_dict_in_generate": True, "output_attentions": True}, "output_attentions"),
+        ({"max_time": 5.0}, "max_time"),
     ],
 )
 def test_what_the_engine_does_not_serve_falls_back_with_a_warning(kwargs, reason):
