@@ -268,6 +268,8 @@ def _cache_gate(call: GenerateCall) -> str | None:
     if shape is not None and shape.value_head_dim != shape.head_dim:
         return "a cache given or returned, with multi-head latent attention (its cache holds latents)"
     implementation = call.config.cache_implementation
+    if call.cache is not None and implementation is not None:  # HF raises: the call goes to it
+        return f"a cache given with cache_implementation={implementation!r} (transformers refuses it)"
     if call.cache is None and implementation not in (None, "dynamic", "offloaded", "static"):
         # the engine builds a DynamicCache, or HF's StaticCache (`outputs.static_cache`)
         return f"a cache returned, with cache_implementation={implementation!r} (HF returns its own class)"
@@ -321,6 +323,9 @@ def _states_gate(call: GenerateCall) -> str | None:
         return f"{what} with a cache given"
     if has_recurrent_layers(call.model) or parallel_layout(call.model).parallel:
         return f"{what} with recurrent layers or parallelism"
+    implementation = config.cache_implementation
+    if config.output_attentions and implementation not in (None, "dynamic", "offloaded"):
+        return f"{what} with cache_implementation={implementation!r} (HF's attentions span its whole cache)"
     needs = attention_needs(call.model)
     if "sliding_window" in needs or "chunked_attention" in needs:
         span = narrowest_local_span(call.model)

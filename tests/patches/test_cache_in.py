@@ -13,6 +13,7 @@ from hfaccel.config import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.prompt_inputs import attach_kv
 from hfaccel.engine.request import StoppingParams
+from hfaccel.patches.arguments import CACHE_NAME
 from tests.helpers import EOS, hf, left_padded, tiny_model, varied_prompts
 
 
@@ -315,5 +316,27 @@ def test_a_cache_with_sliding_window_layers_continues_as_hf_and_is_extended_as_h
             everything = torch.cat([seq_mask.bool(), torch.ones(len(seq_mask), 5, dtype=torch.bool)], dim=1)
             real = everything[:, -mine.keys.shape[-2] :][:, None, :, None].expand_as(mine.keys)
             torch.testing.assert_close(mine.keys[real], hfs.keys[real], atol=1e-5, rtol=1e-4)
+    finally:
+        hfaccel.unpatch(model)
+
+
+def test_a_cache_given_with_a_cache_implementation_goes_to_hf_which_refuses_it():
+    """HF raises for a cache given beside ``cache_implementation``: the call falls back, so it raises too."""
+    model = tiny_model()
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        first = type(model).generate(
+            model, ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True
+        )
+    hfaccel.patch(model, kv_cache_memory=4_000_000)
+    try:
+        cache = copy.deepcopy(getattr(first, CACHE_NAME))
+        with (
+            pytest.warns(UserWarning, match="a cache given with cache_implementation='static'"),
+            pytest.raises(ValueError, match="Passing both `cache_implementation`"),
+        ):
+            model.generate(
+                first.sequences, max_new_tokens=3, cache_implementation="static", **{CACHE_NAME: cache}
+            )
     finally:
         hfaccel.unpatch(model)

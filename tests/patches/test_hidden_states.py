@@ -243,6 +243,7 @@ def test_flags_without_a_dict_output_are_served_without_recording():
     ("kwargs", "reason"),
     [
         ({"cache_implementation": "quantized"}, "cache_implementation='quantized'"),
+        ({"cache_implementation": "static"}, "output_attentions=True with cache_implementation='static'"),
     ],
 )
 def test_what_is_not_recorded_falls_back(kwargs, reason):
