@@ -323,6 +323,11 @@ def _states_gate(call: GenerateCall) -> str | None:
         return f"{what} with a cache given"
     if has_recurrent_layers(call.model) or parallel_layout(call.model).parallel:
         return f"{what} with recurrent layers or parallelism"
+    attention = getattr(call.model.config, "_attn_implementation", None) or "eager"
+    if config.output_attentions and attention != "eager":  # HF's other implementations return none
+        return (
+            f"{what} with attn_implementation={attention!r} (transformers returns no attention probabilities)"
+        )
     implementation = config.cache_implementation
     if config.output_attentions and implementation not in (None, "dynamic", "offloaded"):
         return f"{what} with cache_implementation={implementation!r} (HF's attentions span its whole cache)"

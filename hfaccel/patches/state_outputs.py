@@ -97,7 +97,8 @@ def recorded_steps(
                         tensor[i, row] = values
             per_layer.append(tensor)
         out.append(tuple(per_layer))
-    if any(len(r.places) < prompt_width or r.steps < steps for r in rows):
+    fed = [len(r.places) + (("prompt", len(r.places)) in r.prompt) for r in rows]  # a masked last is fed
+    if any(count < prompt_width or r.steps < steps for count, r in zip(fed, rows)):
         warnings.warn(
             f"hfaccel: {name} at masked prompt positions (padding) and of a row's steps after it finished "
             "are zeros; transformers computes them from the masked or pad tokens, which no kept token "

@@ -248,11 +248,27 @@ def test_flags_without_a_dict_output_are_served_without_recording():
 )
 def test_what_is_not_recorded_falls_back(kwargs, reason):
     model = tiny_model()
+    model.set_attn_implementation("eager")
     ids = torch.tensor([[5, 6, 7, 8]])
     hfaccel.patch(model, kv_cache_memory=4_000_000, strict=True)
     try:
         with pytest.raises(ValueError, match=reason):
             model.generate(ids, max_new_tokens=3, **STATES, **kwargs)
+    finally:
+        hfaccel.unpatch(model)
+
+
+def test_attentions_of_a_model_on_sdpa_go_to_hf():
+    """HF's sdpa attention returns no probabilities (an empty tuple a step): the call goes to HF; hidden
+    states alone are served."""
+    model = tiny_model()  # sdpa
+    ids = torch.tensor([[5, 6, 7, 8]])
+    hfaccel.patch(model, kv_cache_memory=4_000_000, strict=True)
+    try:
+        with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+            model.generate(ids, max_new_tokens=3, **STATES)
+        hidden = {**STATES, "output_attentions": False}
+        assert len(model.generate(ids, max_new_tokens=3, **hidden).hidden_states) == 3
     finally:
         hfaccel.unpatch(model)
 
