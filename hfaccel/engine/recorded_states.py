@@ -6,8 +6,9 @@ keeps each recorded request's share, token by token.
 A token is keyed by what it is to the caller, not by its place in the cache: ``("prompt", i)`` for the
 request's i-th prompt token (a masked last token included, while it is one), ``("output", k)`` for its
 k-th generated token fed back. A recomputed token (after a preemption) overwrites its record with the
-same values. Recording requests take no prefix-cache hits (their prompt must be computed) and never
-speculate (rejected drafts would be computed too).
+same values, and a rejected draft's record is overwritten by the token fed in its place (a position
+past the last token fed is never read). Recording requests take no prefix-cache hits: their prompt
+must be computed.
 """
 
 from __future__ import annotations
@@ -27,12 +28,6 @@ class TokenStates:
 
     hidden_states: tuple[torch.Tensor, ...] | None
     attentions: tuple[torch.Tensor, ...] | None
-
-
-def records(request: Request) -> bool:
-    """Whether `request` asks for hidden states or attention probabilities."""
-    sampling = request.sampling
-    return bool(sampling.output_hidden_states or sampling.output_attentions)
 
 
 def store(
