@@ -45,7 +45,7 @@ def store(
             row = first + j
             position = start + j
             key = ("prompt", position) if position < prompt_len else ("output", position - prompt_len)
-            visible = min(seq_len, seq_len - count + j + 1)  # keys up to its own (or the last before it)
+            visible = seq_len - count + j + 1  # keys up to its own (a query-only token: up to the one before)
             hidden = (
                 tuple(layer[0, row].clone() for layer in hidden_states)
                 if sampling.output_hidden_states and hidden_states is not None

@@ -142,16 +142,24 @@ class HFExecutor(ExecutorBase):
                 input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=logits_indices
             )
             return output.logits[0]
-        # Embedded prompt tokens: the model's own embedding of every packed id, then the given rows at
-        # their packed positions; the model runs on the embeddings (as HF's generate does for a prompt
-        # given as inputs_embeds).
+        output = self.model(
+            inputs_embeds=self._embedded(input_ids, prompt_embeds),
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=logits_indices,
+        )
+        return output.logits[0]
+
+    def _embedded(
+        self, input_ids: torch.Tensor, prompt_embeds: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """Embedded prompt tokens: the model's own embedding of every packed id, then the given rows at
+        their packed positions; the model runs on the embeddings (as HF's generate does for a prompt
+        given as inputs_embeds)."""
         index, rows = prompt_embeds
         embeds = self.model.get_input_embeddings()(input_ids)
         embeds[0, index] = rows.to(embeds.dtype)
-        output = self.model(
-            inputs_embeds=embeds, position_ids=positions, use_cache=False, logits_to_keep=logits_indices
-        )
-        return output.logits[0]
+        return embeds
 
     def _recording_forward(
         self,
@@ -162,10 +170,7 @@ class HFExecutor(ExecutorBase):
     ) -> torch.Tensor:
         inputs: dict[str, Any] = {"input_ids": input_ids}
         if prompt_embeds is not None:
-            index, rows = prompt_embeds
-            embeds = self.model.get_input_embeddings()(input_ids)
-            embeds[0, index] = rows.to(embeds.dtype)
-            inputs = {"inputs_embeds": embeds}
+            inputs = {"inputs_embeds": self._embedded(input_ids, prompt_embeds)}
         output = self.model(
             **inputs,
             position_ids=positions,

@@ -20,6 +20,7 @@ HF's result: docs/generate.md.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from contextlib import closing
 from typing import Any
@@ -41,7 +42,7 @@ from hfaccel.patches.arguments import (
 from hfaccel.patches.outputs import beam_dict_output, beam_output, dynamic_cache, static_cache
 from hfaccel.patches.patch_state import PatchState, call_seed, fall_back
 from hfaccel.patches.planner import GenerateCall, beam_requests, is_left_padding, make_requests
-from hfaccel.patches.state_outputs import recorded_steps, request_rows
+from hfaccel.patches.state_outputs import request_rows, state_fields
 
 
 def patched_generate(
@@ -221,12 +222,9 @@ def generate_output(
         kv_width = prompts.shape[1] if kv_width is None else kv_width
         layered = config.cache_implementation != "static"  # a static one is built from it (`static_cache`)
         cache = dynamic_cache(model, requests, kv_width, width, prompts.device, columns, layered)
-    states = {}
-    for name, wanted in (("attentions", "output_attentions"), ("hidden_states", "output_hidden_states")):
-        if requests and getattr(requests[0].sampling, wanted):
-            prompt_width = kv_width or prompts.shape[1]
-            rows = request_rows(requests, prompt_width, columns)
-            states[name] = recorded_steps(rows, name, prompt_width, width, recompute)
+    prompt_width = kv_width or prompts.shape[1]
+    rows = functools.partial(request_rows, requests, prompt_width, columns)
+    states = state_fields(requests[0].sampling, rows, prompt_width, width, recompute) if requests else {}
     return GenerateDecoderOnlyOutput(
         sequences=sequences,
         scores=_per_step(requests, "scores", width) if config.output_scores else None,

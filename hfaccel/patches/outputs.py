@@ -7,6 +7,7 @@ search's output (its hypotheses as ``sequences``, and for ``return_dict_in_gener
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -16,7 +17,7 @@ from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 from hfaccel.engine.request import Request
 from hfaccel.patches.arguments import CACHE_NAME
-from hfaccel.patches.state_outputs import beam_rows, recorded_steps
+from hfaccel.patches.state_outputs import beam_rows, state_fields
 
 
 def dynamic_cache(
@@ -68,17 +69,19 @@ def static_cache(
     keys and values (every layer whole). Sized as HF sizes it: its ``max_length - 1`` (plus `extra`, the
     embeddings' width for a prompt of embeddings only), at least ``max_cache_len`` and the size of the
     model's previous static cache, which HF keeps on the model (to avoid recompiles) and so does this.
-    The keys go in as HF's generate puts them, the first `prefill` columns at once and then one token at
-    a time, so each layer (a sliding one rolls its window) ends in the state HF's would."""
+    A sliding layer's keys go in as HF's generate puts them, the first `prefill` columns at once and then
+    one token at a time, so its window rolls to the state HF's does; a full layer's go in at once."""
     from transformers import StaticCache
 
     length = max(max_length - 1 + extra, max_cache_len or 0, getattr(model, "_previous_max_cache_length", -1))
     model._previous_max_cache_length = length
     cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
     for index, layer in enumerate(built.layers):
-        total = layer.keys.shape[-2]
+        if not getattr(cache.layers[index], "is_sliding", True):  # a full layer: positions in order, at once
+            cache.update(layer.keys, layer.values, index)
+            continue
         cache.update(layer.keys[:, :, :prefill], layer.values[:, :, :prefill], index)
-        for t in range(prefill, total):
+        for t in range(prefill, layer.keys.shape[-2]):
             cache.update(layer.keys[:, :, t : t + 1], layer.values[:, :, t : t + 1], index)
     return cache
 
@@ -153,11 +156,8 @@ def beam_dict_output(
         places = None if columns is None else [c for c in columns for _ in range(nb)]
         layered = config.cache_implementation != "static"  # a static one is built from it (`static_cache`)
         cache = dynamic_cache(model, slots, kv_width, steps, prompts.device, places, layered)
-    states = {}
-    for name, wanted in (("attentions", "output_attentions"), ("hidden_states", "output_hidden_states")):
-        if getattr(requests[0].sampling, wanted):
-            rows = beam_rows(groups, kv_width, columns)
-            states[name] = recorded_steps(rows, name, kv_width, steps, recompute)
+    rows = functools.partial(beam_rows, groups, kv_width, columns)
+    states = state_fields(requests[0].sampling, rows, kv_width, steps, recompute)
     scores = [g.step_scores for g in groups] if config.output_scores else None
     logits = [g.step_logits for g in groups] if config.output_logits else None
     return GenerateBeamDecoderOnlyOutput(

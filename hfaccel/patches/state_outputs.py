@@ -69,6 +69,22 @@ def beam_rows(groups: list[Any], prompt_width: int, columns: list[torch.Tensor] 
     return rows
 
 
+def state_fields(
+    sampling: Any, rows: Callable[[], list[RowRecords]], prompt_width: int, steps: int, recompute: bool
+) -> dict[str, Any]:
+    """The output's ``attentions`` / ``hidden_states`` fields the call's `sampling` asks for, from the
+    `rows` it builds (sampling or beam search); empty when it asks for neither."""
+    wanted = [
+        name
+        for name, flag in (("attentions", "output_attentions"), ("hidden_states", "output_hidden_states"))
+        if getattr(sampling, flag)
+    ]
+    if not wanted:
+        return {}
+    built = rows()
+    return {name: recorded_steps(built, name, prompt_width, steps, recompute) for name in wanted}
+
+
 def recorded_steps(
     rows: list[RowRecords], name: str, prompt_width: int, steps: int, whole: bool = False
 ) -> tuple[tuple[torch.Tensor, ...], ...]:
