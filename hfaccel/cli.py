@@ -19,7 +19,7 @@ import torch
 SUITES = (
     "offline", "prefix", "chunked", "batching", "concurrency", "speculative", "rollouts", "step", "start",
     "kernels", "tp", "goodput", "host", "coverage", "serve", "quant", "burst", "kvcache", "compile",
-    "threads",
+    "threads", "windows",
 )  # fmt: skip
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -487,6 +487,7 @@ def run_bench(args: argparse.Namespace) -> None:
         "host": ("host", "run_host_benchmark"),  # a tiny random model of its own
         "compile": ("compile_wait", "run_compile_wait_benchmark"),  # a process per compile mode
         "start": ("step", "run_start_benchmark"),
+        "windows": ("windows", "run_windows_benchmark"),  # a tiny Gemma 3 of its own, 4,000-token runs
     }
     for suite in [s for s in suites if s in standalone]:
         module, function = standalone[suite]

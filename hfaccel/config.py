@@ -43,6 +43,7 @@ class CacheConfig:
     dtype: str | torch.dtype = "auto"
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    window_pool: bool = True
 
     def __post_init__(self) -> None:
         _require_positive_int("block_size", self.block_size)
@@ -65,6 +66,7 @@ class CacheConfig:
         if self.max_model_len is not None:
             _require_positive_int("max_model_len", self.max_model_len)
         _require_bool("enable_prefix_caching", self.enable_prefix_caching)
+        _require_bool("window_pool", self.window_pool)
 
 
 @dataclass(frozen=True)
@@ -255,6 +257,10 @@ class EngineConfig:
             ``max_position_embeddings``.
         enable_prefix_caching: share the KV blocks of prompt prefixes already computed (hash-chained
             full blocks, LRU eviction).
+        window_pool: where sliding-window layers sit beside full-attention ones (Gemma 2/3, gpt-oss,
+            Cohere 2), keep the sliding layers' K/V in a pool of their own whose blocks are given back
+            as the window moves past them, so their memory stays bounded by the window. Off, every
+            layer keeps every block (one pool, as for a model without sliding layers).
         chunked_prefill: split prompts longer than the step's remaining budget over several steps. Off,
             a prompt is computed in one step and must fit ``max_num_batched_tokens``.
         long_prefill_token_threshold: most prompt tokens one request computes in one step (``None``:

@@ -213,6 +213,11 @@ def test_check_says_what_of_a_model_the_engine_serves_before_it_runs():
     assert report.served and report.reason is None and report.layers == {"full_attention": 2}
     assert report.needs == [] and report.backend == "torch" and report.backends["torch"] is None
     assert "served on the engine: 2 full_attention" in str(report)
+    assert "KV memory: grows with the sequence" in str(report)
+    assert "every layer slides" in hfaccel.check(family_model("mistral")).kv_memory
+    mixed = ["sliding_attention", "full_attention", "sliding_attention"]
+    pooled = hfaccel.check(family_model("gemma3_text", num_hidden_layers=3, layer_types=mixed)).kv_memory
+    assert pooled.startswith("the 2 sliding layers' bounded by their window (8 positions), in a pool")
     sinks = hfaccel.check(family_model("gpt_oss"))
     assert sinks.served and sinks.needs == ["attention_sinks", "sliding_window"]
     assert sinks.backends["triton"] == "the triton backend does not serve attention sinks"

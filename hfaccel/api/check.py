@@ -8,12 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hfaccel.kernels.selection import ATTENTION_NEEDS, BACKEND_NAMES, get_backend, unavailable_reason
-from hfaccel.patches.layer_support import attention_needs
+from hfaccel.patches.layer_support import attention_needs, kv_window, sliding_layers
 from hfaccel.patches.models import attention_dims, max_model_len, model_reason
 
 # Calls that go to transformers' generate whatever the model (patches/planner.py's gates), for the report.
 ALWAYS_FALLS_BACK = (
-    "output_attentions / output_hidden_states",
     "diverse and constrained beam search",
     "prefix_allowed_tokens_fn, negative prompts (classifier-free guidance), custom_generate",
 )
@@ -33,6 +32,7 @@ class ModelCheck:
     backends: dict[str, str | None] = field(default_factory=dict)
     backend: str | None = None
     max_model_len: int | None = None
+    kv_memory: str = ""
 
     def __str__(self) -> str:
         lines = [f"hfaccel.check: {self.model}"]
@@ -43,6 +43,7 @@ class ModelCheck:
         lines.append(f"  served on the engine: {kinds}; up to {self.max_model_len} tokens")
         wanted = ", ".join(ATTENTION_NEEDS[n] for n in self.needs) or "plain causal attention"
         lines.append(f"  attention: {wanted}")
+        lines.append(f"  KV memory: {self.kv_memory}")
         for name, answer in self.backends.items():
             mark = "picked by 'auto'" if name == self.backend else ("serves it" if answer is None else answer)
             lines.append(f"    {name:<11} {mark}")
@@ -72,4 +73,19 @@ def check(model: Any) -> ModelCheck:
         if backend != "auto"
     }
     chosen = get_backend("auto", param.device, param.dtype, head_dim, needs).name
-    return ModelCheck(name, True, None, layers, sorted(needs), backends, chosen, max_model_len(model, None))
+    longest = max_model_len(model, None)
+    return ModelCheck(name, True, None, layers, sorted(needs), backends, chosen, longest, _kv_memory(model))
+
+
+def _kv_memory(model: Any) -> str:
+    """How a sequence's KV memory grows on the engine (`layer_support.kv_window`, `sliding_layers`)."""
+    window = kv_window(model)
+    if window is not None:
+        return f"bounded by the window ({window} positions): every layer slides, older blocks are given back"
+    sliding = sliding_layers(model)
+    if sliding:
+        return (
+            f"the {len(sliding)} sliding layers' bounded by their window ({max(sliding.values())} positions), "
+            "in a pool of their own (window_pool); the full layers' grows with the sequence"
+        )
+    return "grows with the sequence (every layer reads every key)"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from hfaccel.engine.request import Request
 from hfaccel.kernels.metadata import StepLayout, num_leading_decodes
@@ -104,6 +105,9 @@ class StepPacker:
         self.query_lens: list[int] = []
         self.seq_lens: list[int] = []
         self.tables: list[list[int]] = []
+        # The sliding layers' tables and slots, for a model that keeps them in a pool of their own.
+        self.window_tables: list[list[int]] = []
+        self.window_slots: list[int] = []
         self.logits_indices: list[int] = []
         self.state_slots: list[int] = []
 
@@ -114,10 +118,12 @@ class StepPacker:
         blocks: list[int],
         state_slot: int | None = None,
         positions: list[int] | range | None = None,
+        window_blocks: list[int] | None = None,
     ) -> None:
         """One sequence's `tokens` at cache indices ``start..`` (and model `positions`, by default the
-        same), its K/V written into `blocks` (its recurrent state into row `state_slot`, for a model
-        with recurrent layers)."""
+        same), its K/V written into `blocks` (and the sliding layers' into `window_blocks`, where they
+        have a pool of their own; its recurrent state into row `state_slot`, for a model with recurrent
+        layers)."""
         end = start + len(tokens)
         size = self.block_size
         self.input_ids.extend(tokens)
@@ -126,10 +132,15 @@ class StepPacker:
         self.query_lens.append(len(tokens))
         self.seq_lens.append(end)
         self.tables.append(blocks)
+        if window_blocks is not None:
+            self.window_slots.extend(window_blocks[p // size] * size + p % size for p in range(start, end))
+            self.window_tables.append(window_blocks)
         if state_slot is not None:
             self.state_slots.append(state_slot)
 
-    def add_query_only(self, token: int, position: int, index: int, blocks: list[int]) -> None:
+    def add_query_only(
+        self, token: int, position: int, index: int, blocks: list[int], window_blocks: list[int] | None = None
+    ) -> None:
         """A token fed for its logits alone (`Request.masked_last`): it sees the `index` tokens before
         it and not itself (its sequence ends before it), and its K/V goes to its own slot, `index`, which
         the next token fed there overwrites before anything reads it."""
@@ -140,6 +151,9 @@ class StepPacker:
         self.query_lens.append(1)
         self.seq_lens.append(index)
         self.tables.append(blocks)
+        if window_blocks is not None:
+            self.window_slots.append(window_blocks[index // size] * size + index % size)
+            self.window_tables.append(window_blocks)
 
     def layout(self, decode_query_len: int) -> StepLayout:
         return StepLayout(
@@ -149,7 +163,17 @@ class StepPacker:
             slot_mapping=self.slots,
             num_decodes=num_leading_decodes(self.query_lens, decode_query_len),
             state_slots=self.state_slots if len(self.state_slots) == len(self.tables) else None,
+            window_block_tables=self.window_tables if self.window_tables else None,
+            window_slot_mapping=self.window_slots if self.window_tables else None,
         )
+
+
+def readable_table(table: Any) -> list[int]:
+    """A block table (a request's or its `WindowTable`) as the kernels take it: entries given back
+    (outside every window, never read) name block 0, any valid id."""
+    if not table.num_slid_blocks:
+        return table.block_ids
+    return [0] * table.num_slid_blocks + table.block_ids[table.num_slid_blocks :]
 
 
 def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -> PackedStep:
@@ -177,13 +201,13 @@ def pack_step(step: ScheduledStep, block_size: int, decode_query_len: int = 1) -
             tokens = [request.token_at(start), *drafts]
         else:
             tokens = request.all_token_ids[start:end]
-        blocks = request.block_ids
-        if request.num_slid_blocks:  # the kernels never read them (outside every window): any valid id
-            blocks = [0] * request.num_slid_blocks + blocks[request.num_slid_blocks :]
+        blocks = readable_table(request)
+        window = None if request.window_table is None else readable_table(request.window_table)
         if request.masked_last and end == request.num_tokens:  # its query-only last token, alone
-            packer.add_query_only(tokens[0], request.positions(start, end)[0], start, blocks)
+            packer.add_query_only(tokens[0], request.positions(start, end)[0], start, blocks, window)
         else:
-            packer.add(tokens, start, blocks, request.state_slot, request.positions(start, end))
+            positions = request.positions(start, end)
+            packer.add(tokens, start, blocks, request.state_slot, positions, window)
         if request.sampling.output_hidden_states or request.sampling.output_attentions:
             first = len(packer.input_ids) - count
             recorded.append((first, request, start, count, packer.seq_lens[-1]))

@@ -357,17 +357,20 @@ def attach(request: Request) -> BeamGroup | None:
     return request.beam_group
 
 
-def snapshot_kv(request: Request, kept: dict[int, list[int]], gather: Any) -> None:
+def snapshot_kv(request: Request, kept: dict[int, tuple[list[int], Any]], gather: Any) -> None:
     """Copy out the KV of a request that finished this step and whose caller asked for it (`keep_kv`),
     from the blocks it held (`kept`: each stepped request's id -> its block table before the step's
-    forks; the blocks were freed just now and not reused yet). A beam group's slots each get the KV of
-    the beam they continued: HF's cache after its last reorder. `gather(block_ids, count)` reads it."""
+    forks, and its window-pool table or None: `window_blocks.kv_tables`; the blocks were freed just now
+    and not reused yet). A beam group's slots each get the KV of the beam they continued: HF's cache
+    after its last reorder. `gather(block_ids, count, window_ids)` reads it."""
     group = request.beam_group
     if group is None:
-        request.kv_snapshot = gather(kept[id(request)], request.num_computed_tokens)
+        blocks, window = kept[id(request)]
+        request.kv_snapshot = gather(blocks, request.num_computed_tokens, window)
         return
     for slot, source in zip(group.slots, group.sources):
-        slot.kv_snapshot = gather(kept[id(source)], slot.num_computed_tokens)
+        blocks, window = kept[id(source)]
+        slot.kv_snapshot = gather(blocks, slot.num_computed_tokens, window)
 
 
 def choose_group_tokens(

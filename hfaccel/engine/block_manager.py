@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import islice
+from typing import Any
 
 from hfaccel.engine.request import Request
 
@@ -59,6 +60,10 @@ class BlockManager:
     A block is free exactly when its reference count is zero; only free blocks are ever handed out (and
     so overwritten). Requests grow their block table all or nothing: a failed allocation changes nothing.
     """
+
+    # The window before which a sequence's blocks are given back as it grows (`release_before`): set
+    # where every attention layer slides, or by a window pool (`window_blocks`); None: kept.
+    kv_window: int | None = None
 
     def __init__(
         self,
@@ -184,8 +189,18 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def match_prefix(self, request: Request) -> int:
-        """Share the cached blocks of `request`'s leading full blocks; returns the tokens they cover.
+    def take_window_copies(self) -> list[tuple[int, int]]:
+        """The same for a window pool's blocks (`window_blocks.HybridBlockManager`; none here)."""
+        return []
+
+    @property
+    def num_used_window_blocks(self) -> int:
+        """Blocks in use in a window pool (`window_blocks.HybridBlockManager`; none here)."""
+        return 0
+
+    def match_prefix(self, request: Request, limit: int | None = None) -> int:
+        """Share the cached blocks of `request`'s leading full blocks (at most `limit` of them); returns
+        the tokens they cover.
 
         Call on a request that holds no blocks, when admitting it (this records the cache epoch it runs
         in). At least one token is always left to compute, so the step that admits the request produces
@@ -195,7 +210,7 @@ class BlockManager:
         if not self.enable_prefix_caching or request.block_ids:
             return 0
         tokens = request.all_token_ids
-        limit = (len(tokens) - 1) // self.block_size
+        limit = min((len(tokens) - 1) // self.block_size, len(tokens) if limit is None else limit)
         parent = _root(request)
         blocks: list[int] = []
         for index in range(limit):  # look up first, change nothing
@@ -212,6 +227,23 @@ class BlockManager:
         request.num_hashed_blocks, request.prefix_hash = len(blocks), parent
         return len(blocks) * self.block_size
 
+    def share(self, request: Any, keys: list[tuple[int, tuple[int, ...]]], first: int, count: int) -> None:
+        """Give `request` (holding no blocks) the cached blocks of `keys[first:count]` (all cached: see
+        `holds`) at those table positions, its entries before `first` given back (`SLID`) as a
+        sliding-window model's are once the window moved past them."""
+        blocks = [self._cached[key] for key in keys[first:count]]
+        for block_id in blocks:  # counted, then listed
+            self._ref_counts[block_id] += 1
+            self._free.pop(block_id, None)
+        request.block_ids.extend([SLID] * first + blocks)
+        request.num_slid_blocks = first
+        request.num_hashed_blocks = count
+        request.prefix_hash = hash(keys[count - 1]) if count else _root(request)
+
+    def holds(self, keys: Iterable[tuple[int, tuple[int, ...]]]) -> bool:
+        """Whether every one of `keys` names a cached block."""
+        return all(key in self._cached for key in keys)
+
     def first_block_key(self, request: Request) -> tuple[int, tuple[int, ...]] | None:
         """The cache key of `request`'s first block, if that block could ever be shared."""
         tokens = request.all_token_ids
@@ -225,7 +257,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         tokens = request.all_token_ids
-        keys, parent = [], 0
+        keys, parent = [], _root(request)
         for index in range((len(tokens) - 1) // self.block_size):
             key = self._key(parent, tokens, index)
             keys.append(key)
@@ -256,7 +288,9 @@ class BlockManager:
         for index in range(request.num_hashed_blocks, full):
             block_id = request.block_ids[index]
             key = self._key(parent, tokens, index)
-            if key not in self._cached:  # the same content may sit in another block already
+            if (
+                key not in self._cached and block_id != SLID
+            ):  # the same content may sit in another block already
                 self._cached[key] = block_id
                 self._block_key[block_id] = key
             parent = hash(key)

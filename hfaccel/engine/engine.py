@@ -17,7 +17,7 @@ from hfaccel.engine.async_step import AsyncStepper, resolve_async_scheduling
 from hfaccel.engine.batch import pack_step
 from hfaccel.engine.beam_search import attach as attach_beams
 from hfaccel.engine.beam_search import snapshot_kv
-from hfaccel.engine.block_manager import BlockManager, blocks_for
+from hfaccel.engine.block_manager import blocks_for
 from hfaccel.engine.cost_model import StepCostModel
 from hfaccel.engine.decode_buckets import resolve_compile_mode
 from hfaccel.engine.executor import ModelExecutor, make_executor
@@ -31,6 +31,7 @@ from hfaccel.engine.scheduler import Scheduler
 from hfaccel.engine.speculative.draft_model import DraftModelProposer, draft_executor
 from hfaccel.engine.speculative.drafting import propose_drafts
 from hfaccel.engine.speculative.proposer import make_proposer, speculative_stats
+from hfaccel.engine.window_blocks import kv_tables, make_block_manager
 from hfaccel.kernels import get_backend
 
 logger = logging.getLogger("hfaccel")
@@ -85,13 +86,14 @@ class Engine:
         self.limits = self._resolve_limits(budget, per_token)
         self.num_blocks = self._num_blocks(per_token * block_size, budget)
         state_slots = self._recurrent_state_slots()
-        self.block_manager = BlockManager(
-            self.num_blocks, block_size, self.config.enable_prefix_caching, state_slots
+        self.block_manager, window_pool = make_block_manager(
+            self.executor, self.config, self.max_model_len, self.num_blocks, state_slots, draft is not None
         )
+        self.num_blocks = self.block_manager.num_blocks
         self._cost_model = StepCostModel()
         self._cost_model_seen = 0  # the last step the model was fed (step 0 never is)
         self.scheduler = Scheduler(self.block_manager, self.config, self.max_model_len, self._cost_model)
-        self.scheduler.kv_window = None if draft is not None else getattr(self.executor, "kv_window", None)
+        self.scheduler.kv_window = None if draft is not None else self.block_manager.kv_window
         self.runner = ModelRunner(
             self.executor,
             backend,
@@ -105,6 +107,7 @@ class Engine:
             cuda_graphs=self._use_cuda_graphs(backend),
             decode_buckets=self.config.decode_buckets,
             num_microbatches=self.config.num_microbatches,
+            window_pool=window_pool,
         )
         self.warmup_seconds: float | None = None
         self._requests_bring_proposers = False  # some request has its own draft source: draft every step
@@ -229,10 +232,8 @@ class Engine:
         if self.step_sync is not None:  # tensor parallel: the same blocks on every rank
             num_blocks = self.step_sync.min_int(num_blocks)
         if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory gives {budget} bytes, less than one KV block ({bytes_per_block} bytes); "
-                f"the minimum is {bytes_per_block} bytes"
-            )
+            block = f"one KV block ({bytes_per_block} bytes); the minimum is {bytes_per_block} bytes"
+            raise ValueError(f"kv_cache_memory gives {budget} bytes, less than {block}")
         return num_blocks
 
     def add_request(
@@ -391,9 +392,9 @@ class Engine:
         if self._imported_kv:  # K/V given with a prompt (engine/prompt_inputs.py)
             write_imported_kv(self.runner, step.requests)
         packed = pack_step(step, self.config.block_size, self.runner.backend.capabilities.decode_query_len)
-        copies = self.block_manager.take_copies()
-        if copies:  # copy on write of blocks that forked beams shared (engine/beam_search.py)
-            self.runner.copy_blocks(copies)
+        copies = (self.block_manager.take_copies(), self.block_manager.take_window_copies())
+        if any(copies):  # copy on write of blocks that forked beams shared (engine/beam_search.py)
+            self.runner.copy_blocks(*copies)
         if self.step_sync is not None:  # tensor parallel: every rank runs this very step
             self.step_sync.check_step(step, packed)
         packed_at = time.perf_counter()
@@ -401,7 +402,7 @@ class Engine:
         if self.step_sync is not None:  # tensor parallel: rank 0's tokens everywhere
             tokens = self.step_sync.agree_tokens(tokens)
         sampled_at = time.perf_counter()
-        kept = {id(r): list(r.block_ids) for r in step.requests if r.keep_kv}
+        kept = {id(r): kv_tables(r) for r in step.requests if r.keep_kv}
         finished = self.scheduler.update(step, packed.sampled_requests, tokens)
         for request in finished:  # freed just now, not reused yet: copy the KV out for the caller
             if id(request) in kept:
@@ -428,6 +429,7 @@ class Engine:
             sample_s=sampled_at - ran_at,
             update_s=end - sampled_at,
             overlapped_s=overlapped,
+            kv_window_blocks_used=self.block_manager.num_used_window_blocks,
         )
         self.step_stats.append(stats)
         if self.scheduler.latency.targets_used:  # latency targets read the step-time model live

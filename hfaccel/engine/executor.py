@@ -84,6 +84,9 @@ class ModelExecutor(Protocol):
     # The largest sliding window when every attention layer slides (their K/V before it is never read
     # again: the engine gives those blocks back); None otherwise.
     kv_window: int | None
+    # Each sliding layer's index and window where full-attention layers sit beside them: the engine
+    # keeps the sliding layers' K/V in a pool of their own (`window_blocks.py`); empty otherwise.
+    sliding_layers: dict[int, int]
     # Layers with a per-sequence recurrent state (Mamba and its kin) beside the paged KV: the engine
     # gives each running request a state slot (`Request.state_slot`, in the step layout's
     # ``state_slots``), and never resumes a sequence from KV alone (no prefix-cache hits, no drafts to
@@ -104,6 +107,7 @@ class ExecutorBase:
     attention_needs: frozenset[str] = frozenset()  # plain causal attention
     recurrent: bool = False  # no recurrent layers
     kv_window: int | None = None  # every attention layer slides within this many positions (None: not)
+    sliding_layers: dict[int, int] = {}  # noqa: RUF012 (read only) no sliding layers beside full ones
 
     def reserve_state_slots(self, num_slots: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no recurrent layers")

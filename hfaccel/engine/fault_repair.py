@@ -58,12 +58,12 @@ def repair(scheduler: Any, failed: Iterable[Request] = (), error: BaseException 
     resuming = []
     for request in reversed(held.values()):  # newest arrival first: the oldest ends up in front
         if request.is_finished:
-            request.block_ids = []  # retired or failed: holds nothing
+            request.block_ids, request.window_table = [], None  # retired or failed: holds nothing
             continue
         scheduler.live[id(request)] = request
         if request.status is RequestStatus.RUNNING or request.output_token_ids:
             request.num_preemptions = max(request.num_preemptions, 1)  # recomputed, like a preempted one
-        request.block_ids = []
+        request.block_ids, request.window_table = [], None
         request.num_computed_tokens = 0
         request.num_hashed_blocks, request.prefix_hash = 0, 0
         request.speculation.draft_computed = 0
@@ -116,8 +116,11 @@ def _repair_beams(scheduler: Any, failed: list[Request], error: BaseException | 
         queued = {id(r) for r in (*scheduler.waiting, *scheduler.forming)}
         # A copy on write the interrupted step queued but never ran: that beam's block is not filled.
         copied = {dst for _, dst in scheduler.block_manager.pending_copies}
+        window_pool = getattr(scheduler.block_manager, "window", None)
+        window_copied = {dst for _, dst in window_pool.pending_copies} if window_pool is not None else set()
         whole = all(
             not copied.intersection(slot.block_ids)
+            and (slot.window_table is None or not window_copied.intersection(slot.window_table.block_ids))
             and slot in scheduler.running
             and slot.status is RequestStatus.RUNNING
             and not slot.is_finished
@@ -138,7 +141,7 @@ def _repair_beams(scheduler: Any, failed: list[Request], error: BaseException | 
 def _forget_beam(scheduler: Any, beam: Request) -> None:
     """`repair`: a beam leaves every queue and holds nothing (the block counts are rebuilt after)."""
     scheduler.unqueue(beam)
-    beam.block_ids = []
+    beam.block_ids, beam.window_table = [], None
     if not beam.is_finished:
         beam.finish("preempted")
 
@@ -146,12 +149,26 @@ def _forget_beam(scheduler: Any, beam: Request) -> None:
 def is_whole(block_size: int, request: Request) -> bool:
     """A running request's state is consistent: KV blocks for what it computed, something to compute."""
     computed = request.num_computed_tokens
-    blocks = request.block_ids
-    held = blocks[request.num_slid_blocks :]
+    window = request.window_table  # a model's sliding layers' table in a pool of their own: in lockstep
     return (
         0 <= computed < request.num_tokens
-        and len(blocks) >= blocks_for(computed, block_size)
+        and _whole_table(block_size, request, computed)
+        and (
+            window is None
+            or (
+                _whole_table(block_size, window, computed) and len(window.block_ids) == len(request.block_ids)
+            )
+        )
+    )
+
+
+def _whole_table(block_size: int, table: Any, computed: int) -> bool:
+    """A block table (a request's or its window table) holds distinct blocks for `computed` tokens."""
+    blocks = table.block_ids
+    held = blocks[table.num_slid_blocks :]
+    return (
+        len(blocks) >= blocks_for(computed, block_size)
         and len(set(held)) == len(held)
         and all(b >= 0 for b in held)
-        and request.num_hashed_blocks <= min(len(blocks), computed // block_size)
+        and table.num_hashed_blocks <= min(len(blocks), computed // block_size)
     )

@@ -28,6 +28,9 @@ class StepStats:
     sample_s: float = 0.0  # sampling (and verifying drafts)
     update_s: float = 0.0  # Scheduler.update, drafting, bookkeeping
     overlapped_s: float = 0.0  # host work done while the forward ran (asynchronous scheduling)
+    # Blocks in use in the sliding layers' own pool (`window_blocks`: a model with full and sliding
+    # layers); `kv_blocks_used` counts the full layers' pool then.
+    kv_window_blocks_used: int = 0
 
     @property
     def num_decode_seqs(self) -> int:

@@ -36,6 +36,7 @@ def split_microbatches(packed: PackedStep, count: int, decode_query_len: int = 1
     rows = packed.rows_per_request or [1] * len(packed.sampled_requests)
     sampled_by_end = _sampled_rows_by_token(packed, rows)
     micro = []
+    windowed = layout.window_block_tables
     for lo, hi in zip(bounds, bounds[1:]):
         t0, t1 = starts[lo], starts[hi]
         query_lens = layout.query_lens[lo:hi]
@@ -46,6 +47,8 @@ def split_microbatches(packed: PackedStep, count: int, decode_query_len: int = 1
             slot_mapping=layout.slot_mapping[t0:t1],
             num_decodes=num_leading_decodes(query_lens, decode_query_len),
             state_slots=None if layout.state_slots is None else layout.state_slots[lo:hi],
+            window_block_tables=None if windowed is None else windowed[lo:hi],
+            window_slot_mapping=None if windowed is None else layout.window_slot_mapping[t0:t1],
         )
         indices, requests, sub_rows = [], [], []
         for position, request, n in sampled_by_end:

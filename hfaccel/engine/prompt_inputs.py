@@ -97,4 +97,7 @@ def write_imported_kv(runner: Any, requests: list[Request]) -> None:
     computed tokens are exactly the imported ones: every later step starts past them) into their blocks."""
     for request in requests:
         if request.imported_kv is not None and request.num_computed_tokens == request.num_imported_tokens:
-            runner.write_kv(request.block_ids, request.imported_kv)
+            window = request.window_table
+            runner.write_kv(
+                request.block_ids, request.imported_kv, None if window is None else window.block_ids
+            )

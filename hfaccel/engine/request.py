@@ -184,6 +184,9 @@ class Request:
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_slid_blocks: int = 0  # leading table entries given back as out of every layer's window (-1)
+    # Its table in the sliding layers' own pool, for a model with full and sliding layers
+    # (`window_blocks.WindowTable`); None otherwise.
+    window_table: Any = None
     # The row of the model's recurrent-layer state it holds (models with recurrent layers only): taken
     # with its first block, given back with its blocks.
     state_slot: int | None = None

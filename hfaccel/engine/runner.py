@@ -24,7 +24,7 @@ from hfaccel.engine.decode_buckets import CapturedDecodeGraphs, GraphKey, choose
 from hfaccel.engine.executor import ModelExecutor
 from hfaccel.engine.microbatch import split_microbatches
 from hfaccel.kernels import kv_quant
-from hfaccel.kernels.metadata import AttentionBackend
+from hfaccel.kernels.metadata import AttentionBackend, StepLayout
 from hfaccel.kernels.op import ForwardContext, forward_context
 
 logger = logging.getLogger("hfaccel")
@@ -48,6 +48,7 @@ class ModelRunner:
         decode_buckets: tuple[int, ...] = (),
         compile_dynamic: bool = True,
         num_microbatches: int = 1,
+        window_pool: tuple[frozenset[int], int] | None = None,
     ) -> None:
         if compile_mode not in ("off", "decode", "all", "background"):
             raise ValueError(
@@ -83,19 +84,25 @@ class ModelRunner:
         self.block_size = block_size
         self.device = executor.device
         self.max_num_tokens = max_num_tokens
-        shape = backend.kv_cache_shape(
-            num_blocks, block_size, executor.num_kv_heads, executor.head_dim, kv_dtype
+        # The sliding layers of a model with full ones keep K/V in a pool of their own, of
+        # `num_window_blocks` blocks (`engine/window_blocks.py`): their caches are that much smaller.
+        self.window_layers, num_window_blocks = window_pool or (frozenset(), 0)
+        geometry = (block_size, executor.num_kv_heads, executor.head_dim, kv_dtype)
+        shapes = (
+            backend.kv_cache_shape(num_blocks, *geometry),
+            backend.kv_cache_shape(num_window_blocks, *geometry),
         )
         # Zeroed, not empty: masked-out slots may still be read, and NaN garbage would leak through.
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=kv_dtype, device=self.device),
-                torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                torch.zeros(shapes[i in self.window_layers], dtype=kv_dtype, device=self.device),
+                torch.zeros(shapes[i in self.window_layers], dtype=kv_dtype, device=self.device),
             )
-            for _ in range(executor.num_layers)
+            for i in range(executor.num_layers)
         ]
         self._builder_args = (max_num_seqs, max_num_tokens, max_blocks_per_seq, block_size, self.device)
         self._num_blocks = num_blocks
+        self._num_window_blocks = num_window_blocks
         self._geometry = (
             executor.num_q_heads,
             executor.num_kv_heads,
@@ -105,7 +112,11 @@ class ModelRunner:
         )
         # A bucket captured in a graph is planned on its own fixed-buffer wrapper (backends that plan on
         # the host): a plan on the shared one would rebind the buffers a graph replays.
-        self.builder = self._make_builder(self.decode_buckets if cuda_graphs else ())
+        graph_sizes = self.decode_buckets if cuda_graphs else ()
+        self.builder = self._make_builder(graph_sizes)
+        self.window_builder = (
+            self._make_builder(graph_sizes, num_window_blocks) if self.window_layers else None
+        )
         self._warm_inputs: tuple | None = None  # the background compile's buffers and builder, kept
         # compile="background": decode buckets compile in a thread of their own, eager until ready.
         self.background = (
@@ -132,7 +143,9 @@ class ModelRunner:
         # the previous step's copies have left them.
         self._copied: torch.cuda.Event | None = None
         if cuda_graphs:  # a graph bakes in the block-table width: keep it fixed
-            self.builder.fixed_width = max_blocks_per_seq
+            for builder in (self.builder, self.window_builder):
+                if builder is not None:
+                    builder.fixed_width = max_blocks_per_seq
 
     @staticmethod
     def _no_graphs_reason(executor: ModelExecutor, backend: AttentionBackend) -> str | None:
@@ -197,9 +210,7 @@ class ModelRunner:
         input_ids = self._stage("input_ids", packed.input_ids, tokens)
         positions = self._stage("positions", packed.positions, tokens)
         logits_indices = self._stage("logits_indices", packed.logits_indices, len(packed.logits_indices))
-        metadata = self.builder.build(packed.layout, None, tokens)
-        context = ForwardContext(self.backend, metadata, self.kv_caches, packed.layout)
-        return input_ids, positions, logits_indices, context
+        return input_ids, positions, logits_indices, self._context(packed.layout, None, tokens)
 
     def _run_one(self, packed: PackedStep, bucket: int | None) -> torch.Tensor:
         if self._copied is not None:
@@ -225,11 +236,11 @@ class ModelRunner:
         logits_indices = self._stage(
             "logits_indices", packed.logits_indices, bucket or max(len(packed.logits_indices), floor)
         )
-        metadata = self.builder.build(packed.layout, bucket, tokens)
+        context = self._context(packed.layout, bucket, tokens)
+        metadata = context.metadata
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        context = ForwardContext(self.backend, metadata, self.kv_caches, packed.layout)
         if recorded is not None:
             return self._run_recorded(packed, context, input_ids, positions, logits_indices)
         key = self._graph_key(bucket, metadata) if bucket is not None and self.cuda_graphs else None
@@ -265,6 +276,18 @@ class ModelRunner:
         self.executor.recorded = None
         recorded_states.store(packed.recorded, hidden_states, attentions)
         return logits[: len(packed.logits_indices)]
+
+    def _context(
+        self, layout: StepLayout, bucket: int | None, tokens: int, builders: tuple | None = None
+    ) -> ForwardContext:
+        """The step's forward context: its metadata built in the builders' buffers (the window pool's
+        too, for a model whose sliding layers have one)."""
+        builder, window_builder = builders or (self.builder, self.window_builder)
+        context = ForwardContext(self.backend, builder.build(layout, bucket, tokens), self.kv_caches, layout)
+        if window_builder is not None:
+            context.window_layers = self.window_layers
+            context.window_metadata = window_builder.build(layout.window_view(), bucket, tokens)
+        return context
 
     def _prompt_embeds(self, runs: list) -> tuple[torch.Tensor, torch.Tensor]:
         """The packed indices of the step's embedded prompt tokens and their embedding rows, ``[n, H]``."""
@@ -334,9 +357,11 @@ class ModelRunner:
             self.run(PackedStep(ids, [0] * len(ids), [], [], warmup_layout()), bucket=bucket)
         return time.perf_counter() - start
 
-    def _make_builder(self, graph_sizes: tuple[int, ...]) -> object:
-        """A metadata builder over buffers of its own, told the attention geometry where it plans."""
-        builder = self.backend.make_builder(*self._builder_args, num_blocks=self._num_blocks)
+    def _make_builder(self, graph_sizes: tuple[int, ...], num_blocks: int | None = None) -> Any:
+        """A metadata builder over buffers of its own (for a cache of `num_blocks`, by default the
+        engine's), told the attention geometry where it plans."""
+        count = self._num_blocks if num_blocks is None else num_blocks
+        builder = self.backend.make_builder(*self._builder_args, num_blocks=count)
         configure = getattr(builder, "configure", None)
         if configure is not None:  # backends that plan on the host need the attention geometry once
             configure(*self._geometry, cuda_graph_batch_sizes=graph_sizes)
@@ -354,11 +379,10 @@ class ModelRunner:
         and a step of padding (it writes only the scratch block, reads nothing)."""
         if self._warm_inputs is None:
             buffers = {name: torch.zeros_like(buffer) for name, buffer in self._dev.items()}
-            self._warm_inputs = (buffers, self._make_builder(()))
-        buffers, builder = self._warm_inputs
-        layout = warmup_layout()
-        metadata = builder.build(layout, bucket, bucket)
-        context = ForwardContext(self.backend, metadata, self.kv_caches, layout)
+            window = None if self.window_builder is None else self._make_builder((), self._num_window_blocks)
+            self._warm_inputs = (buffers, (self._make_builder(()), window))
+        buffers, builders = self._warm_inputs
+        context = self._context(warmup_layout(), bucket, bucket, builders)
         with torch.inference_mode(), forward_context(context):
             self.executor.forward(
                 buffers["input_ids"][:, :bucket],
@@ -368,46 +392,72 @@ class ModelRunner:
             )
 
     @torch.inference_mode()
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int]], window_copies: list[tuple[int, int]] = ()) -> None:
         """Copy whole KV blocks, ``(source, destination)`` pairs, in every layer (copy on write of a block
-        beams shared: `BlockManager.allocate`). Runs before the step's forward."""
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.device)
-        for k, v in self.kv_caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+        beams shared: `BlockManager.allocate`); `window_copies` are the window pool's, for the layers
+        that keep K/V there. Runs before the step's forward."""
+        for pairs, window in ((copies, False), (window_copies, True)):
+            if not pairs:
+                continue
+            src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+            dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+            for layer, (k, v) in enumerate(self.kv_caches):
+                if (layer in self.window_layers) == window:
+                    k.index_copy_(0, dst, k.index_select(0, src))
+                    v.index_copy_(0, dst, v.index_select(0, src))
 
-    def gather_kv(self, block_ids: list[int], num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of the first `num_tokens` tokens' K and V, ``[num_tokens, Hkv, D]`` per layer."""
+    def _slots(
+        self, block_ids: list[int], window_ids: list[int] | None, num_tokens: int
+    ) -> list[torch.Tensor]:
+        """Each layer's cache slots of positions ``[0, num_tokens)``, from its pool's table."""
         positions = torch.arange(num_tokens, device=self.device)
-        table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        offsets = positions % self.block_size
+        tables = [block_ids] if window_ids is None else [block_ids, window_ids]
+        if any(b < 0 for t in tables for b in t[: -(-num_tokens // self.block_size)]):
+            raise ValueError("K/V asked of positions whose blocks were given back (outside every window)")
+        slots = [
+            torch.tensor(t, dtype=torch.long, device=self.device)[positions // self.block_size]
+            * self.block_size
+            + offsets
+            for t in tables
+        ]
+        return [
+            slots[-1] if layer in self.window_layers else slots[0] for layer in range(len(self.kv_caches))
+        ]
+
+    def gather_kv(
+        self, block_ids: list[int], num_tokens: int, window_ids: list[int] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the first `num_tokens` tokens' K and V, ``[num_tokens, Hkv, D]`` per layer (the
+        sliding layers' from `window_ids`, where they have a pool of their own)."""
         head_dim, dtype = self.executor.head_dim, self._values_dtype()
         return [
             (
                 kv_quant.load(k.view(-1, *k.shape[2:]).index_select(0, slots), head_dim, dtype),
                 kv_quant.load(v.view(-1, *v.shape[2:]).index_select(0, slots), head_dim, dtype),
             )
-            for k, v in self.kv_caches
+            for (k, v), slots in zip(self.kv_caches, self._slots(block_ids, window_ids, num_tokens))
         ]
 
     def _values_dtype(self) -> torch.dtype:
         """The dtype K/V values leave the cache in: the cache's own, or the model's for an int8 cache."""
         return self.executor.dtype if kv_quant.is_quantized(self.kv_dtype) else self.kv_dtype
 
-    def write_kv(self, block_ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write K and V (``[n, Hkv, D]`` per layer) into the slots of positions ``[0, n)`` of `block_ids`:
-        the inverse of `gather_kv`."""
+    def write_kv(
+        self,
+        block_ids: list[int],
+        kv: list[tuple[torch.Tensor, torch.Tensor]],
+        window_ids: list[int] | None = None,
+    ) -> None:
+        """Write K and V (``[n, Hkv, D]`` per layer) into the slots of positions ``[0, n)`` of `block_ids`
+        (and of `window_ids` for the sliding layers that have a pool of their own): the inverse of
+        `gather_kv`."""
         num_tokens = int(kv[0][0].shape[0])
         if num_tokens == 0:
             return
-        positions = torch.arange(num_tokens, device=self.device)
-        table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        layer_slots = self._slots(block_ids, window_ids, num_tokens)
         with torch.no_grad():
-            for (k_cache, v_cache), (k, v) in zip(self.kv_caches, kv, strict=True):
+            for (k_cache, v_cache), (k, v), slots in zip(self.kv_caches, kv, layer_slots, strict=True):
                 kv_quant.store(k_cache, slots, k.to(k_cache.device))
                 kv_quant.store(v_cache, slots, v.to(v_cache.device))
 

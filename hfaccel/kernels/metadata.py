@@ -66,6 +66,24 @@ class StepLayout:
     num_decodes: int
     # Each sequence's row of a recurrent model's state (`Request.state_slot`); None for other models.
     state_slots: list[int] | None = None
+    # The sliding layers' block tables and slots, where they keep K/V in a pool of their own (a model
+    # with full and sliding layers: `engine/window_blocks.py`); None otherwise.
+    window_block_tables: list[list[int]] | None = None
+    window_slot_mapping: list[int] | None = None
+
+    def window_view(self) -> StepLayout:
+        """The step as the sliding layers see it: their own tables and slots (this layout where they
+        have none)."""
+        if self.window_block_tables is None:
+            return self
+        return StepLayout(
+            self.query_lens,
+            self.seq_lens,
+            self.window_block_tables,
+            self.window_slot_mapping or [],
+            self.num_decodes,
+            self.state_slots,
+        )
 
     @property
     def num_seqs(self) -> int:

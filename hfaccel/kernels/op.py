@@ -41,6 +41,14 @@ class ForwardContext:
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
     layout: Any = None  # StepLayout
     record_attentions: bool = False  # the attention layers return their probabilities (`attention_probs`)
+    # Layers whose K/V live in a pool of their own (the sliding layers of a model with full ones:
+    # `engine/window_blocks.py`), and the step's metadata over that pool's tables.
+    window_layers: frozenset[int] = frozenset()
+    window_metadata: Any = None
+
+    def layout_for(self, layer_idx: int) -> Any:
+        """The host layout over the block tables that `layer_idx`'s cache is indexed by."""
+        return self.layout.window_view() if layer_idx in self.window_layers else self.layout
 
 
 @contextmanager
@@ -93,10 +101,11 @@ def paged_attention(
         if context is None:
             raise RuntimeError("hfaccel::paged_attention runs only inside an hfaccel engine step")
         kv_cache = context.kv_caches[layer_idx]
+        metadata = context.window_metadata if layer_idx in context.window_layers else context.metadata
         if softcap > 0 or sinks is not None:
             local = (window, chunk, softcap, sinks)
-            return context.backend.forward(query, key, value, kv_cache, context.metadata, scale, *local)
-        return context.backend.forward(query, key, value, kv_cache, context.metadata, scale, window, chunk)
+            return context.backend.forward(query, key, value, kv_cache, metadata, scale, *local)
+        return context.backend.forward(query, key, value, kv_cache, metadata, scale, window, chunk)
     except BaseException as error:
         # A compiled graph's C++ wrapper replaces this by its own RuntimeError: keep the original for
         # the caller of the graph (`keep_errors`, `take_error`).

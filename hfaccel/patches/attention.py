@@ -92,7 +92,8 @@ def _probs(context: Any, module: torch.nn.Module, q: torch.Tensor, scale: float,
     read from the cache the op has just written; else None, as the fast path returns."""
     if not context.record_attentions:
         return None
-    return attention_probs(q, context.kv_caches[module.layer_idx][0], context.layout, scale, *local)
+    layout = context.layout_for(module.layer_idx)
+    return attention_probs(q, context.kv_caches[module.layer_idx][0], layout, scale, *local)
 
 
 def layer_chunk(module: torch.nn.Module) -> int:

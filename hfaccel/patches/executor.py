@@ -15,7 +15,13 @@ from hfaccel.engine.executor import ExecutorBase
 from hfaccel.patches import lora
 from hfaccel.patches.attention import engine_attention, register_attention
 from hfaccel.patches.compiled_forward import CompiledForward, own_code
-from hfaccel.patches.layer_support import attention_needs, attention_shape, has_recurrent_layers, kv_window
+from hfaccel.patches.layer_support import (
+    attention_needs,
+    attention_shape,
+    has_recurrent_layers,
+    kv_window,
+    sliding_layers,
+)
 from hfaccel.patches.model_state import ModelStateTracker
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
 from hfaccel.patches.recurrent import SlotStates, install_mixers
@@ -45,6 +51,7 @@ class HFExecutor(ExecutorBase):
         self.attention_needs = attention_needs(model)
         self.recurrent = has_recurrent_layers(model)
         self.kv_window = kv_window(model)
+        self.sliding_layers = sliding_layers(model)
         self._state = ModelStateTracker(model)
         self._last_token: Hashable = None
         self._adapter_checks: dict[str, ValueError | None] = {}

@@ -94,6 +94,7 @@ class _Verdict:
     shape: AttentionShape | None
     recurrent: bool
     window: int | None
+    sliding_layers: tuple[tuple[int, int], ...] = ()
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -119,6 +120,13 @@ def kv_window(model: torch.nn.Module) -> int | None:
     query attends to keys further back, so the engine gives their blocks back. None when a layer attends
     in full or in chunks (Gemma 2/3, gpt-oss, Llama 4: their full layers read every key)."""
     return _verdict(model).window
+
+
+def sliding_layers(model: torch.nn.Module) -> dict[int, int]:
+    """Each sliding layer's index and window, when full-attention layers sit beside them (Gemma 2/3,
+    gpt-oss, Cohere 2: the engine keeps the sliding layers' K/V in a pool of their own); empty when every
+    layer slides (`kv_window`), none does, or a layer attends in chunks."""
+    return dict(_verdict(model).sliding_layers)
 
 
 def has_recurrent_layers(model: torch.nn.Module) -> bool:
@@ -148,7 +156,10 @@ def _verdict(model: torch.nn.Module) -> _Verdict:
     windows = [call.kwargs.get("sliding_window") for call in calls]
     chunked = "chunked_attention" in (getattr(text_config, "layer_types", None) or ())
     window = int(max(windows)) if windows and all(windows) and not chunked else None
-    verdict = _Verdict(reason, frozenset(needs), shape, bool(mixers), window)
+    sliding = tuple((call.layer_idx, int(slide)) for call, slide in zip(calls, windows) if slide)
+    if chunked or window is not None or not all(isinstance(index, int) for index, _ in sliding):
+        sliding = ()
+    verdict = _Verdict(reason, frozenset(needs), shape, bool(mixers), window, sliding)
     _verdicts[model] = (config, verdict)
     return verdict
 

@@ -17,6 +17,8 @@ SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
 
 class EngineMachine(RuleBasedStateMachine):
     extra_config: dict = {}
+    model = MODEL
+    num_blocks = 24
 
     def __init__(self):
         super().__init__()
@@ -27,8 +29,8 @@ class EngineMachine(RuleBasedStateMachine):
             max_num_batched_tokens=16,
             kv_cache_memory=24 * 1024,
         ).with_overrides(**self.extra_config)
-        self.engine = Engine(MODEL, config)
-        assert self.engine.num_blocks == 24
+        self.engine = Engine(self.model, config)
+        assert self.engine.num_blocks == self.num_blocks
         untraced_forward(self.engine)  # faults are injected in engine code only: the model runs untraced
         self.requests = []
         self.finish_events = {}

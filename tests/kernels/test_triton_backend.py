@@ -59,14 +59,22 @@ def test_triton_refuses_an_unsupported_head_dim():
         get_backend("triton", "cpu", torch.float32, 48)
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "llama4_text"])
-def test_triton_backend_serves_windows_and_chunks_as_the_torch_backend_does(model_type):
-    """The family matrix's tiny Mistral (a window of 8 positions) and Llama 4 (chunks of 8), chunked
-    prefill: the Triton kernels attend within each layer's window or chunk as the torch backend does
+MIXED = {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "changes"),
+    [("mistral", {}), ("llama4_text", {}), ("gemma3_text", MIXED)],
+    ids=["mistral", "llama4_text", "gemma3-full-and-sliding"],
+)
+def test_triton_backend_serves_windows_and_chunks_as_the_torch_backend_does(model_type, changes):
+    """The family matrix's tiny Mistral (a window of 8 positions), Llama 4 (chunks of 8) and a Gemma 3
+    whose sliding layers keep K/V in a pool of their own beside a full layer, chunked prefill: the Triton
+    kernels attend within each layer's window or chunk, over its pool's tables, as the torch backend does
     (which is checked against HF in patches/)."""
     from hfaccel.bench.families import family_model
 
-    model = family_model(model_type)
+    model = family_model(model_type, **changes)
     prompts = varied_prompts(6, seed=3)
     chunked = {"max_num_batched_tokens": 16, "kv_cache_memory": 4_000_000}
     reference, _ = _tokens(model, prompts, max_new_tokens=10, backend="torch", **chunked)

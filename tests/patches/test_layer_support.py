@@ -195,8 +195,7 @@ def test_hybrids_are_refused_where_transformers_has_no_state_api():
 def test_a_model_whose_every_layer_slides_holds_only_its_windows_blocks():
     """Mistral (every layer a window of 8 positions): blocks wholly before every window are given back
     as the sequences grow, so KV memory stays bounded over a long generation, with HF's tokens; the
-    prefix cache still serves a repeated prompt. A model with full layers beside its sliding ones
-    (gpt-oss) keeps every block: its full layers read them."""
+    prefix cache still serves a repeated prompt."""
     model = family_model("mistral")
     prompts = [p for p in varied_prompts(8, seed=3) if len(p) > 20][:3]
     new = 120
@@ -217,9 +216,47 @@ def test_a_model_whose_every_layer_slides_holds_only_its_windows_blocks():
         expected = hf_greedy(model, prompt, new, min_new_tokens=new)
         assert_same_or_near_tie(model, prompt, completion.token_ids, expected)
     assert again[0].token_ids == completions[0].token_ids
-    mixed = hfaccel.patch(family_model("gpt_oss"))
+
+
+MIXED = {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss"])
+def test_a_model_with_full_and_sliding_layers_bounds_its_sliding_layers_blocks(model_type):
+    """Full layers beside sliding ones (a window of 8): the sliding layers keep their K/V in a pool of their
+    own whose blocks are given back as the window moves on, so it stays bounded while the full layers'
+    pool grows with the sequences; a repeated prompt still hits the prefix cache (both pools), with HF's
+    tokens. gpt-oss brings attention sinks and MoE."""
+    model = family_model(model_type, **MIXED)
+    prompts = [p for p in varied_prompts(8, seed=3) if len(p) > 20][:3]
+    new = 160
+    hfaccel.patch(model, strict=True, block_size=8, max_num_seqs=4)
     try:
-        hfaccel.generate(mixed, [[5, 6, 7]], max_new_tokens=2, progress=False)
-        assert mixed._hfaccel.get_engine(mixed).scheduler.kv_window is None
+        completions = hfaccel.generate(model, prompts, max_new_tokens=new, min_new_tokens=new, progress=False)
+        engine = model._hfaccel.get_engine(model)
+        assert engine.scheduler.kv_window == 8 and engine.runner.window_layers == {0, 2}
+        window_peak = max(s.kv_window_blocks_used for s in engine.step_stats)
+        full_peak = max(s.kv_blocks_used for s in engine.step_stats)
+        # At most a window and a step's tokens per sequence; the full layers hold every block (> 20 each).
+        assert window_peak <= len(prompts) * 4 < 60 <= full_peak, (window_peak, full_peak)
+        hits = engine.block_manager.stats.hit_tokens
+        again = hfaccel.generate(model, prompts[:1], max_new_tokens=new, min_new_tokens=new, progress=False)
+        assert engine.block_manager.stats.hit_tokens > hits
     finally:
-        hfaccel.unpatch(mixed)
+        hfaccel.unpatch(model)
+    for prompt, completion in zip(prompts, completions):
+        expected = hf_greedy(model, prompt, new, min_new_tokens=new)
+        assert_same_or_near_tie(model, prompt, completion.token_ids, expected)
+    assert again[0].token_ids == completions[0].token_ids
+
+
+def test_the_window_pool_can_be_turned_off():
+    """``window_pool=False``: one pool, every layer keeps every block (the scheduler gives none back)."""
+    model = hfaccel.patch(family_model("gpt_oss", **MIXED), window_pool=False)
+    try:
+        hfaccel.generate(model, [[5, 6, 7] * 8], max_new_tokens=12, progress=False)
+        engine = model._hfaccel.get_engine(model)
+        assert engine.scheduler.kv_window is None and not engine.runner.window_layers
+        assert all(s.kv_window_blocks_used == 0 for s in engine.step_stats)
+    finally:
+        hfaccel.unpatch(model)
