@@ -322,8 +322,9 @@ class BlockManager:
         )
         self._release(blocks)
 
-    def _release(self, blocks: list[int]) -> None:
-        """One holder fewer for each of `blocks` (already unlisted by their holder)."""
+    def _release(self, blocks: list[int], evict_first: bool = False) -> None:
+        """One holder fewer for each of `blocks` (already unlisted by their holder); those freed join the
+        free queue's end, or with `evict_first` its front (the first to be handed out again)."""
         # Tail blocks first: under LRU eviction they go before the prefix blocks others may share.
         for block_id in reversed(blocks):
             count = self._ref_counts[block_id] - 1
@@ -332,11 +333,17 @@ class BlockManager:
             self._ref_counts[block_id] = count
             if count == 0:
                 self._free[block_id] = None
+                if evict_first:
+                    self._free.move_to_end(block_id, last=False)
 
     def release_before(self, request: Request, position: int) -> None:
         """Give back `request`'s blocks wholly before `position`: a model whose every attention layer
         slides never attends to them again. Their table entries become -1 (`SLID`; the table stays
-        positional) and stay so until the request lets go of its table."""
+        positional) and stay so until the request lets go of its table.
+
+        Blocks of prompt tokens keep their place in the eviction order (a prompt sent again hits them);
+        blocks with generated tokens go to the front of the free queue. A long generation gives back a
+        block every `block_size` tokens, and behind them its prompt's blocks would soon be evicted."""
         count = min(position // self.block_size, len(request.block_ids))
         start = request.num_slid_blocks
         if count <= start:
@@ -344,7 +351,9 @@ class BlockManager:
         released = request.block_ids[start:count]
         request.block_ids[start:count] = [SLID] * (count - start)
         request.num_slid_blocks = count
-        self._release(released)
+        prompt = max(start, min(count, len(request.prompt_token_ids) // self.block_size))
+        self._release(released[: prompt - start])
+        self._release(released[prompt - start :], evict_first=True)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Give back the blocks of `request` past what `num_tokens` tokens need (the lookahead blocks of

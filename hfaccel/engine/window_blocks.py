@@ -47,6 +47,10 @@ class WindowTable:
         return self.request.all_token_ids
 
     @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
     def cache_salt(self) -> Any:
         return self.request.cache_salt
 

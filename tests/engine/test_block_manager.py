@@ -387,3 +387,20 @@ def test_blocks_out_of_every_window_are_given_back_and_the_table_stays_positiona
     manager.free(request)
     assert manager.num_free_blocks == 8 and request.num_slid_blocks == 0
     manager.check([request, other])
+
+
+def test_given_back_generated_blocks_are_evicted_before_prompt_blocks():
+    """A long generation gives back a block every few tokens: its prompt's blocks keep their place in the
+    eviction order (a prompt sent again hits them), its generated tokens' blocks go first."""
+    manager = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    request = make_request(n_prompt=8)  # prompt blocks 0-1; tokens 8-15 generated (blocks 2-3)
+    request.output_token_ids = list(range(50, 58))
+    assert manager.allocate(request, 16)
+    blocks = list(request.block_ids)
+    request.num_computed_tokens = 16
+    manager.cache_full_blocks(request)
+    manager.release_before(request, 16)
+    # The generated ones first, then the never used ones, then the prompt's (its later block first, as
+    # `free` orders them: a shared prefix's first blocks are evicted last).
+    assert list(manager._free) == [blocks[2], blocks[3], *range(4, 8), blocks[1], blocks[0]]
+    manager.check([request])
