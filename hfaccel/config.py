@@ -252,7 +252,7 @@ class EngineConfig:
             ``"bfloat16"``, ``"int8"``, or such a ``torch.dtype``). ``"int8"`` stores each token's K and V
             row of each head as int8 values with a float32 scale (absmax / 127): about a quarter of a
             float32 cache's bytes, at a measured quality cost (docs/benchmarks.md); served by the torch
-            backend only (its C decode kernel reads the rows in place).
+            backend (its C decode kernel reads the rows in place) and the Triton one, not FlashInfer.
         max_model_len: longest sequence (prompt plus generated tokens); ``None`` takes the model's
             ``max_position_embeddings``.
         enable_prefix_caching: share the KV blocks of prompt prefixes already computed (hash-chained

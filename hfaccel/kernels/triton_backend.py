@@ -24,7 +24,8 @@ class TritonPagedAttention(AttentionBackend):
 
     name = "triton"
     capabilities = BackendCapabilities(
-        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16}),
+        # int8: quantized rows with a scale each (`kv_quant`), dequantized as the kernels load them.
+        dtypes=frozenset({torch.float32, torch.float16, torch.bfloat16, torch.int8}),
         head_dims=frozenset({16, 32, 64, 128, 256}),
         devices=frozenset({"cuda", "cpu"}),  # cpu only under the interpreter
         cuda_graph_decode=True,

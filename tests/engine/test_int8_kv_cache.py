@@ -85,11 +85,24 @@ def test_int8_cache_holds_about_four_times_the_tokens_of_float32():
     assert blocks["int8"] == pytest.approx(blocks["float32"] * 64 / 20, rel=0.01)
 
 
-def test_int8_cache_refused_where_a_backend_cannot_read_it():
-    model = tiny_model()
-    with pytest.raises(ValueError, match="backend 'triton' cannot serve this model here: KV dtype int8"):
-        hfaccel.patch(model, dtype="int8", backend="triton")
-    assert not hasattr(model, "_hfaccel") or model._hfaccel is None
+def test_triton_serves_an_int8_cache_as_the_torch_backend_does():
+    """The Triton kernels (under the interpreter here) read the int8 rows through their scales and store
+    new ones quantized as `kv_quant` does: the same tokens as the torch backend's int8 cache, in chunked
+    prefill, decode and from prefix-cache hits. FlashInfer reads no int8 rows: its capabilities say so,
+    and a model asking for it with an int8 cache is refused (`selection`)."""
+    from hfaccel.kernels.flashinfer_backend import FlashInferPagedAttention
+
+    prompts = varied_prompts(5)
+    prompts.append(prompts[0][:20] + [9, 9, 9])  # shares a prefix with the first
+    tokens = {}
+    for backend in ("torch", "triton"):
+        model = tiny_model()
+        hfaccel.patch(model, dtype="int8", backend=backend, max_num_batched_tokens=16, block_size=8)
+        tokens[backend] = _generate(model, prompts, new_tokens=8).sequences.tolist()
+        assert model._hfaccel.engine.runner.kv_caches[0][0].dtype == torch.int8
+        hfaccel.unpatch(model)
+    assert tokens["triton"] == tokens["torch"]
+    assert torch.int8 not in FlashInferPagedAttention.capabilities.dtypes
 
 
 def test_int8_cache_under_autocast_attends_in_one_dtype():

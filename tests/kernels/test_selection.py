@@ -21,14 +21,15 @@ def test_flashinfer_on_cpu_is_refused_with_the_reason():
         get_backend("flashinfer", "cpu", torch.float16, 64)
 
 
-def test_only_the_torch_backend_takes_an_int8_kv_cache_and_auto_picks_it():
-    """An int8 cache holds quantized rows (`kv_quant`): the torch backend reads them; Triton and
-    FlashInfer do not, so "auto" passes over them even on CUDA, and naming one says why."""
+def test_torch_and_triton_take_an_int8_kv_cache_and_flashinfer_does_not():
+    """An int8 cache holds quantized rows (`kv_quant`): the torch and Triton backends read them; FlashInfer
+    does not (its capabilities lack int8), so "auto" passes over it even on CUDA."""
+    from hfaccel.kernels.flashinfer_backend import FlashInferPagedAttention
+
     assert unavailable_reason("torch", torch.device("cpu"), torch.int8, 64) is None
-    assert "KV dtype int8 is not supported" in unavailable_reason(
-        "triton", torch.device("cuda"), torch.int8, 64
-    )
-    assert get_backend("auto", "cuda", torch.int8, 64).name == "torch"
+    assert unavailable_reason("triton", torch.device("cuda"), torch.int8, 64) is None
+    assert torch.int8 not in FlashInferPagedAttention.capabilities.dtypes
+    assert get_backend("auto", "cuda", torch.int8, 64).name == "triton"  # FlashInfer passed over
     assert unavailable_reason("torch", torch.device("cpu"), torch.int16, 64) is not None
 
 

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from hfaccel.kernels import kv_quant
+
 LOG2E = math.log2(math.e)  # the kernels use exp2: exp(x * scale) == exp2(x * scale * LOG2E)
 
 
@@ -16,19 +18,30 @@ def check_head_dim(head_dim: int) -> None:
 
 
 def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> tuple[int, int]:
-    """Validate an NHD cache pair ``[num_blocks, block_size, Hkv, D]``; return ``(Hkv, block_size)``."""
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+    """Validate an NHD cache pair ``[num_blocks, block_size, Hkv, W]`` (W: ``head_dim``, or an int8
+    cache's row width, `kv_quant.row_width`); return ``(Hkv, block_size)``."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(
-            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match (4-D)"
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match (4-D, one dtype)"
         )
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"cache head_dim {k_cache.shape[3]} != query head_dim {head_dim}")
+    width = kv_quant.row_width(head_dim, k_cache.dtype)
+    if k_cache.shape[3] != width:
+        raise ValueError(
+            f"cache rows of {k_cache.shape[3]} elements != {width} for query head_dim {head_dim}"
+        )
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need a contiguous last dimension")
     block_size = k_cache.shape[1]
     if block_size & (block_size - 1):
         raise ValueError(f"block_size {block_size} must be a power of two")
     return k_cache.shape[2], block_size
+
+
+def scale_at(k_cache: torch.Tensor, head_dim: int) -> int:
+    """Where a row's float32 scale starts, in elements, for an int8 cache (`kv_quant`); 0 otherwise."""
+    if not kv_quant.is_quantized(k_cache.dtype):
+        return 0
+    return kv_quant.row_width(head_dim, k_cache.dtype) - kv_quant.SCALE_BYTES
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -22,6 +22,7 @@ from hfaccel.kernels.triton.common import (
     check_head_dim,
     dot_precision,
     last_dim_contiguous,
+    scale_at,
 )
 from hfaccel.kernels.triton.tile import load_kv_tile, online_softmax_update
 
@@ -72,6 +73,7 @@ def _decode_split_kernel(
     TILE_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SCALE_AT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -111,7 +113,7 @@ def _decode_split_kernel(
         k, v = load_kv_tile(
             table, k_cache_ptr, v_cache_ptr, pos, valid, dims, kv_head,
             stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
-            BLOCK_SIZE,
+            BLOCK_SIZE, SCALE_AT,
         )  # fmt: skip
         # Every tile in range holds a valid position, so the max is finite and nothing is NaN.
         m_i, l_i, acc = online_softmax_update(q, k, v, valid[None, :], m_i, l_i, acc, DOT_PRECISION)
@@ -242,6 +244,7 @@ def paged_decode(
         TILE_N=64 if head_dim <= 128 else 32,
         NUM_SPLITS=num_splits,
         DOT_PRECISION=dot_precision(query.dtype),
+        SCALE_AT=scale_at(k_cache, head_dim),
         num_warps=4,
     )
     _decode_merge_kernel[(batch, num_q_heads)](

@@ -22,6 +22,7 @@ from hfaccel.kernels.triton.common import (
     check_head_dim,
     dot_precision,
     last_dim_contiguous,
+    scale_at,
 )
 from hfaccel.kernels.triton.tile import load_kv_tile, online_softmax_update
 
@@ -58,6 +59,7 @@ def _prefill_kernel(
     BLOCK_Q: tl.constexpr,
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SCALE_AT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,7 +107,7 @@ def _prefill_kernel(
         k, v = load_kv_tile(
             table, k_cache_ptr, v_cache_ptr, pos, valid, dims, kv_head,
             stride_kc_blk, stride_kc_off, stride_kc_head, stride_vc_blk, stride_vc_off, stride_vc_head,
-            BLOCK_SIZE,
+            BLOCK_SIZE, SCALE_AT,
         )  # fmt: skip
         allowed = row_ok[:, None] & valid[None, :] & (pos[None, :] <= q_pos[:, None])
         allowed = allowed & ((window <= 0) | (pos[None, :] > q_pos[:, None] - window))
@@ -206,6 +208,7 @@ def paged_prefill(
         BLOCK_Q=block_q,
         TILE=TILE_N,
         DOT_PRECISION=dot_precision(query.dtype),
+        SCALE_AT=scale_at(k_cache, head_dim),
         num_warps=4,
     )
     return out

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hfaccel.kernels import kv_quant
 from hfaccel.kernels.triton.common import last_dim_contiguous
 
 
@@ -77,10 +78,14 @@ def store_kv(
 
     Slots equal to ``-1`` are skipped. ``key``/``value`` may be strided views (e.g. slices of a fused QKV
     projection) as long as their last dimension is contiguous; the caches must have a contiguous last dim.
+    An int8 cache gets the rows quantized first (`kv_quant.quantize`: fixed-shape torch ops, so a CUDA
+    graph captures them), then copied as they are.
     """
-    num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
+    if kv_quant.is_quantized(k_cache.dtype):
+        key, value = kv_quant.quantize(key), kv_quant.quantize(value)
+    num_tokens, num_kv_heads, head_dim = key.shape
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         raise ValueError(
             f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match (4-D)"

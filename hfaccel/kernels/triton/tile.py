@@ -23,16 +23,28 @@ def load_kv_tile(
     stride_vc_off,
     stride_vc_head,
     BLOCK_SIZE: tl.constexpr,
+    SCALE_AT: tl.constexpr = 0,
 ):
-    """K and V (fp32, ``[TILE, HEAD_DIM]``) of positions `pos` of one KV head; rows not `valid` are 0."""
+    """K and V (fp32, ``[TILE, HEAD_DIM]``) of positions `pos` of one KV head; rows not `valid` are 0.
+    `SCALE_AT` > 0: an int8 cache (`kv_quant`), each row's values times the float32 scale stored at that
+    element of the row."""
     # Per-token block lookup: a tile may span several cache blocks, so any block size works.
     block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     offset = pos % BLOCK_SIZE
     k_rows = block * stride_kc_blk + offset * stride_kc_off + kv_head * stride_kc_head
     v_rows = block * stride_vc_blk + offset * stride_vc_off + kv_head * stride_vc_head
-    k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-    v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
-    return k.to(tl.float32), v.to(tl.float32)
+    k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=valid[:, None], other=0).to(tl.float32)
+    v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=valid[:, None], other=0).to(tl.float32)
+    if SCALE_AT > 0:  # the row's last 4 bytes are its float32 scale (rows are 4-byte aligned)
+        k_scale = tl.load(
+            (k_cache_ptr + k_rows + SCALE_AT).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0
+        )
+        v_scale = tl.load(
+            (v_cache_ptr + v_rows + SCALE_AT).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0
+        )
+        k = k * k_scale[:, None]
+        v = v * v_scale[:, None]
+    return k, v
 
 
 @triton.jit

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hfaccel.kernels import kv_quant
 from hfaccel.kernels.triton import default_num_splits, paged_decode, paged_prefill, store_kv
 
 interpreting = os.environ.get("TRITON_INTERPRET") == "1"
@@ -293,6 +294,45 @@ def test_chunked_attention_in_prefill_and_decode(window, chunk, num_splits):
     step = make_step([(0, 1), (15, 1), (31, 1), (76, 1), (200, 1)], num_padded=1, group=4)
     step.window, step.chunk = window, chunk
     check_decode(step, torch.float32, num_splits)
+
+
+def quantized(step: Step) -> Step:
+    """`step` over an int8 cache (`kv_quant`: int8 rows with a float32 scale each), its reference K/V
+    what that cache gives back. The spare blocks' NaN rows keep a NaN scale: reading them still poisons."""
+    step.k_cache, step.v_cache = kv_quant.quantize(step.k_cache), kv_quant.quantize(step.v_cache)
+    step.full_k = [kv_quant.roundtrip(k) for k in step.full_k]
+    step.full_v = [kv_quant.roundtrip(v) for v in step.full_v]
+    return step
+
+
+@pytest.mark.parametrize("head_dim", [64, 16])
+def test_an_int8_cache_is_read_through_its_scales(head_dim):
+    """Prefill (a fresh prompt, a continued chunk, a decode, a padded row) and decode (split and not,
+    within a window) over int8 rows: attention over the values the cache holds, at fp32 tolerance."""
+    step = quantized(make_step([(0, 19), (37, 14), (50, 1)], num_padded=1, group=2, head_dim=head_dim))
+    check_prefill(step, torch.float32)
+    for window, num_splits in ((0, None), (0, 4), (9, 3)):
+        step = quantized(
+            make_step([(0, 1), (15, 1), (76, 1), (200, 1)], num_padded=1, group=4, head_dim=head_dim)
+        )
+        step.window = window
+        check_decode(step, torch.float32, num_splits)
+
+
+def test_store_kv_quantizes_into_an_int8_cache_as_kv_quant_stores():
+    g = torch.Generator().manual_seed(2)
+    hkv, d, t = 2, 64, 7
+    cache = kv_quant.quantize(torch.randn(4, 16, hkv, d, generator=g))
+    key, value = torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    slots = torch.randperm(64, generator=g)[:t]
+    slots[3] = -1
+    want_k, want_v = cache.clone(), cache.clone()
+    real = slots >= 0
+    kv_quant.store(want_k, slots[real], key[real])
+    kv_quant.store(want_v, slots[real], value[real])
+    k_dev, v_dev = cache.clone().to(DEVICE), cache.clone().to(DEVICE)
+    store_kv(key.to(DEVICE), value.to(DEVICE), k_dev, v_dev, slots.to(DEVICE))
+    assert torch.equal(k_dev.cpu(), want_k) and torch.equal(v_dev.cpu(), want_v)
 
 
 def test_decode_matches_prefill_and_out_buffer():
