@@ -339,11 +339,14 @@ class BlockManager:
     def release_before(self, request: Request, position: int) -> None:
         """Give back `request`'s blocks wholly before `position`: a model whose every attention layer
         slides never attends to them again. Their table entries become -1 (`SLID`; the table stays
-        positional) and stay so until the request lets go of its table.
+        positional) and stay so until the request lets go of its table. Not a request whose K/V is copied
+        out whole when it finishes (`keep_kv`).
 
         Blocks of prompt tokens keep their place in the eviction order (a prompt sent again hits them);
         blocks with generated tokens go to the front of the free queue. A long generation gives back a
         block every `block_size` tokens, and behind them its prompt's blocks would soon be evicted."""
+        if request.keep_kv:  # its K/V is copied out whole when it finishes
+            return
         count = min(position // self.block_size, len(request.block_ids))
         start = request.num_slid_blocks
         if count <= start:

@@ -408,36 +408,40 @@ class ModelRunner:
 
     def _slots(
         self, block_ids: list[int], window_ids: list[int] | None, num_tokens: int
-    ) -> list[torch.Tensor]:
-        """Each layer's cache slots of positions ``[0, num_tokens)``, from its pool's table."""
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each layer's cache slots of positions ``[0, num_tokens)`` from its pool's table, and which of
+        them lie in blocks given back (outside every window: their slots point at block 0; None where
+        none does)."""
         positions = torch.arange(num_tokens, device=self.device)
-        offsets = positions % self.block_size
-        tables = [block_ids] if window_ids is None else [block_ids, window_ids]
-        if any(b < 0 for t in tables for b in t[: -(-num_tokens // self.block_size)]):
-            raise ValueError("K/V asked of positions whose blocks were given back (outside every window)")
-        slots = [
-            torch.tensor(t, dtype=torch.long, device=self.device)[positions // self.block_size]
-            * self.block_size
-            + offsets
-            for t in tables
-        ]
+        per_table = []
+        for table in [block_ids] if window_ids is None else [block_ids, window_ids]:
+            ids = torch.tensor(table, dtype=torch.long, device=self.device)[positions // self.block_size]
+            given_back = ids < 0
+            slots = ids.clamp(min=0) * self.block_size + positions % self.block_size
+            per_table.append((slots, given_back if bool(given_back.any()) else None))
         return [
-            slots[-1] if layer in self.window_layers else slots[0] for layer in range(len(self.kv_caches))
+            per_table[-1] if layer in self.window_layers else per_table[0]
+            for layer in range(len(self.kv_caches))
         ]
 
     def gather_kv(
         self, block_ids: list[int], num_tokens: int, window_ids: list[int] | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of the first `num_tokens` tokens' K and V, ``[num_tokens, Hkv, D]`` per layer (the
-        sliding layers' from `window_ids`, where they have a pool of their own)."""
+        sliding layers' from `window_ids`, where they have a pool of their own). Positions whose blocks
+        were given back (before a sliding layer's window) come out as zeros: no later token reads them,
+        and HF's sliding cache layers drop them."""
         head_dim, dtype = self.executor.head_dim, self._values_dtype()
-        return [
-            (
-                kv_quant.load(k.view(-1, *k.shape[2:]).index_select(0, slots), head_dim, dtype),
-                kv_quant.load(v.view(-1, *v.shape[2:]).index_select(0, slots), head_dim, dtype),
-            )
-            for (k, v), slots in zip(self.kv_caches, self._slots(block_ids, window_ids, num_tokens))
-        ]
+        layers = []
+        for (k, v), (slots, given_back) in zip(
+            self.kv_caches, self._slots(block_ids, window_ids, num_tokens)
+        ):
+            keys = kv_quant.load(k.view(-1, *k.shape[2:]).index_select(0, slots), head_dim, dtype)
+            values = kv_quant.load(v.view(-1, *v.shape[2:]).index_select(0, slots), head_dim, dtype)
+            if given_back is not None:
+                keys[given_back], values[given_back] = 0, 0
+            layers.append((keys, values))
+        return layers
 
     def _values_dtype(self) -> torch.dtype:
         """The dtype K/V values leave the cache in: the cache's own, or the model's for an int8 cache."""
@@ -456,8 +460,10 @@ class ModelRunner:
         if num_tokens == 0:
             return
         layer_slots = self._slots(block_ids, window_ids, num_tokens)
+        if any(given_back is not None for _, given_back in layer_slots):
+            raise ValueError("K/V written to positions whose blocks were given back (outside every window)")
         with torch.no_grad():
-            for (k_cache, v_cache), (k, v), slots in zip(self.kv_caches, kv, layer_slots, strict=True):
+            for (k_cache, v_cache), (k, v), (slots, _) in zip(self.kv_caches, kv, layer_slots, strict=True):
                 kv_quant.store(k_cache, slots, k.to(k_cache.device))
                 kv_quant.store(v_cache, slots, v.to(v_cache.device))
 

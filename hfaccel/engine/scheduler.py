@@ -227,7 +227,7 @@ class Scheduler:
             )
             self.block_manager.trim(request, request.num_computed_tokens)
             self.block_manager.cache_full_blocks(request)
-            if self.kv_window and not request.keep_kv:
+            if self.kv_window:
                 self.block_manager.release_before(request, request.num_computed_tokens - self.kv_window + 1)
         now = self.clock()
         groups = {}

@@ -37,6 +37,9 @@ class WindowTable:
         self.prefix_hash = 0
         self.cache_epoch = 0
         self.state_slot: int | None = None  # the window pool has no state slots
+        # Given back even when the request's K/V is copied out (`Request.keep_kv`): the cache returned
+        # holds the sliding layers' window only, as HF's sliding cache layers do (`ModelRunner.gather_kv`).
+        self.keep_kv = False
 
     @property
     def num_computed_tokens(self) -> int:
@@ -124,10 +127,7 @@ class HybridBlockManager(BlockManager):
 
     def _first_kept(self, request: Request, count: int) -> int:
         """The first of `count` computed blocks `request` needs in the window pool: the first the next
-        token's window reaches back to, or the very first for a request whose K/V is copied out whole
-        (`keep_kv`)."""
-        if request.keep_kv:
-            return 0
+        token's window reaches back to."""
         position = count * self.block_size  # the first uncomputed token
         return max(0, position - self.kv_window + 1) // self.block_size
 
@@ -176,14 +176,11 @@ class HybridBlockManager(BlockManager):
             assert len(window_table(request).block_ids) == len(request.block_ids), "tables out of lockstep"
 
 
-def window_pool_blocks(
-    window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
-) -> int:
-    """Window-pool blocks enough for every running sequence's window and a step's new tokens, and for one
-    sequence of the longest length that keeps every block (one whose cache is returned to the caller)."""
-    per_sequence = blocks_for(window, block_size) + 1  # a window straddles one block more
-    steady = max_num_seqs * per_sequence + blocks_for(max_num_batched_tokens, block_size) + max_num_seqs
-    return max(steady, blocks_for(max_model_len, block_size))
+def window_pool_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """Window-pool blocks enough for every running sequence's window and a step's new tokens (a sequence
+    holds a window's blocks and one more, which a window straddles, and those of the step's new tokens)."""
+    per_sequence = blocks_for(window, block_size) + 1
+    return max_num_seqs * per_sequence + blocks_for(max_num_batched_tokens, block_size) + max_num_seqs
 
 
 def make_block_manager(
@@ -212,7 +209,7 @@ def make_block_manager(
     size = config.block_size
     window_blocks = min(
         num_blocks,
-        window_pool_blocks(window, size, config.max_num_seqs, config.max_num_batched_tokens, max_model_len),
+        window_pool_blocks(window, size, config.max_num_seqs, config.max_num_batched_tokens),
     )
     full_layers = executor.num_layers - len(sliding)
     full_blocks = (num_blocks * executor.num_layers - window_blocks * len(sliding)) // full_layers
