@@ -454,18 +454,22 @@ class ModelRunner:
         window_ids: list[int] | None = None,
     ) -> None:
         """Write K and V (``[n, Hkv, D]`` per layer) into the slots of positions ``[0, n)`` of `block_ids`
-        (and of `window_ids` for the sliding layers that have a pool of their own): the inverse of
-        `gather_kv`."""
+        (and of `window_ids` for the sliding layers that have a pool of their own, less the positions
+        whose blocks were given back): the inverse of `gather_kv`."""
         num_tokens = int(kv[0][0].shape[0])
         if num_tokens == 0:
             return
         layer_slots = self._slots(block_ids, window_ids, num_tokens)
-        if any(given_back is not None for _, given_back in layer_slots):
-            raise ValueError("K/V written to positions whose blocks were given back (outside every window)")
         with torch.no_grad():
-            for (k_cache, v_cache), (k, v), (slots, _) in zip(self.kv_caches, kv, layer_slots, strict=True):
-                kv_quant.store(k_cache, slots, k.to(k_cache.device))
-                kv_quant.store(v_cache, slots, v.to(v_cache.device))
+            for (k_cache, v_cache), (k, v), (slots, given_back) in zip(
+                self.kv_caches, kv, layer_slots, strict=True
+            ):
+                k, v = k.to(k_cache.device), v.to(v_cache.device)
+                if given_back is not None:  # before the window (a prefix hit's): never read, not written
+                    kept = ~given_back
+                    slots, k, v = slots[kept], k[kept], v[kept]
+                kv_quant.store(k_cache, slots, k)
+                kv_quant.store(v_cache, slots, v)
 
 
 def kv_bytes_per_token(executor: ModelExecutor, dtype: torch.dtype) -> int:

@@ -260,3 +260,44 @@ def test_the_window_pool_can_be_turned_off():
         assert all(s.kv_window_blocks_used == 0 for s in engine.step_stats)
     finally:
         hfaccel.unpatch(model)
+
+
+def test_calls_returning_or_continuing_a_cache_keep_the_window_pool_bounded_and_exact():
+    """With the sliding layers' window pool smaller than the sequences: beams that return their cache
+    give window blocks back too (the cache's sliding layers keep the window only, equal to HF's), and a
+    generation continued from a given cache is preempted, hits its own prefix on resuming and writes the
+    imported K/V only where the window needs it. Both found stalling or raising by an adversarial probe."""
+    import copy
+
+    model = family_model("gemma3_text", **MIXED)
+    ids = torch.randint(3, 256, (2, 30), generator=torch.Generator().manual_seed(0))
+    beams = {"num_beams": 3, "max_new_tokens": 40, "min_new_tokens": 40, "do_sample": False}
+    expected = model.generate(ids, return_dict_in_generate=True, **beams)
+    first = torch.randint(3, 256, (3, 80), generator=torch.Generator().manual_seed(1))
+    longer = torch.cat([first, first[:, :6]], 1)
+    cache = model.generate(first, max_new_tokens=1, return_dict_in_generate=True).past_key_values
+    continued = {"max_new_tokens": 60, "min_new_tokens": 60, "do_sample": False}
+    expected_continued = model.generate(longer, past_key_values=copy.deepcopy(cache), **continued)
+    config = {"block_size": 8, "max_num_seqs": 6, "max_num_batched_tokens": 16, "max_model_len": 160}
+    results = []
+    for memory, call in ((60 * 6144, "beams"), (24 * 6144, "continued")):
+        hfaccel.patch(model, strict=True, kv_cache_memory=memory, **config)
+        try:
+            engine = model._hfaccel.get_engine(model)
+            bm = engine.block_manager
+            assert bm.window.num_blocks == 20  # 6 sequences' windows and a step's tokens, < the full pool
+            if call == "beams":
+                results.append(model.generate(ids, return_dict_in_generate=True, **beams))
+            else:
+                results.append(model.generate(longer, past_key_values=copy.deepcopy(cache), **continued))
+                assert sum(s.num_preemptions for s in engine.step_stats) > 0
+            assert bm.num_free_blocks == bm.num_blocks and bm.window.num_free_blocks == bm.window.num_blocks
+        finally:
+            hfaccel.unpatch(model)
+    out, got = results
+    assert torch.equal(out.sequences, expected.sequences)
+    for layer in range(3):
+        torch.testing.assert_close(
+            out.past_key_values.layers[layer].keys, expected.past_key_values.layers[layer].keys
+        )
+    assert torch.equal(got, expected_continued)
