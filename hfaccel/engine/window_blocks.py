@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hfaccel.engine.block_manager import BlockManager, blocks_for
+from hfaccel.engine.block_manager import SLID, BlockManager, blocks_for
 from hfaccel.engine.request import Request
 
 
@@ -87,11 +87,20 @@ class HybridBlockManager(BlockManager):
         self.kv_window = window  # the widest sliding window: what a query reaches back to
 
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Both tables grow, or neither does."""
+        """Both tables grow, or neither does. The window table first gives back what lies before the
+        next token's window and skips (-1 entries) what it does not reach yet: a request admitted with
+        imported K/V, or past a prefix hit, holds window blocks for its window only."""
         view = window_table(request)
-        if self.window.blocks_needed(view, num_new_tokens) > self.window.num_free_blocks:
-            return False
-        if not super().allocate(request, num_new_tokens):
+        first = max(0, request.num_computed_tokens - self.kv_window + 1) // self.block_size
+        self.window.release_before(view, first * self.block_size)
+        skipped = max(0, first - len(view.block_ids))
+        view.block_ids.extend([SLID] * skipped)
+        view.num_slid_blocks += skipped
+        if self.window.blocks_needed(view, num_new_tokens) > self.window.num_free_blocks or not (
+            super().allocate(request, num_new_tokens)
+        ):
+            del view.block_ids[len(view.block_ids) - skipped :]
+            view.num_slid_blocks -= skipped
             return False
         if not self.window.allocate(view, num_new_tokens):  # checked above: cannot fail
             raise AssertionError("the window pool refused blocks it had")
@@ -207,13 +216,15 @@ def make_block_manager(
         return manager, None
     window = max(sliding.values())
     size = config.block_size
-    window_blocks = min(
-        num_blocks,
-        window_pool_blocks(window, size, config.max_num_seqs, config.max_num_batched_tokens),
-    )
-    full_layers = executor.num_layers - len(sliding)
-    full_blocks = (num_blocks * executor.num_layers - window_blocks * len(sliding)) // full_layers
+    # The window pool holds every running sequence's window; the full layers get the rest of the budget
+    # (never fewer blocks than one pool gives them), and what they cannot use goes back to the window
+    # pool, where it keeps given-back blocks cached for prefix hits.
+    layer_blocks, full_layers = num_blocks * executor.num_layers, executor.num_layers - len(sliding)
+    steady = window_pool_blocks(window, size, config.max_num_seqs, config.max_num_batched_tokens)
+    window_blocks = min(num_blocks, steady)
+    full_blocks = (layer_blocks - window_blocks * len(sliding)) // full_layers
     full_blocks = min(full_blocks, config.max_num_seqs * blocks_for(max_model_len, size))
+    window_blocks = min(num_blocks, (layer_blocks - full_blocks * full_layers) // len(sliding))
     manager = HybridBlockManager(full_blocks, window_blocks, size, window, config.enable_prefix_caching)
     return manager, (frozenset(sliding), window_blocks)
 

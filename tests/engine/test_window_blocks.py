@@ -175,3 +175,22 @@ class HybridEngineMachine(EngineMachine):
 
 TestHybridEngineMachine = HybridEngineMachine.TestCase
 TestHybridEngineMachine.settings = settings(max_examples=25, stateful_step_count=40, deadline=None)
+
+
+def test_a_request_admitted_past_its_start_holds_window_blocks_for_its_window_only():
+    """Imported K/V (a continued cache) puts a request's first computed token far past its start: its
+    window table skips (-1) the blocks before that token's window instead of taking them all."""
+    manager = HybridBlockManager(num_blocks=64, num_window_blocks=4, block_size=4, window=6)
+    request = Request(0, list(range(10, 110)), StoppingParams(max_new_tokens=4))
+    request.num_computed_tokens = 96  # imported: the window of token 96 reaches back to 91 (block 22)
+    assert manager.allocate(request, 4)
+    window = window_table(request)
+    assert len(window.block_ids) == len(request.block_ids) == 25
+    assert window.block_ids[:22] == [SLID] * 22 and window.num_slid_blocks == 22
+    assert manager.window.num_used_blocks == 3
+    manager.check([request])
+    failing = Request(1, list(range(10, 110)), StoppingParams(max_new_tokens=4))
+    failing.num_computed_tokens = 80
+    assert not manager.allocate(failing, 20)  # 5 window blocks of 4: nothing changes
+    assert window_table(failing).block_ids == [] and failing.block_ids == []
+    manager.check([request, failing])

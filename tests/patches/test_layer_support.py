@@ -266,7 +266,8 @@ def test_calls_returning_or_continuing_a_cache_keep_the_window_pool_bounded_and_
     """With the sliding layers' window pool smaller than the sequences: beams that return their cache
     give window blocks back too (the cache's sliding layers keep the window only, equal to HF's), and a
     generation continued from a given cache is preempted, hits its own prefix on resuming and writes the
-    imported K/V only where the window needs it. Both found stalling or raising by an adversarial probe."""
+    imported K/V only where the window needs it; a cache longer than the window pool is continued. All
+    three found stalling or raising by an adversarial probe."""
     import copy
 
     model = family_model("gemma3_text", **MIXED)
@@ -276,26 +277,37 @@ def test_calls_returning_or_continuing_a_cache_keep_the_window_pool_bounded_and_
     first = torch.randint(3, 256, (3, 80), generator=torch.Generator().manual_seed(1))
     longer = torch.cat([first, first[:, :6]], 1)
     cache = model.generate(first, max_new_tokens=1, return_dict_in_generate=True).past_key_values
-    continued = {"max_new_tokens": 60, "min_new_tokens": 60, "do_sample": False}
+    continued = {"max_new_tokens": 70, "min_new_tokens": 70, "do_sample": False}
     expected_continued = model.generate(longer, past_key_values=copy.deepcopy(cache), **continued)
-    config = {"block_size": 8, "max_num_seqs": 6, "max_num_batched_tokens": 16, "max_model_len": 160}
+    # A cache longer than the window pool holds (200 tokens, the pool 160): its window table skips the
+    # blocks before the window at admission.
+    long = torch.randint(3, 256, (1, 200), generator=torch.Generator().manual_seed(2))
+    long_cache = model.generate(long, max_new_tokens=1, return_dict_in_generate=True).past_key_values
+    long_more = torch.cat([long, long[:, :4]], 1)
+    expected_long = model.generate(long_more, past_key_values=copy.deepcopy(long_cache), max_new_tokens=8)
+    config = {"block_size": 8, "max_num_seqs": 6, "max_num_batched_tokens": 16, "max_model_len": 256}
     results = []
-    for memory, call in ((60 * 6144, "beams"), (24 * 6144, "continued")):
+    for memory, call in ((60 * 6144, "beams"), (32 * 6144, "continued")):
         hfaccel.patch(model, strict=True, kv_cache_memory=memory, **config)
         try:
             engine = model._hfaccel.get_engine(model)
             bm = engine.block_manager
-            assert bm.window.num_blocks == 20  # 6 sequences' windows and a step's tokens, < the full pool
+            # 6 sequences' windows and a step's tokens: 20 blocks (160 tokens); the full pool the rest
+            assert (bm.window.num_blocks, bm.num_blocks) == ((20, 140) if call == "beams" else (20, 56))
             if call == "beams":
                 results.append(model.generate(ids, return_dict_in_generate=True, **beams))
             else:
                 results.append(model.generate(longer, past_key_values=copy.deepcopy(cache), **continued))
                 assert sum(s.num_preemptions for s in engine.step_stats) > 0
+                results.append(
+                    model.generate(long_more, past_key_values=copy.deepcopy(long_cache), max_new_tokens=8)
+                )
             assert bm.num_free_blocks == bm.num_blocks and bm.window.num_free_blocks == bm.window.num_blocks
         finally:
             hfaccel.unpatch(model)
-    out, got = results
+    out, got, got_long = results
     assert torch.equal(out.sequences, expected.sequences)
+    assert torch.equal(got_long, expected_long)
     for layer in range(3):
         torch.testing.assert_close(
             out.past_key_values.layers[layer].keys, expected.past_key_values.layers[layer].keys
