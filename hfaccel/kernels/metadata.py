@@ -38,6 +38,8 @@ class BackendCapabilities:
         chunked_attention: the same for a ``chunk`` (Llama 4's chunked attention layers).
         logit_softcap: the same for a ``softcap`` of the scores (Gemma 2).
         attention_sinks: the same for ``sinks``, per-head attention-sink logits (gpt-oss).
+        slow_dtypes: KV dtypes it serves correctly but measured far slower than another backend:
+            ``"auto"`` passes over it for them (naming it still gets it).
     """
 
     dtypes: frozenset[torch.dtype]
@@ -49,6 +51,7 @@ class BackendCapabilities:
     chunked_attention: bool = False
     logit_softcap: bool = False
     attention_sinks: bool = False
+    slow_dtypes: frozenset[torch.dtype] = frozenset()
 
 
 @dataclass
