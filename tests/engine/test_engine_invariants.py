@@ -15,6 +15,18 @@ MODEL = tiny_model("llama", layers=1)
 SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
 
 
+def check_cached_blocks_unchanged(manager, k_cache, snapshots: dict) -> dict:
+    """Every cached block some request holds has the K contents it had when first seen so; returns the
+    snapshots of those still held."""
+    live = set()
+    for key, block in manager._cached.items():
+        if manager.ref_count(block) > 0:
+            live.add(block)
+            snapshot = snapshots.setdefault((block, key), k_cache[block].clone())
+            assert torch.equal(k_cache[block], snapshot), f"cached block {block} was overwritten"
+    return {k: v for k, v in snapshots.items() if k[0] in live}
+
+
 class EngineMachine(RuleBasedStateMachine):
     extra_config: dict = {}
     model = MODEL
@@ -108,15 +120,8 @@ class EngineMachine(RuleBasedStateMachine):
 
     @invariant()
     def cached_blocks_in_use_are_never_overwritten(self):
-        manager = self.engine.block_manager
-        k_cache = self.engine.runner.kv_caches[0][0]
-        live = set()
-        for key, block in manager._cached.items():
-            if manager.ref_count(block) > 0:
-                live.add(block)
-                snapshot = self.snapshots.setdefault((block, key), k_cache[block].clone())
-                assert torch.equal(k_cache[block], snapshot), f"cached block {block} was overwritten"
-        self.snapshots = {k: v for k, v in self.snapshots.items() if k[0] in live}
+        manager, k_cache = self.engine.block_manager, self.engine.runner.kv_caches[0][0]
+        self.snapshots = check_cached_blocks_unchanged(manager, k_cache, self.snapshots)
 
     @invariant()
     def finished_exactly_once(self):

@@ -2,7 +2,6 @@
 given back as a sequence grows, prefix hits that need both pools, repair, and a whole engine over a
 model with full and sliding layers under random operations and faults."""
 
-import torch
 from hypothesis import settings
 from hypothesis.stateful import invariant
 
@@ -10,7 +9,7 @@ from hfaccel.bench.families import family_model
 from hfaccel.engine.block_manager import SLID
 from hfaccel.engine.request import Request, StoppingParams
 from hfaccel.engine.window_blocks import HybridBlockManager, kv_tables, window_pool_blocks, window_table
-from tests.engine.test_engine_invariants import EngineMachine
+from tests.engine.test_engine_invariants import EngineMachine, check_cached_blocks_unchanged
 
 
 def admitted(manager: HybridBlockManager, prompt: list[int], keep_kv: bool = False) -> Request:
@@ -157,15 +156,8 @@ class HybridEngineMachine(EngineMachine):
 
     @invariant()
     def cached_window_blocks_in_use_are_never_overwritten(self):
-        pool = self.engine.block_manager.window
-        k_cache = self.engine.runner.kv_caches[1][0]
-        live = set()
-        for key, block in pool._cached.items():
-            if pool.ref_count(block) > 0:
-                live.add(block)
-                snapshot = self.window_snapshots.setdefault((block, key), k_cache[block].clone())
-                assert torch.equal(k_cache[block], snapshot), f"cached window block {block} was overwritten"
-        self.window_snapshots = {k: v for k, v in self.window_snapshots.items() if k[0] in live}
+        pool, k_cache = self.engine.block_manager.window, self.engine.runner.kv_caches[1][0]
+        self.window_snapshots = check_cached_blocks_unchanged(pool, k_cache, self.window_snapshots)
 
     def teardown(self):
         super().teardown()
