@@ -189,6 +189,10 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def copy_pending(self, request: Request) -> bool:
+        """Whether a queued copy on write (not run yet) fills one of `request`'s blocks."""
+        return any(dst in request.block_ids for _, dst in self.pending_copies)
+
     def take_window_copies(self) -> list[tuple[int, int]]:
         """The same for a window pool's blocks (`window_blocks.HybridBlockManager`; none here)."""
         return []

@@ -115,12 +115,8 @@ def _repair_beams(scheduler: Any, failed: list[Request], error: BaseException | 
             continue
         queued = {id(r) for r in (*scheduler.waiting, *scheduler.forming)}
         # A copy on write the interrupted step queued but never ran: that beam's block is not filled.
-        copied = {dst for _, dst in scheduler.block_manager.pending_copies}
-        window_pool = getattr(scheduler.block_manager, "window", None)
-        window_copied = {dst for _, dst in window_pool.pending_copies} if window_pool is not None else set()
         whole = all(
-            not copied.intersection(slot.block_ids)
-            and (slot.window_table is None or not window_copied.intersection(slot.window_table.block_ids))
+            not scheduler.block_manager.copy_pending(slot)
             and slot in scheduler.running
             and slot.status is RequestStatus.RUNNING
             and not slot.is_finished

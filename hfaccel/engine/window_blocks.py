@@ -109,6 +109,9 @@ class HybridBlockManager(BlockManager):
     def take_window_copies(self) -> list[tuple[int, int]]:
         return self.window.take_copies()
 
+    def copy_pending(self, request: Request) -> bool:
+        return super().copy_pending(request) or self.window.copy_pending(window_table(request))
+
     @property
     def num_used_window_blocks(self) -> int:
         return self.window.num_used_blocks
