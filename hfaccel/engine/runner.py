@@ -134,6 +134,7 @@ class ModelRunner:
             # Sampled rows: one per sequence, or 1 + k for a sequence verifying k drafts.
             "logits_indices": torch.zeros((max_num_tokens,), dtype=torch.long, pin_memory=pin),
         }
+        self._host_arrays = {n: t.view(-1).numpy() for n, t in self._host.items()}  # what `_stage` fills
         self._dev = (
             self._host
             if self.device.type == "cpu"
@@ -159,15 +160,14 @@ class ModelRunner:
         """Copy `values` into buffer `name` in place; the device view of its first `size` entries."""
         size = len(values) if size is None else size
         host = self._host[name]
-        flat = host.view(-1).numpy()
+        flat = self._host_arrays[name]
         flat[: len(values)] = values
         flat[len(values) : size] = 0  # padding: a valid token id / position, its output is ignored
-        if host.dim() == 2:
-            host_view, dev_view = host[:, :size], self._dev[name][:, :size]
-        else:
-            host_view, dev_view = host[:size], self._dev[name][:size]
-        if dev_view is not host_view:
-            dev_view.copy_(host_view, non_blocking=True)
+        host_view = host[:, :size] if host.dim() == 2 else host[:size]
+        if self._dev is self._host:  # a CPU: the host buffer is the device's
+            return host_view
+        dev_view = self._dev[name][:, :size] if host.dim() == 2 else self._dev[name][:size]
+        dev_view.copy_(host_view, non_blocking=True)
         return dev_view
 
     @torch.inference_mode()

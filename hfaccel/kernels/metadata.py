@@ -175,6 +175,7 @@ class MetadataBuilder:
             "block_tables": ((max_num_seqs, max_blocks_per_seq), torch.int32),
         }
         self.host = {n: torch.zeros(s, dtype=d, pin_memory=pin) for n, (s, d) in shapes.items()}
+        self._host_arrays = {n: buf.numpy() for n, buf in self.host.items()}  # made once: a step fills them
         self.dev = (
             self.host
             if self.device.type == "cpu"
@@ -196,7 +197,7 @@ class MetadataBuilder:
         width = self.fixed_width or max((len(row) for row in layout.block_tables), default=1) or 1
         if width > self.max_blocks_per_seq:
             raise ValueError(f"a block table of {width} blocks exceeds {self.max_blocks_per_seq}")
-        h = {n: buf.numpy() for n, buf in self.host.items()}
+        h = self._host_arrays
         h["slot_mapping"][:t] = layout.slot_mapping
         h["slot_mapping"][t:t_pad] = PAD_SLOT
         qsl = h["query_start_loc"]
@@ -240,6 +241,7 @@ class MetadataBuilder:
                 dst.copy_(src, non_blocking=True)
                 dev[name] = dst
         num_decode_tokens = sum(layout.query_lens[: layout.num_decodes])
+        host = dev if self.dev is self.host else None  # on a CPU the device views are the host's
         return AttentionMetadata(
             num_seqs=b,
             num_tokens=t,
@@ -252,9 +254,11 @@ class MetadataBuilder:
             query_start_loc=dev["query_start_loc"],
             seq_lens=dev["seq_lens"],
             block_tables=dev["block_tables"],
-            query_start_loc_cpu=self.host["query_start_loc"][: b_pad + 1],
-            seq_lens_cpu=self.host["seq_lens"][:b_pad],
-            block_tables_cpu=self.host["block_tables"][:b_pad, :width],
+            query_start_loc_cpu=host["query_start_loc"]
+            if host
+            else self.host["query_start_loc"][: b_pad + 1],
+            seq_lens_cpu=host["seq_lens"] if host else self.host["seq_lens"][:b_pad],
+            block_tables_cpu=host["block_tables"] if host else self.host["block_tables"][:b_pad, :width],
             query_lens=list(layout.query_lens),
             host_seq_lens=list(layout.seq_lens),
         )

@@ -15,6 +15,8 @@ reserves it), so the store needs no data-dependent indexing; padded sequences ar
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -61,10 +63,6 @@ class TorchMetadata:
     """The common metadata plus the torch backend's gather indices and masks for this step."""
 
     common: AttentionMetadata
-    decode_blocks: torch.Tensor | None = None  # [num_decodes * nb] block ids, nb = longest context's blocks
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, Q, nb * block_size]: True where visible
-    # Each decode query's own position ``[num_decodes, 1, Q, 1]`` (a local layer's window ends there).
-    decode_last: torch.Tensor | None = None
     # Decode rows with up to Q > 1 queries (speculative verification): each sequence's queries padded to
     # Q (`decode_query_index` into the packed tokens), and where the real rows' outputs go.
     decode_queries: int = 1
@@ -74,7 +72,12 @@ class TorchMetadata:
     decode_row_seqs: torch.Tensor | None = None  # each real row's sequence (in decode order)
     decode_row_lens: torch.Tensor | None = None  # each real row's visible context (its position + 1)
     prefills: list[PrefillSpan] = field(default_factory=list)
-    write_slots: torch.Tensor | None = None  # slot_mapping with padding sent to the scratch block
+    # The decode rows' gather (`decode_blocks`, `decode_mask`, `decode_last`) and `write_slots`, made
+    # when a layer first reads them: a step whose decodes the C kernel serves needs neither (a few
+    # tensor ops each, the host cost of a small model's step).
+    _gather: Callable[[], tuple[torch.Tensor, ...]] | None = field(default=None, repr=False)
+    _gathered: tuple[torch.Tensor | None, ...] | None = field(default=None, repr=False)
+    _slots: Callable[[], torch.Tensor] | torch.Tensor | None = field(default=None, repr=False)
     # The additive form of `decode_mask` (0 where visible, -inf elsewhere), rows repeated for the query
     # heads sharing a KV head: made by the first layer that asks (`decode_bias`) and shared by every
     # other layer of the step, so SDPA converts no boolean mask per layer.
@@ -87,6 +90,33 @@ class TorchMetadata:
     # The same for multi-query decode rows (speculative verification): each real row as its own
     # one-token "sequence" over its sequence's blocks, seeing the context up to its own position.
     _cpu_rows: cpu_decode.DecodeCall | bool | None = field(default=None, repr=False)
+
+    @property
+    def decode_blocks(self) -> torch.Tensor | None:
+        """``[num_decodes * nb]`` block ids, nb the longest context's blocks (None: no decode rows)."""
+        return self._decode_gather()[0]
+
+    @property
+    def decode_mask(self) -> torch.Tensor | None:
+        """``[num_decodes, 1, Q, nb * block_size]``: True where a decode query sees a key."""
+        return self._decode_gather()[1]
+
+    @property
+    def decode_last(self) -> torch.Tensor | None:
+        """Each decode query's own position ``[num_decodes, 1, Q, 1]`` (a local layer's window ends there)."""
+        return self._decode_gather()[2]
+
+    @property
+    def write_slots(self) -> torch.Tensor | None:
+        """``slot_mapping`` with padding sent to the scratch block (`MetadataBuilder.write_slots`)."""
+        if callable(self._slots):
+            self._slots = self._slots()
+        return self._slots
+
+    def _decode_gather(self) -> tuple[torch.Tensor | None, ...]:
+        if self._gathered is None:
+            self._gathered = (None, None, None) if self._gather is None else self._gather()
+        return self._gathered
 
     def cpu_decode_call(self, query: torch.Tensor, k_cache: torch.Tensor) -> cpu_decode.DecodeCall | None:
         """The C kernel bound to the step's first ``num_decodes`` rows (one token each: their block
@@ -173,47 +203,18 @@ class TorchMetadataBuilder(MetadataBuilder):
         common = self.build_common(layout, num_padded_seqs, num_padded_tokens)
         meta = TorchMetadata(common)
         block_size = self.block_size
-        device = self.device
-        meta.write_slots = self.write_slots(common)
+        meta._slots = functools.partial(self.write_slots, common)
         block_tables = common.block_tables
         num_decodes = common.num_decodes
         if num_decodes:
-            # Gather whole blocks (contiguous rows of block_size * Hkv * D), not single slots: far faster.
             lens = layout.seq_lens[:num_decodes]
             queries = layout.query_lens[:num_decodes]
-            nb = -(-max(lens) // block_size)
-            meta.decode_blocks = block_tables[:num_decodes, :nb].reshape(-1).long()
-            slots = self._positions[: nb * block_size]
-            q_max = max(queries)
-            if q_max == 1:
-                seen = torch.tensor(lens, device=device)
-                meta.decode_mask = (slots[None, :] < seen[:, None])[:, None, None, :]
-                meta.decode_last = (seen - 1)[:, None, None, None]
+            if max(queries) == 1:
+                meta._gather = functools.partial(self._decode_gather, block_tables, lens)
             else:
-                index, last_position, src, dst, row_seqs, row_lens = [], [], [], [], [], []
-                start = 0
-                for b, (q, length) in enumerate(zip(queries, lens)):
-                    for i in range(q_max):
-                        j = min(i, q - 1)  # padding rows repeat the last query; their output is dropped
-                        index.append(start + j)
-                        last_position.append(length - q + j)
-                        if i < q:
-                            src.append(b * q_max + i)
-                            dst.append(start + i)
-                            row_seqs.append(b)
-                            row_lens.append(length - q + i + 1)
-                    start += q
-                visible = torch.tensor(last_position, device=device).view(num_decodes, q_max)
-                meta.decode_mask = (slots[None, None, :] <= visible[:, :, None])[:, None]
-                meta.decode_last = visible[:, None, :, None]
-                meta.decode_queries = q_max
-                meta.decode_query_index = torch.tensor(index, device=device)
-                meta.decode_out_src = torch.tensor(src, device=device)
-                meta.decode_out_dst = torch.tensor(dst, device=device)
-                meta.decode_row_seqs = torch.tensor(row_seqs, device=device)
-                meta.decode_row_lens = torch.tensor(row_lens, dtype=torch.int32, device=device)
+                self._verification_rows(meta, block_tables, lens, queries)
         start = common.num_decode_tokens
-        tables = block_tables.long()
+        tables = block_tables.long() if num_decodes < common.num_seqs else block_tables
         for i in range(num_decodes, common.num_seqs):
             length = layout.query_lens[i]
             context = layout.seq_lens[i]
@@ -226,6 +227,52 @@ class TorchMetadataBuilder(MetadataBuilder):
                 meta.prefills.append(PrefillSpan(start, length, slots, mask))
             start += length
         return meta
+
+    def _decode_gather(self, block_tables: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, ...]:
+        """One-token decode rows: the whole blocks to gather (contiguous rows of block_size * Hkv * D, far
+        faster than single slots), which keys each row sees, and its position."""
+        nb = -(-max(lens) // self.block_size)
+        blocks = block_tables[: len(lens), :nb].reshape(-1).long()
+        seen = torch.tensor(lens, device=self.device)
+        mask = (self._positions[: nb * self.block_size][None, :] < seen[:, None])[:, None, None, :]
+        return blocks, mask, (seen - 1)[:, None, None, None]
+
+    def _verification_rows(
+        self, meta: TorchMetadata, block_tables: torch.Tensor, lens: list[int], queries: list[int]
+    ) -> None:
+        """Decode rows of up to Q > 1 queries (speculative verification): each sequence's queries padded
+        to Q, the real rows' places, and what the gather needs (built now: such steps are few)."""
+        device = self.device
+        num_decodes = len(lens)
+        nb = -(-max(lens) // self.block_size)
+        slots = self._positions[: nb * self.block_size]
+        q_max = max(queries)
+        index, last_position, src, dst, row_seqs, row_lens = [], [], [], [], [], []
+        start = 0
+        for b, (q, length) in enumerate(zip(queries, lens)):
+            for i in range(q_max):
+                j = min(i, q - 1)  # padding rows repeat the last query; their output is dropped
+                index.append(start + j)
+                last_position.append(length - q + j)
+                if i < q:
+                    src.append(b * q_max + i)
+                    dst.append(start + i)
+                    row_seqs.append(b)
+                    row_lens.append(length - q + i + 1)
+            start += q
+        visible = torch.tensor(last_position, device=device).view(num_decodes, q_max)
+        blocks = block_tables[:num_decodes, :nb].reshape(-1).long()
+        meta._gathered = (
+            blocks,
+            (slots[None, None, :] <= visible[:, :, None])[:, None],
+            visible[:, None, :, None],
+        )
+        meta.decode_queries = q_max
+        meta.decode_query_index = torch.tensor(index, device=device)
+        meta.decode_out_src = torch.tensor(src, device=device)
+        meta.decode_out_dst = torch.tensor(dst, device=device)
+        meta.decode_row_seqs = torch.tensor(row_seqs, device=device)
+        meta.decode_row_lens = torch.tensor(row_lens, dtype=torch.int32, device=device)
 
 
 class TorchPagedAttention(AttentionBackend):

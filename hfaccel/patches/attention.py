@@ -31,7 +31,7 @@ from transformers import AttentionInterface, PreTrainedConfig
 
 import hfaccel.kernels.op  # noqa: F401  (registers torch.ops.hfaccel.paged_attention_v2)
 from hfaccel.kernels.attention_probs import attention_probs
-from hfaccel.kernels.op import current_forward_context
+from hfaccel.kernels.op import current_forward_context, paged_attention
 
 ATTENTION_NAME = "hfaccel"
 
@@ -74,8 +74,15 @@ def paged_attention_forward(
     local = (window, chunk, softcap, sinks)
     device = q.device.type
     if not torch.is_autocast_enabled(device):
-        out = torch.ops.hfaccel.paged_attention_v2(q, k, v, module.layer_idx, float(scale), *local)
-        return out[..., :value_dim].unsqueeze(0), _probs(context, module, q, float(scale), local)
+        if type(q) is torch.Tensor and not torch.compiler.is_compiling():
+            # Eager on plain tensors: the op's own function, without the dispatcher's round trip (a
+            # quarter of a small layer's attention call); a graph or a tensor subclass gets the op.
+            out = paged_attention(q, k, v, module.layer_idx, float(scale), *local)
+        else:
+            out = torch.ops.hfaccel.paged_attention_v2(q, k, v, module.layer_idx, float(scale), *local)
+        if value_dim < out.shape[-1]:
+            out = out[..., :value_dim]
+        return out.unsqueeze(0), _probs(context, module, q, float(scale), local)
     # Under autocast (accelerate wraps a trainer's model.forward in it, and HF's generate runs inside it)
     # the projections come out in the autocast dtype: attend in the KV cache's dtype (an int8 cache: in
     # the query's, which rotary leaves in the model's), autocast off.
@@ -98,8 +105,23 @@ def _probs(context: Any, module: torch.nn.Module, q: torch.Tensor, scale: float,
 
 def layer_chunk(module: torch.nn.Module) -> int:
     """The chunk of a chunked-attention layer (``layer_types[i] == "chunked_attention"``, of
-    ``attention_chunk_size`` positions, as Llama 4's), else 0."""
+    ``attention_chunk_size`` positions, as Llama 4's), else 0 (read once per module and config)."""
     config = getattr(module, "config", None)
+    if torch.compiler.is_compiling():  # traced once per graph: no cache for dynamo to trace
+        return _configured_chunk(module, config)
+    known = _chunks.get(module)
+    if known is not None and known[0] is config:
+        return known[1]
+    chunk = _configured_chunk(module, config)
+    _chunks[module] = (config, chunk)
+    return chunk
+
+
+# module -> (the config it was read from, its chunk): a config read costs microseconds per layer and step.
+_chunks: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, int]] = weakref.WeakKeyDictionary()
+
+
+def _configured_chunk(module: torch.nn.Module, config: Any) -> int:
     types = getattr(config, "layer_types", None)
     if not types or module.layer_idx >= len(types) or types[module.layer_idx] != "chunked_attention":
         return 0
