@@ -75,11 +75,14 @@ class Engine:
             self.step_sync.check_config(self.config)
         token_padding = self.executor.max_token_padding  # sequence-parallel prefill padding
         # ---
-        per_token = kv_bytes_per_token(self.executor, kv_dtype)
+        per_token = kv_bytes_per_token(self.executor, kv_dtype, backend)
         draft = draft_executor(self.config.speculative, self.vocab_size, self.device)
         if draft is not None:  # the draft's cache has as many blocks as the target's: budget both
-            draft_kv_dtype = self.config.kv_dtype(draft.dtype)
-            per_token += kv_bytes_per_token(draft, draft_kv_dtype)
+            draft_kv_dtype, needs = self.config.kv_dtype(draft.dtype), draft.attention_needs
+            draft_backend = get_backend(
+                self.config.backend, self.device, draft_kv_dtype, draft.head_dim, needs
+            )
+            per_token += kv_bytes_per_token(draft, draft_kv_dtype, draft_backend)
         budget = self._kv_budget()
         if self.step_sync is not None:  # auto limits follow the budget: the same budget on every rank
             budget = self.step_sync.min_int(budget)
@@ -116,10 +119,9 @@ class Engine:
             self.proposer = make_proposer(self.config)
         else:
             # Its own runner (KV cache, buffers) over the same block ids: requests' block tables index both.
-            needs = draft.attention_needs
             draft_runner = ModelRunner(
                 draft,
-                get_backend(self.config.backend, self.device, draft_kv_dtype, draft.head_dim, needs),
+                draft_backend,
                 self.num_blocks,
                 block_size,
                 draft_kv_dtype,
@@ -133,11 +135,8 @@ class Engine:
                 max_model_len=draft.max_model_len(None),
                 max_num_tokens=self.runner.max_num_tokens,
             )
-        self._async = (
-            AsyncStepper(self)
-            if resolve_async_scheduling(self.config.async_scheduling, self.device)
-            else None
-        )
+        asynchronous = resolve_async_scheduling(self.config.async_scheduling, self.device)
+        self._async = AsyncStepper(self) if asynchronous else None
         model_state = model_state or self.executor.state_token
         # The fingerprint is watched where something outlives a model change: the prefix cache's KV, and
         # captured CUDA graphs (they replay the weights' addresses and the adapters' control flow).

@@ -472,6 +472,8 @@ class ModelRunner:
                 kv_quant.store(v_cache, slots, v)
 
 
-def kv_bytes_per_token(executor: ModelExecutor, dtype: torch.dtype) -> int:
-    """Bytes of K and V one token takes across all layers (an int8 cache's scales included)."""
-    return 2 * executor.num_layers * executor.num_kv_heads * kv_quant.row_bytes(executor.head_dim, dtype)
+def kv_bytes_per_token(executor: ModelExecutor, dtype: torch.dtype, backend: AttentionBackend) -> int:
+    """Bytes of K and V one token takes across all layers in `backend`'s cache (an int8 cache's scales
+    included, its rows padded as the backend asks)."""
+    row = kv_quant.row_bytes(executor.head_dim, dtype, backend.capabilities.quantized_row_align)
+    return 2 * executor.num_layers * executor.num_kv_heads * row

@@ -38,8 +38,8 @@ class BackendCapabilities:
         chunked_attention: the same for a ``chunk`` (Llama 4's chunked attention layers).
         logit_softcap: the same for a ``softcap`` of the scores (Gemma 2).
         attention_sinks: the same for ``sinks``, per-head attention-sink logits (gpt-oss).
-        slow_dtypes: KV dtypes it serves correctly but measured far slower than another backend:
-            ``"auto"`` passes over it for them (naming it still gets it).
+        quantized_row_align: bytes an int8 cache's rows are padded to (`kv_quant.row_width`): 4, or 16
+            for kernels that load aligned vectors.
     """
 
     dtypes: frozenset[torch.dtype]
@@ -51,7 +51,7 @@ class BackendCapabilities:
     chunked_attention: bool = False
     logit_softcap: bool = False
     attention_sinks: bool = False
-    slow_dtypes: frozenset[torch.dtype] = frozenset()
+    quantized_row_align: int = 4
 
 
 @dataclass
@@ -317,8 +317,8 @@ class AttentionBackend(ABC):
     ) -> tuple:
         """Shape of one layer's K (and of its V) cache of `dtype` for `num_blocks` usable blocks (plus the
         scratch block, for backends that use one); an int8 cache's rows hold their scales too
-        (`kv_quant.row_width`)."""
-        width = kv_quant.row_width(head_dim, dtype)
+        (`kv_quant.row_width`, aligned as the backend asks)."""
+        width = kv_quant.row_width(head_dim, dtype, self.capabilities.quantized_row_align)
         return (num_blocks + int(self.uses_scratch_block), block_size, num_kv_heads, width)
 
     def make_builder(

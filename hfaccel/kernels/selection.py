@@ -76,15 +76,13 @@ def get_backend(
     `needs` (`ATTENTION_NEEDS`: windows, chunks, soft-capping, sinks).
 
     ``"auto"`` picks FlashInfer on CUDA where it imports and supports the model, else Triton on CUDA,
-    else torch, passing over a backend for a KV dtype it serves slowly (`capabilities.slow_dtypes`).
-    A named backend that cannot run here raises ValueError saying why.
+    else torch. A named backend that cannot run here raises ValueError saying why.
     """
     device = torch.device(device)
     if name == "auto":
         candidates = ("flashinfer", "triton", "torch") if device.type == "cuda" else ("torch",)
         for candidate in candidates:
-            slow = dtype in backend_class(candidate).capabilities.slow_dtypes
-            if not slow and unavailable_reason(candidate, device, dtype, head_dim, needs) is None:
+            if unavailable_reason(candidate, device, dtype, head_dim, needs) is None:
                 return backend_class(candidate)()
         name = "torch"
     reason = unavailable_reason(name, device, dtype, head_dim, needs)

@@ -85,12 +85,12 @@ def max_model_len(model: torch.nn.Module, requested: int | None) -> int:
     return limit
 
 
-def kv_bytes_per_token(model: torch.nn.Module, kv_dtype: torch.dtype) -> int:
+def kv_bytes_per_token(model: torch.nn.Module, kv_dtype: torch.dtype, align: int = 4) -> int:
     """Bytes of K and V one token takes across all layers, from the model's config alone (the same
-    count the engine's runner makes)."""
+    count the engine's runner makes; an int8 cache's rows padded to `align` bytes)."""
     config = model.config.get_text_config(decoder=True)
     num_kv_heads, head_dim = attention_dims(model)
-    return 2 * config.num_hidden_layers * num_kv_heads * kv_quant.row_bytes(head_dim, kv_dtype)
+    return 2 * config.num_hidden_layers * num_kv_heads * kv_quant.row_bytes(head_dim, kv_dtype, align)
 
 
 def attention_dims(model: torch.nn.Module) -> tuple[int, int]:
@@ -111,7 +111,7 @@ def check_engine_config(model: torch.nn.Module, config: Any) -> None:
     known without building the engine (context length, a named backend's availability, and whether the
     KV cache holds one request of ``max_model_len`` tokens)."""
     from hfaccel.engine.limits import free_memory_bytes
-    from hfaccel.kernels.selection import unavailable_reason
+    from hfaccel.kernels.selection import get_backend, unavailable_reason
 
     context = max_model_len(model, config.max_model_len)
     if has_recurrent_layers(model):
@@ -142,7 +142,10 @@ def check_engine_config(model: torch.nn.Module, config: Any) -> None:
         reason = unavailable_reason(config.backend, param.device, kv_dtype, head_dim)
         if reason is not None:
             raise ValueError(f"backend {config.backend!r} cannot serve this model here: {reason}")
-    block_bytes = kv_bytes_per_token(model, kv_dtype) * config.block_size
+    align = 4  # an int8 cache's rows are padded as the backend asks (16 bytes for Triton)
+    if kv_quant.is_quantized(kv_dtype) and param.device.type == "cuda":
+        align = get_backend(config.backend, param.device, kv_dtype, head_dim).capabilities.quantized_row_align
+    block_bytes = kv_bytes_per_token(model, kv_dtype, align) * config.block_size
     tp = parallel_layout(model).tp
     if tp is not None and getattr(tp, "size", 1) > 1:  # a rank holds its share of the KV heads
         kv_heads = attention_dims(model)[0]

@@ -94,14 +94,28 @@ def test_triton_serves_an_int8_cache_as_the_torch_backend_does():
 
     prompts = varied_prompts(5)
     prompts.append(prompts[0][:20] + [9, 9, 9])  # shares a prefix with the first
-    tokens = {}
+    tokens, blocks = {}, {}
     for backend in ("torch", "triton"):
         model = tiny_model()
-        hfaccel.patch(model, dtype="int8", backend=backend, max_num_batched_tokens=16, block_size=8)
+        hfaccel.patch(
+            model,
+            dtype="int8",
+            backend=backend,
+            max_num_batched_tokens=16,
+            block_size=8,
+            kv_cache_memory=1 << 18,
+        )
         tokens[backend] = _generate(model, prompts, new_tokens=8).sequences.tolist()
-        assert model._hfaccel.engine.runner.kv_caches[0][0].dtype == torch.int8
+        engine = model._hfaccel.engine
+        cache = engine.runner.kv_caches[0][0]
+        assert cache.dtype == torch.int8
+        # Triton's rows are padded to 16 bytes (it loads them as vectors), the torch backend's to 4; the
+        # budget counts the padding: fewer blocks in the same memory.
+        assert cache.shape[-1] == (32 if backend == "triton" else 20)  # head_dim 16
+        blocks[backend] = engine.block_manager.num_blocks
         hfaccel.unpatch(model)
     assert tokens["triton"] == tokens["torch"]
+    assert blocks["triton"] == pytest.approx(blocks["torch"] * 20 / 32, rel=0.02)
     assert torch.int8 not in FlashInferPagedAttention.capabilities.dtypes
 
 

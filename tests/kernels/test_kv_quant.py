@@ -1,5 +1,6 @@
 """The int8 KV cache's rows (`kernels/kv_quant.py`): layout, rounding, error bound, zero rows, views."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,25 @@ def test_row_layout_values_padding_then_the_scale():
     assert scale.item() == torch.tensor(2.0 / 127).item()
     assert q[0, 0, :6].tolist() == [-127, 64, 32, 0, 16, 64]  # 63.5 -> 64, 31.75 -> 32, 15.875 -> 16
     assert q[0, 0, 6:8].tolist() == [0, 0]
+
+
+def test_rows_aligned_to_16_bytes_keep_the_scale_after_the_values_and_zeros_after_it():
+    assert kv_quant.row_width(128, torch.int8, align=16) == 144  # 128 values, the scale, 12 zero bytes
+    assert kv_quant.row_width(64, torch.int8, align=16) == 80 and kv_quant.row_width(6, torch.int8, 16) == 16
+    assert kv_quant.row_width(64, torch.float32, align=16) == 64  # a float cache has no padding
+    assert kv_quant.row_bytes(128, torch.int8, align=16) == 144 and kv_quant.scale_at(6) == 8
+    rows = torch.randn(3, 2, 6)
+    q = kv_quant.quantize(rows, 16)
+    assert q.shape == (3, 2, 16) and torch.equal(q[..., :12], kv_quant.quantize(rows))
+    assert not q[..., 12:].any()
+    assert torch.equal(kv_quant.dequantize(q, 6, torch.float32), kv_quant.roundtrip(rows))
+    cache = torch.zeros(2, 4, 2, 16, dtype=torch.int8)
+    kv_quant.store(cache, torch.tensor([5, 0, 2]), rows)
+    torch.testing.assert_close(
+        kv_quant.load(cache.view(-1, 2, 16)[[5, 0, 2]], 6, torch.float32), kv_quant.roundtrip(rows)
+    )
+    with pytest.raises(ValueError, match="int8 rows of 8 bytes cannot hold 6 values and a scale"):
+        kv_quant.quantize(rows, 8)
 
 
 @settings(max_examples=60, deadline=None)

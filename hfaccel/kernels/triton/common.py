@@ -19,13 +19,14 @@ def check_head_dim(head_dim: int) -> None:
 
 def check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> tuple[int, int]:
     """Validate an NHD cache pair ``[num_blocks, block_size, Hkv, W]`` (W: ``head_dim``, or an int8
-    cache's row width, `kv_quant.row_width`); return ``(Hkv, block_size)``."""
+    cache's row width, `kv_quant.row_width` at any alignment); return ``(Hkv, block_size)``."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
         raise ValueError(
             f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must match (4-D, one dtype)"
         )
     width = kv_quant.row_width(head_dim, k_cache.dtype)
-    if k_cache.shape[3] != width:
+    aligned = kv_quant.is_quantized(k_cache.dtype) and k_cache.shape[3] > width and k_cache.shape[3] % 4 == 0
+    if k_cache.shape[3] != width and not aligned:
         raise ValueError(
             f"cache rows of {k_cache.shape[3]} elements != {width} for query head_dim {head_dim}"
         )
@@ -41,7 +42,7 @@ def scale_at(k_cache: torch.Tensor, head_dim: int) -> int:
     """Where a row's float32 scale starts, in elements, for an int8 cache (`kv_quant`); 0 otherwise."""
     if not kv_quant.is_quantized(k_cache.dtype):
         return 0
-    return kv_quant.row_width(head_dim, k_cache.dtype) - kv_quant.SCALE_BYTES
+    return kv_quant.scale_at(head_dim)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -84,7 +84,8 @@ def store_kv(
     if value.shape != key.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
     if kv_quant.is_quantized(k_cache.dtype):
-        key, value = kv_quant.quantize(key), kv_quant.quantize(value)
+        width = k_cache.shape[-1]
+        key, value = kv_quant.quantize(key, width), kv_quant.quantize(value, width)
     num_tokens, num_kv_heads, head_dim = key.shape
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
         raise ValueError(

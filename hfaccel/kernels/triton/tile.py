@@ -35,7 +35,7 @@ def load_kv_tile(
     v_rows = block * stride_vc_blk + offset * stride_vc_off + kv_head * stride_vc_head
     k = tl.load(k_cache_ptr + k_rows[:, None] + dims[None, :], mask=valid[:, None], other=0).to(tl.float32)
     v = tl.load(v_cache_ptr + v_rows[:, None] + dims[None, :], mask=valid[:, None], other=0).to(tl.float32)
-    if SCALE_AT > 0:  # the row's last 4 bytes are its float32 scale (rows are 4-byte aligned)
+    if SCALE_AT > 0:  # the float32 scale follows the values (4-byte aligned; rows 16-byte aligned)
         k_scale = tl.load(
             (k_cache_ptr + k_rows + SCALE_AT).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0
         )

@@ -296,33 +296,42 @@ def test_chunked_attention_in_prefill_and_decode(window, chunk, num_splits):
     check_decode(step, torch.float32, num_splits)
 
 
-def quantized(step: Step) -> Step:
-    """`step` over an int8 cache (`kv_quant`: int8 rows with a float32 scale each), its reference K/V
-    what that cache gives back. The spare blocks' NaN rows keep a NaN scale: reading them still poisons."""
-    step.k_cache, step.v_cache = kv_quant.quantize(step.k_cache), kv_quant.quantize(step.v_cache)
+def quantized(step: Step, align: int = 4) -> Step:
+    """`step` over an int8 cache (`kv_quant`: int8 rows with a float32 scale each, padded to `align`
+    bytes), its reference K/V what that cache gives back. The spare blocks' NaN rows keep a NaN scale:
+    reading them still poisons."""
+    width = kv_quant.row_width(step.k_cache.shape[-1], torch.int8, align)
+    step.k_cache, step.v_cache = (
+        kv_quant.quantize(step.k_cache, width),
+        kv_quant.quantize(step.v_cache, width),
+    )
     step.full_k = [kv_quant.roundtrip(k) for k in step.full_k]
     step.full_v = [kv_quant.roundtrip(v) for v in step.full_v]
     return step
 
 
-@pytest.mark.parametrize("head_dim", [64, 16])
-def test_an_int8_cache_is_read_through_its_scales(head_dim):
+@pytest.mark.parametrize(("head_dim", "align"), [(64, 4), (16, 4), (64, 16), (16, 16)])
+def test_an_int8_cache_is_read_through_its_scales(head_dim, align):
     """Prefill (a fresh prompt, a continued chunk, a decode, a padded row) and decode (split and not,
-    within a window) over int8 rows: attention over the values the cache holds, at fp32 tolerance."""
-    step = quantized(make_step([(0, 19), (37, 14), (50, 1)], num_padded=1, group=2, head_dim=head_dim))
-    check_prefill(step, torch.float32)
+    within a window) over int8 rows, 4-byte aligned and 16-byte aligned as the backend lays them out:
+    attention over the values the cache holds, at fp32 tolerance."""
+    step = make_step([(0, 19), (37, 14), (50, 1)], num_padded=1, group=2, head_dim=head_dim)
+    check_prefill(quantized(step, align), torch.float32)
     for window, num_splits in ((0, None), (0, 4), (9, 3)):
         step = quantized(
-            make_step([(0, 1), (15, 1), (76, 1), (200, 1)], num_padded=1, group=4, head_dim=head_dim)
+            make_step([(0, 1), (15, 1), (76, 1), (200, 1)], num_padded=1, group=4, head_dim=head_dim), align
         )
         step.window = window
         check_decode(step, torch.float32, num_splits)
 
 
-def test_store_kv_quantizes_into_an_int8_cache_as_kv_quant_stores():
+@pytest.mark.parametrize("align", [4, 16])
+def test_store_kv_quantizes_into_an_int8_cache_as_kv_quant_stores(align):
     g = torch.Generator().manual_seed(2)
     hkv, d, t = 2, 64, 7
-    cache = kv_quant.quantize(torch.randn(4, 16, hkv, d, generator=g))
+    cache = kv_quant.quantize(
+        torch.randn(4, 16, hkv, d, generator=g), kv_quant.row_width(d, torch.int8, align)
+    )
     key, value = torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
     slots = torch.randperm(64, generator=g)[:t]
     slots[3] = -1
