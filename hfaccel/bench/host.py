@@ -9,19 +9,23 @@ For each batch size B and context length C, side by side in one run:
   between the first and the last all-decode step over their count, so the loop's hand-offs between
   steps count too.
 
-Each figure is the median of `steps` steps; the ratios are to HF's step.
+Each figure is the median of `steps` steps; the ratios are to HF's step. HF's step and `Engine.step`
+run interleaved, a round of each at a time, so a machine whose load changes slows both alike.
+
+On a machine with CUDA the model runs there in bfloat16 and the engine with its defaults (decode steps
+compiled and replayed as CUDA graphs, one bucket: the batch size), HF eager with SDPA's best backend
+(`_hf_sdpa`): the host cost a GPU user pays on every step, over contexts up to 4,096.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from hfaccel.bench.machine import cpu_description
-from hfaccel.bench.step import _KV_BYTES, engine_decode_step, hf_decode_step
+from hfaccel.bench.step import _KV_BYTES, engine_decode_step, hf_decode_step, interleave
 
 
 def tiny_llama() -> Any:
@@ -41,13 +45,24 @@ def tiny_llama() -> Any:
     return LlamaForCausalLM(config).eval()
 
 
-def _median_ms(step: Any, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+def _hf_sdpa(device: str) -> Any:
+    """HF's step at its best on CUDA: SDPA without the cuDNN backend, which torch 2.11 picks for bf16 and
+    which built a plan for every new context length there (38 ms a step on an H200, 2026-11-26)."""
+    from contextlib import nullcontext
+
+    if device == "cpu":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _kv_bytes(model: Any, batch_size: int, context: int, steps: int) -> int:
+    """A KV budget for `batch_size` sequences of `context` + `steps` tokens, with room to spare."""
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    return max(_KV_BYTES, 2 * batch_size * (context + steps + 64) * per_token)
 
 
 def generate_step_ms(model: Any, batch_size: int, context: int, steps: int) -> float:
@@ -56,19 +71,25 @@ def generate_step_ms(model: Any, batch_size: int, context: int, steps: int) -> f
     import hfaccel
 
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, 256, (batch_size, context), generator=g)
+    device = next(model.parameters()).device
+    ids = torch.randint(3, 256, (batch_size, context), generator=g).to(device)
     hfaccel.patch(
         model,
         max_num_seqs=batch_size,
         max_num_batched_tokens=max(2048, batch_size * context),
         enable_prefix_caching=False,
-        kv_cache_memory=_KV_BYTES,
+        kv_cache_memory=_kv_bytes(model, batch_size, context, steps),
+        cuda_graph_sizes=(batch_size,),
         progress=False,
     )
     try:
         mask = torch.ones_like(ids)
+        # A first call compiles and captures the decode bucket where the engine does (CUDA): not timed.
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        seen = len(model._hfaccel.get_engine(model).step_stats)
         model.generate(ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
-        stats = [s for s in model._hfaccel.get_engine(model).step_stats if s.num_prefill_tokens == 0]
+        stats = list(model._hfaccel.get_engine(model).step_stats)[seen:]
+        stats = [s for s in stats if s.num_prefill_tokens == 0]
         stats = [s for s in stats if s.num_seqs == batch_size]
     finally:
         hfaccel.unpatch(model)
@@ -78,21 +99,49 @@ def generate_step_ms(model: Any, batch_size: int, context: int, steps: int) -> f
 
 def run_host_benchmark(
     batch_sizes: tuple[int, ...] = (1, 8, 32, 128),
-    contexts: tuple[int, ...] = (128, 1024),
+    contexts: tuple[int, ...] | None = None,
     steps: int = 24,
+    device: str | None = None,
 ) -> list[dict[str, float]]:
-    """Print and return one row per (batch, context): the three systems' step times and ratios."""
-    model = tiny_llama()
-    print(f"== host cost of a decode step: tiny Llama (4 layers, hidden 64), {cpu_description()}")
+    """Print and return one row per (batch, context): the three systems' step times and ratios.
+
+    `device`: ``"cuda"`` where CUDA is available, else ``"cpu"``; `contexts`: 128 and 1,024 on a CPU
+    (HF's prefill of 128 x 4,096 tokens takes minutes on two cores), up to 4,096 on CUDA."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if contexts is None:
+        contexts = (128, 1024) if device == "cpu" else (128, 1024, 4096)
+    # On CUDA in bfloat16, as GPU users serve (a float32 model there runs the kernels' slow fp32 path).
+    model = tiny_llama().to(device, torch.float32 if device == "cpu" else torch.bfloat16)
+    engine_mode = "compile off" if device == "cpu" else "defaults: compiled decode, CUDA graphs"
+    print(
+        f"== host cost of a decode step: tiny Llama (4 layers, hidden 64) on {device}, "
+        f"engine {engine_mode}; {cpu_description()}"
+    )
     print(
         f"{'batch':>6} {'context':>8} {'HF step':>9} {'Engine.step':>12} {'generate':>9} {'gen/HF':>7} {'step/HF':>8}"
     )
     rows = []
     for context in contexts:
         for batch_size in batch_sizes:
-            hf = _median_ms(hf_decode_step(model, batch_size, context), steps)
-            direct_step, _ = engine_decode_step(model, batch_size, context, steps, compile="off")
-            direct = _median_ms(direct_step, steps)
+            with _hf_sdpa(device):
+                hf_step = hf_decode_step(model, batch_size, context)
+            engine_config = {"compile": "off"} if device == "cpu" else {}
+            direct_step, _ = engine_decode_step(
+                model,
+                batch_size,
+                context,
+                steps,
+                kv_cache_memory=_kv_bytes(model, batch_size, context, steps),
+                **engine_config,
+            )
+
+            def hf_call(step: Any = hf_step) -> None:
+                with _hf_sdpa(device):
+                    step()
+
+            # Interleaved round by round: a machine whose load changes slows both alike.
+            times = interleave({"hf": hf_call, "step": direct_step}, steps)
+            hf, direct = (statistics.median(times[n]) * 1e3 for n in ("hf", "step"))
             through = generate_step_ms(model, batch_size, context, steps)
             row = {
                 "batch": batch_size,

@@ -122,8 +122,7 @@ def engine_decode_step(
             max_num_batched_tokens=max(2048, batch_size * prompt_len),
             enable_prefix_caching=False,
             cuda_graph_sizes=(batch_size,),
-            kv_cache_memory=_KV_BYTES,
-            **config,
+            **{"kv_cache_memory": _KV_BYTES, **config},
         ),
     )
     engine.runner.compile_dynamic = compile_dynamic
