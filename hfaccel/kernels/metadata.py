@@ -219,9 +219,9 @@ class MetadataBuilder:
         h["seq_lens"][:b] = layout.seq_lens
         h["seq_lens"][b:b_pad] = 0
         self._copy_tables(layout.block_tables)
-        h["block_tables"][b:b_pad, :width] = 0
-        for i in range(b, b_pad):
+        for i in range(b, b_pad):  # the mirror first: an interrupt between the two leaves it short, not stale
             self._table_rows[i] = []
+        h["block_tables"][b:b_pad, :width] = 0
         views = {
             "slot_mapping": t_pad,
             "query_start_loc": b_pad + 1,
@@ -270,7 +270,8 @@ class MetadataBuilder:
         ints is the step's largest host cost at long contexts (128 x 256 blocks: about 1.6 ms here).
         Each row is compared, by value, with a copy of what the buffer row holds (`_table_rows`): a table
         changed in place (copy on write, blocks given back) or another sequence in that row is written
-        whole."""
+        whole. The mirror never claims more than the buffer holds: a row's mirror is emptied before the
+        row is rewritten and extended only after its new entries are written."""
         tables = self._host_arrays["block_tables"]
         for i, row in enumerate(block_tables):
             held = self._table_rows[i]
@@ -280,6 +281,7 @@ class MetadataBuilder:
                     tables[i, n : len(row)] = row[n:]
                     held.extend(row[n:])
             else:
+                self._table_rows[i] = []  # first: an interrupt before the copy leaves the mirror short
                 tables[i, : len(row)] = row
                 self._table_rows[i] = list(row)
 

@@ -375,7 +375,7 @@ def attend(
     out = (
         torch.empty_like(query) if common.num_padded_tokens == common.num_tokens else torch.zeros_like(query)
     )
-    if meta.decode_blocks is not None:  # padded sequences are skipped: their rows stay zero
+    if common.num_decodes:  # padded sequences are skipped: their rows stay zero
         d = common.num_decodes
         if kernel is not None:  # their K/V are stored already (write_kv)
             kernel(query[:d], k_cache, v_cache, scale, out[:d], None, None, window, chunk, *exact)

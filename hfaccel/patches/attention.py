@@ -105,23 +105,9 @@ def _probs(context: Any, module: torch.nn.Module, q: torch.Tensor, scale: float,
 
 def layer_chunk(module: torch.nn.Module) -> int:
     """The chunk of a chunked-attention layer (``layer_types[i] == "chunked_attention"``, of
-    ``attention_chunk_size`` positions, as Llama 4's), else 0 (read once per module and config)."""
+    ``attention_chunk_size`` positions, as Llama 4's), else 0. Read from the config at every call, as
+    transformers reads it: a config changed in place changes the chunks at once."""
     config = getattr(module, "config", None)
-    if torch.compiler.is_compiling():  # traced once per graph: no cache for dynamo to trace
-        return _configured_chunk(module, config)
-    known = _chunks.get(module)
-    if known is not None and known[0] is config:
-        return known[1]
-    chunk = _configured_chunk(module, config)
-    _chunks[module] = (config, chunk)
-    return chunk
-
-
-# module -> (the config it was read from, its chunk): a config read costs microseconds per layer and step.
-_chunks: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, int]] = weakref.WeakKeyDictionary()
-
-
-def _configured_chunk(module: torch.nn.Module, config: Any) -> int:
     types = getattr(config, "layer_types", None)
     if not types or module.layer_idx >= len(types) or types[module.layer_idx] != "chunked_attention":
         return 0

@@ -9,7 +9,12 @@ import torch
 
 from hfaccel.distributed.layout import parallel_layout
 from hfaccel.kernels import kv_quant
-from hfaccel.patches.layer_support import attention_shape, has_recurrent_layers, unsupported_reason
+from hfaccel.patches.layer_support import (
+    attention_needs,
+    attention_shape,
+    has_recurrent_layers,
+    unsupported_reason,
+)
 
 TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"})
 
@@ -142,9 +147,10 @@ def check_engine_config(model: torch.nn.Module, config: Any) -> None:
         reason = unavailable_reason(config.backend, param.device, kv_dtype, head_dim)
         if reason is not None:
             raise ValueError(f"backend {config.backend!r} cannot serve this model here: {reason}")
-    align = 4  # an int8 cache's rows are padded as the backend asks (16 bytes for Triton)
-    if kv_quant.is_quantized(kv_dtype) and param.device.type == "cuda":
-        align = get_backend(config.backend, param.device, kv_dtype, head_dim).capabilities.quantized_row_align
+    align = 4  # an int8 cache's rows are padded as the backend the engine will pick asks (Triton: 16)
+    if kv_quant.is_quantized(kv_dtype):
+        backend = get_backend(config.backend, param.device, kv_dtype, head_dim, attention_needs(model))
+        align = backend.capabilities.quantized_row_align
     block_bytes = kv_bytes_per_token(model, kv_dtype, align) * config.block_size
     tp = parallel_layout(model).tp
     if tp is not None and getattr(tp, "size", 1) > 1:  # a rank holds its share of the KV heads

@@ -119,6 +119,20 @@ def test_triton_serves_an_int8_cache_as_the_torch_backend_does():
     assert torch.int8 not in FlashInferPagedAttention.capabilities.dtypes
 
 
+def test_patch_counts_the_row_padding_of_the_backend_it_will_get():
+    """The budget check at `patch` counts Triton's 16-byte int8 rows (here 32 bytes against the torch
+    backend's 20): a memory that holds one request of max_model_len in torch's rows is refused for
+    Triton's at `patch`, not later by the engine."""
+    pytest.importorskip("triton")
+    options = {"dtype": "int8", "kv_cache_memory": 5 * 2560, "max_model_len": 80}  # 5 blocks of torch's
+    model = tiny_model()
+    hfaccel.patch(model, backend="torch", **options)
+    assert _generate(model, [list(range(3, 60))], new_tokens=4).sequences.shape == (1, 61)
+    hfaccel.unpatch(model)
+    with pytest.raises(ValueError, match="max_model_len to at most 48"):
+        hfaccel.patch(model, backend="triton", **options)
+
+
 def test_int8_cache_under_autocast_attends_in_one_dtype():
     """Under autocast (accelerate and trainers wrap generate in it) rotary leaves q and k in float32 and
     the value projection comes out in bfloat16: the op gets all three in the query's dtype. HF's own

@@ -1,5 +1,7 @@
 """`MetadataBuilder.build_common` (`kernels/metadata.py`): the block tables it copies step after step."""
 
+import contextlib
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -54,3 +56,36 @@ def test_every_step_holds_its_tables_whatever_came_before(steps):
     builder = MetadataBuilder(4, 64, 8, BLOCK, torch.device("cpu"))
     for tables in steps:
         assert _held(builder, tables) == tables
+
+
+class _Interrupting:
+    """The block-table buffer, raising KeyboardInterrupt right after its `armed`-th write (a Ctrl-C
+    between the copy and the bookkeeping of what the buffer holds)."""
+
+    def __init__(self, array):
+        self.array, self.armed = array, 0
+
+    def __getitem__(self, key):
+        return self.array[key]
+
+    def __setitem__(self, key, value):
+        self.array[key] = value
+        self.armed -= 1
+        if self.armed == 0:
+            raise KeyboardInterrupt
+
+
+def test_an_interrupt_mid_copy_leaves_the_next_step_right():
+    """Whatever write an interrupt follows, the next step's tables are what it asks for, even one that
+    starts as the interrupted step's rows held before (where a stale record would copy only a tail)."""
+    for armed in (1, 2, 3):  # a row rewritten whole, a row's new tail, the padded rows' zeros
+        builder = MetadataBuilder(4, 64, 8, BLOCK, torch.device("cpu"))
+        real = builder._host_arrays["block_tables"]
+        assert _held(builder, [[1, 2], [3, 4], [5, 6]]) == [[1, 2], [3, 4], [5, 6]]
+        wrapper = _Interrupting(real)
+        wrapper.armed = armed
+        builder._host_arrays["block_tables"] = wrapper
+        with contextlib.suppress(KeyboardInterrupt):
+            builder.build_common(_layout([[7, 8], [3, 4, 9]]), 3)  # the third row padded
+        builder._host_arrays["block_tables"] = real
+        assert _held(builder, [[1, 2, 10], [3, 4, 11], [5, 6, 12]]) == [[1, 2, 10], [3, 4, 11], [5, 6, 12]]

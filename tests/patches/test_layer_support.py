@@ -145,6 +145,23 @@ def test_window_families_give_hf_tokens_past_the_window(model_type):
         assert_same_or_near_tie(model, prompt, completion.token_ids, hf_greedy(model, prompt, 12))
 
 
+def test_a_config_changed_in_place_changes_the_chunks_at_once():
+    """transformers reads ``layer_types`` at every forward, and so does the engine: Llama 4's chunked
+    layers made full ones on the same config object, the next call attends in full (prefix caching off:
+    KV computed under the old layer types is not the new model's)."""
+    model = family_model("llama4_text")
+    prompts = varied_prompts(6, seed=3)[2:5]
+    hfaccel.patch(model, strict=True, max_num_batched_tokens=64, max_num_seqs=4, enable_prefix_caching=False)
+    try:
+        for _ in range(2):
+            completions = hfaccel.generate(model, prompts, max_new_tokens=10, progress=False)
+            for prompt, completion in zip(prompts, completions):
+                assert_same_or_near_tie(model, prompt, completion.token_ids, hf_greedy(model, prompt, 10))
+            model.config.layer_types = ["full_attention"] * len(model.config.layer_types)
+    finally:
+        hfaccel.unpatch(model)
+
+
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
 def test_latent_attention_families_give_hf_tokens(model_type):
     """Multi-head latent attention (DeepSeek-V2/V3): keys of 24 dims (16 without rope, 8 with), values of
