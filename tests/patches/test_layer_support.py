@@ -3,6 +3,8 @@ is refused with the reason, never run with wrong tokens."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -209,30 +211,38 @@ def test_hybrids_are_refused_where_transformers_has_no_state_api():
         hfaccel.patch(family_model("jamba"))
 
 
-def test_a_model_whose_every_layer_slides_holds_only_its_windows_blocks():
-    """Mistral (every layer a window of 8 positions): blocks wholly before every window are given back
-    as the sequences grow, so KV memory stays bounded over a long generation, with HF's tokens; the
-    prefix cache still serves a repeated prompt."""
-    model = family_model("mistral")
+def _long_windowed_run(model: Any, new: int) -> tuple[list, set[int]]:
+    """Three prompts of 20+ tokens x `new` tokens on a window of 8 positions (blocks of 8), then the
+    first prompt again: HF's tokens both times, and the repeat hits the prefix cache. Returns the
+    engine's step stats of the first call."""
     prompts = [p for p in varied_prompts(8, seed=3) if len(p) > 20][:3]
-    new = 120
     hfaccel.patch(model, strict=True, block_size=8, max_num_seqs=4)
     try:
         completions = hfaccel.generate(model, prompts, max_new_tokens=new, min_new_tokens=new, progress=False)
         engine = model._hfaccel.get_engine(model)
         assert engine.scheduler.kv_window == 8
-        peak = max(s.kv_blocks_used for s in engine.step_stats)
-        # At most the blocks of a window and a step's tokens per sequence (unbounded: 20 blocks each).
-        assert peak <= len(prompts) * 4, peak
+        stats = list(engine.step_stats)
         hits = engine.block_manager.stats.hit_tokens
         again = hfaccel.generate(model, prompts[:1], max_new_tokens=new, min_new_tokens=new, progress=False)
         assert engine.block_manager.stats.hit_tokens > hits
+        window_layers = engine.runner.window_layers
     finally:
         hfaccel.unpatch(model)
     for prompt, completion in zip(prompts, completions):
         expected = hf_greedy(model, prompt, new, min_new_tokens=new)
         assert_same_or_near_tie(model, prompt, completion.token_ids, expected)
     assert again[0].token_ids == completions[0].token_ids
+    return stats, window_layers
+
+
+def test_a_model_whose_every_layer_slides_holds_only_its_windows_blocks():
+    """Mistral (every layer a window of 8 positions): blocks wholly before every window are given back
+    as the sequences grow, so KV memory stays bounded over a long generation, with HF's tokens; the
+    prefix cache still serves a repeated prompt."""
+    stats, _ = _long_windowed_run(family_model("mistral"), new=120)
+    peak = max(s.kv_blocks_used for s in stats)
+    # At most the blocks of a window and a step's tokens per sequence (unbounded: 20 blocks each).
+    assert peak <= 3 * 4, peak
 
 
 MIXED = {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
@@ -244,27 +254,12 @@ def test_a_model_with_full_and_sliding_layers_bounds_its_sliding_layers_blocks(m
     own whose blocks are given back as the window moves on, so it stays bounded while the full layers'
     pool grows with the sequences; a repeated prompt still hits the prefix cache (both pools), with HF's
     tokens. gpt-oss brings attention sinks and MoE."""
-    model = family_model(model_type, **MIXED)
-    prompts = [p for p in varied_prompts(8, seed=3) if len(p) > 20][:3]
-    new = 160
-    hfaccel.patch(model, strict=True, block_size=8, max_num_seqs=4)
-    try:
-        completions = hfaccel.generate(model, prompts, max_new_tokens=new, min_new_tokens=new, progress=False)
-        engine = model._hfaccel.get_engine(model)
-        assert engine.scheduler.kv_window == 8 and engine.runner.window_layers == {0, 2}
-        window_peak = max(s.kv_window_blocks_used for s in engine.step_stats)
-        full_peak = max(s.kv_blocks_used for s in engine.step_stats)
-        # At most a window and a step's tokens per sequence; the full layers hold every block (> 20 each).
-        assert window_peak <= len(prompts) * 4 < 60 <= full_peak, (window_peak, full_peak)
-        hits = engine.block_manager.stats.hit_tokens
-        again = hfaccel.generate(model, prompts[:1], max_new_tokens=new, min_new_tokens=new, progress=False)
-        assert engine.block_manager.stats.hit_tokens > hits
-    finally:
-        hfaccel.unpatch(model)
-    for prompt, completion in zip(prompts, completions):
-        expected = hf_greedy(model, prompt, new, min_new_tokens=new)
-        assert_same_or_near_tie(model, prompt, completion.token_ids, expected)
-    assert again[0].token_ids == completions[0].token_ids
+    stats, window_layers = _long_windowed_run(family_model(model_type, **MIXED), new=160)
+    assert window_layers == {0, 2}
+    window_peak = max(s.kv_window_blocks_used for s in stats)
+    full_peak = max(s.kv_blocks_used for s in stats)
+    # At most a window and a step's tokens per sequence; the full layers hold every block (> 20 each).
+    assert window_peak <= 3 * 4 < 60 <= full_peak, (window_peak, full_peak)
 
 
 def test_the_window_pool_can_be_turned_off():
