@@ -47,6 +47,7 @@ import transformers
 from transformers import DynamicCache
 
 from hfaccel.patches.attention import AttentionCall, recording_attention
+from hfaccel.patches.model_state import config_fingerprint
 from hfaccel.patches.recurrent import mixer_reason, recurrent_mixers, round_trip_reason
 
 SERVED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
@@ -74,7 +75,7 @@ NEUTRAL_ARGUMENTS = frozenset(
 )
 PROBE_TOKENS = 4
 
-_verdicts: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, _Verdict]] = weakref.WeakKeyDictionary()
+_verdicts: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple, _Verdict]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class _Verdict:
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why the engine cannot serve this model's layers exactly (None: it can). Kept per model and config
-    object: the probe runs one forward of a few tokens."""
+    (its object and values: `config_fingerprint`): the probe runs one forward of a few tokens."""
     return _verdict(model).reason
 
 
@@ -137,8 +138,9 @@ def has_recurrent_layers(model: torch.nn.Module) -> bool:
 
 def _verdict(model: torch.nn.Module) -> _Verdict:
     config = model.config
+    key = (id(config), config_fingerprint(config))  # a config changed in place is probed again
     cached = _verdicts.get(model)
-    if cached is not None and cached[0] is config:
+    if cached is not None and cached[0] == key:
         return cached[1]
     text_config = config.get_text_config(decoder=True)
     needs: set[str] = set()
@@ -160,7 +162,7 @@ def _verdict(model: torch.nn.Module) -> _Verdict:
     if chunked or window is not None or not all(isinstance(index, int) for index, _ in sliding):
         sliding = ()
     verdict = _Verdict(reason, frozenset(needs), shape, bool(mixers), window, sliding)
-    _verdicts[model] = (config, verdict)
+    _verdicts[model] = (key, verdict)
     return verdict
 
 

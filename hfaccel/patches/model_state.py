@@ -21,7 +21,11 @@ What the token covers:
   ``hfaccel.reset_prefix_cache(model)`` after one);
 - PEFT tuner layers (LoRA...): active adapters, the disabled flag, merged adapters, the adapter names
   each layer holds and their scalar settings (``scaling``, ``r``...);
-- the root module's ``training`` flag (dropout makes KV computed in train mode differ).
+- the root module's ``training`` flag (dropout makes KV computed in train mode differ);
+- the model's config, by value (`config_fingerprint`): a config changed in place (``layer_types``, a
+  sliding window, rope parameters) changes what the layers compute, as transformers reads it at every
+  forward. Settings that change no computed value (``use_cache``, ``output_attentions``, names) are
+  left out, so a training loop toggling them resets nothing.
 
 Any optimizer step anywhere in the process changes every tracker's token (a spurious reset costs
 only recomputation, never correctness).
@@ -70,14 +74,17 @@ class ModelToken(NamedTuple):
     versions: tuple
     adapters: tuple
     checksum: bytes
+    config: tuple  # `config_fingerprint` of the model's config
 
     def same_structure(self, other: Hashable) -> bool:
         """Whether `other` differs from this token in tensor values only: the same tensors at the same
-        addresses, the same adapter state and training flag (what a captured CUDA graph bakes in)."""
-        return isinstance(other, ModelToken) and (self.training, self.layout, self.adapters) == (
+        addresses, the same adapter state, training flag and config (what a captured CUDA graph bakes
+        in)."""
+        return isinstance(other, ModelToken) and (self.training, self.layout, self.adapters, self.config) == (
             other.training,
             other.layout,
             other.adapters,
+            other.config,
         )
 
 
@@ -127,7 +134,58 @@ class ModelStateTracker:
             tuple(t._version for t in present),
             tuple(adapters),
             _checksum(present, self._plan),
+            config_fingerprint(getattr(self.model, "config", None)),
         )
+
+
+# Config entries that change no value the model computes: what generation returns (``use_cache``,
+# ``output_*``, ``return_dict``), names and provenance, the label maps of heads generation does not run,
+# and the attention implementation, which an engine step replaces with its own (`patches/attention.py`).
+_NOT_COMPUTED = frozenset(
+    {
+        "use_cache",
+        "output_attentions",
+        "_output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "torchscript",
+        "_name_or_path",
+        "_model_name_or_path",
+        "name_or_path",
+        "_commit_hash",
+        "transformers_version",
+        "architectures",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "finetuning_task",
+        "_attn_implementation_internal",
+        "_attn_implementation_autoset",
+        "_post_init_done",
+    }
+)
+
+
+def config_fingerprint(config: Any) -> tuple:
+    """A hashable copy of `config`'s entries by value (sub-configs, lists and dicts included), less
+    `_NOT_COMPUTED`: equal fingerprints mean the layers read the same settings. Empty for no config."""
+    if config is None:
+        return ()
+    entries = vars(config)
+    return tuple((key, _frozen(entries[key])) for key in sorted(entries) if key not in _NOT_COMPUTED)
+
+
+def _frozen(value: Any) -> Hashable:
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted(((str(k), _frozen(v)) for k, v in value.items()), key=lambda kv: kv[0])))
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        return (type(value).__name__, tuple(_frozen(v) for v in items))
+    if hasattr(value, "to_dict") and hasattr(value, "__dict__"):  # a sub-config, a quantization config
+        return (type(value).__name__, config_fingerprint(value))
+    return repr(value)  # a dtype, an enum
 
 
 def _plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:

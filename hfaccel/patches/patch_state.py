@@ -16,6 +16,8 @@ import torch
 from hfaccel.config import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.loop import EngineLoop, LoopClosed
+from hfaccel.patches.model_state import config_fingerprint
+from hfaccel.patches.models import model_reason
 
 # A seed for the sampled rows of the `generate` calls made in this context (row i gets seed + i), set by
 # callers that run generate in worker threads and must not let the threads race for torch's global
@@ -65,6 +67,7 @@ class PatchState:
     strict: bool = False  # unsupported options raise instead of falling back
     progress: bool = False  # progress bar inside model.generate
     engine: Engine | None = None
+    engine_config: tuple | None = None  # `config_fingerprint` of the model's config the engine was built for
     loop: EngineLoop | None = None
     warned: set[str] = field(default_factory=set)
     temporary: bool = False  # patched by hfaccel.generate/stream for their own duration only
@@ -75,20 +78,33 @@ class PatchState:
     fallback_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     def get_engine(self, model: torch.nn.Module) -> Engine:
-        """The model's engine, (re)built if absent or if the model moved to another device or dtype.
+        """The model's engine, (re)built if absent, if the model moved to another device or dtype, or if
+        its config changed in place (`config_fingerprint`: the layers' kinds, windows and what else the
+        engine was laid out for are checked again, and a model the engine cannot serve now is refused).
 
-        The engine watches the model's weights and adapters (`HFExecutor.state_token`) and forgets its
-        prefix cache when they change. A rebuild closes the old engine's loop: requests still running
-        there fail with `LoopClosed` (their callers get it raised) rather than wait on a cache the model
-        no longer matches.
+        The engine watches the model's weights, adapters and config (`HFExecutor.state_token`) and
+        forgets its prefix cache when they change. A rebuild closes the old engine's loop: requests still
+        running there fail with `LoopClosed` (their callers get it raised) rather than wait on a cache the
+        model no longer matches.
         """
         param = next(model.parameters())
+        config = config_fingerprint(getattr(model, "config", None))
         with self.lock:
             engine = self.engine
-            if engine is None or engine.device != param.device or engine.model_dtype != param.dtype:
-                if engine is not None:
-                    self.release(f"the model moved to {param.device} / {param.dtype}: its engine was rebuilt")
+            moved = engine is not None and (
+                engine.device != param.device or engine.model_dtype != param.dtype
+            )
+            if engine is not None and moved:
+                self.release(f"the model moved to {param.device} / {param.dtype}: its engine was rebuilt")
+            elif engine is not None and config != self.engine_config:
+                self.release("the model's config changed in place: its engine was rebuilt")
+            if self.engine is None:
+                if self.engine_config is not None and config != self.engine_config:
+                    reason = model_reason(model)  # what `patch` checked, for the config as it is now
+                    if reason is not None:
+                        raise ValueError(f"the model's config changed after hfaccel.patch: {reason}")
                 self.engine = Engine(model, self.config)
+                self.engine_config = config
             return self.engine
 
     def get_loop(self, model: torch.nn.Module) -> EngineLoop:

@@ -149,11 +149,11 @@ def test_window_families_give_hf_tokens_past_the_window(model_type):
 
 def test_a_config_changed_in_place_changes_the_chunks_at_once():
     """transformers reads ``layer_types`` at every forward, and so does the engine: Llama 4's chunked
-    layers made full ones on the same config object, the next call attends in full (prefix caching off:
-    KV computed under the old layer types is not the new model's)."""
+    layers made full ones on the same config object, the next call attends in full; the prefix cache
+    serves no KV computed under the old layer types (the prompts repeat)."""
     model = family_model("llama4_text")
     prompts = varied_prompts(6, seed=3)[2:5]
-    hfaccel.patch(model, strict=True, max_num_batched_tokens=64, max_num_seqs=4, enable_prefix_caching=False)
+    hfaccel.patch(model, strict=True, max_num_batched_tokens=64, max_num_seqs=4, block_size=8)
     try:
         for _ in range(2):
             completions = hfaccel.generate(model, prompts, max_new_tokens=10, progress=False)

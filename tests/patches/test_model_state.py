@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import hfaccel
-from hfaccel.patches.model_state import ModelStateTracker
+from hfaccel.bench.families import family_model
+from hfaccel.patches.model_state import ModelStateTracker, config_fingerprint
 from tests.helpers import VOCAB, hf_greedy, tiny_model
 
 peft = pytest.importorskip("peft")
@@ -186,6 +187,68 @@ def test_merge_and_unload_on_a_patched_base_model():
     merged = model.merge_and_unload()
     assert merged is base
     assert_matches_hf(base, ps)
+
+
+# ------------------------------------------------------------------ config changes
+
+
+def test_a_sliding_window_changed_in_place_rebuilds_the_engine():
+    """Mistral with a window wider than every sequence, warmed, then a window of 8 on the same config
+    object: transformers reads it at every forward, so HF's tokens change; the engine is rebuilt for the
+    new window (its blocks given back past it) and no KV computed under the old window is served."""
+    model = family_model("mistral", sliding_window=4096)
+    ps = warm(model)
+    before = hf_all(model, ps)
+    engine = engine_of(model)
+    model.config.sliding_window = 8
+    assert_matches_hf(model, ps, before)
+    assert engine_of(model) is not engine and engine_of(model).scheduler.kv_window == 8
+    hfaccel.unpatch(model)
+
+
+def test_settings_that_compute_nothing_keep_the_engine_and_its_cache(llama):
+    """A training loop toggles ``use_cache`` and the output flags: no rebuild, the prefix cache still hits."""
+    ps = warm(llama)
+    engine = engine_of(llama)
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    llama.config.use_cache = False
+    llama.config.output_hidden_states = True
+    patched_greedy(llama, ps[0])
+    llama.config.use_cache, llama.config.output_hidden_states = True, False
+    assert engine_of(llama) is engine and engine.stats()["prefix_cache_hit_tokens"] == hits + 32
+
+
+def test_a_config_changed_to_what_the_engine_cannot_serve_is_refused_at_the_next_call(llama):
+    warm(llama)
+    kinds = llama.config.layer_types = ["full_attention"] * llama.config.num_hidden_layers
+    kinds[-1] = "telepathic_attention"
+    with pytest.raises(ValueError, match=r"config changed after hfaccel.patch: .*'telepathic_attention'"):
+        patched_greedy(llama, prompts()[0])
+    kinds[-1] = "full_attention"  # as it was: served again
+    assert_matches_hf(llama, prompts()[:1])
+
+
+def test_the_engine_forgets_its_prefix_cache_when_the_config_changes(llama):
+    """The engine's own check (what a server stepping one engine sees between requests): a config value
+    changed in place drops the cached KV, the captured graphs with it; the engine is kept."""
+    ps = warm(llama)
+    engine = engine_of(llama)
+    assert engine.block_manager.num_cached_blocks > 0
+    assert not engine.check_model_state()
+    llama.config.rms_norm_eps = 1e-2
+    assert engine.check_model_state() and engine.block_manager.num_cached_blocks == 0
+    assert_matches_hf(llama, ps)
+
+
+def test_config_fingerprint_follows_values_not_names():
+    config = tiny_model("llama").config
+    token = config_fingerprint(config)
+    config.rope_parameters = {**config.rope_parameters, "rope_theta": 1234.0}
+    assert config_fingerprint(config) != token
+    changed = config_fingerprint(config)
+    config._name_or_path, config.use_cache, config.output_hidden_states = "elsewhere", False, True
+    assert config_fingerprint(config) == changed
+    assert config_fingerprint(None) == ()
 
 
 # ------------------------------------------------------------------ the cache still works
