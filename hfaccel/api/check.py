@@ -14,7 +14,7 @@ from hfaccel.patches.models import attention_dims, max_model_len, model_reason
 # Calls that go to transformers' generate whatever the model (patches/planner.py's gates), for the report.
 ALWAYS_FALLS_BACK = (
     "diverse and constrained beam search",
-    "prefix_allowed_tokens_fn, negative prompts (classifier-free guidance), custom_generate",
+    "negative prompts (classifier-free guidance), custom_generate",
 )
 
 

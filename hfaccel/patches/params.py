@@ -8,6 +8,7 @@ exactly; this module only reshapes the result into `StoppingParams` and `Samplin
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -181,6 +182,7 @@ def request_params(
     logits_processor: Any = None,
     stopping_criteria: Any = None,
     inputs_embeds: torch.Tensor | None = None,
+    prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
 ) -> tuple[StoppingParams, SamplingParams]:
     """Stopping and sampling parameters for the rows of a ``[B, L]`` (possibly left-padded) input.
 
@@ -195,7 +197,9 @@ def request_params(
     sees the scores HF would show it). `stopping_criteria` (generate's custom list) runs per row after
     each new token (`patches/criteria.py`).
     With `inputs_embeds` (the prompt given as embeddings; `input_ids` are the ids beside them, or
-    ``[B, 0]``) HF's length rules for embeddings apply.
+    ``[B, 0]``) HF's length rules for embeddings apply. `prefix_allowed_tokens_fn` puts HF's
+    `PrefixConstrainedLogitsProcessor` where HF puts it; `bind_prefix_constraint` then gives each row
+    its own, bound to the row's prompt index.
     """
     config = copy.deepcopy(config)
     width = input_ids.shape[1]
@@ -234,6 +238,7 @@ def request_params(
         input_ids_seq_length=width,
         encoder_input_ids=input_ids if inputs_embeds is None else inputs_embeds,
         logits_processor=LogitsProcessorList(custom),
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
         device=input_ids.device,
         model_kwargs=None if attention_mask is None else {"attention_mask": attention_mask},
     )
@@ -251,6 +256,35 @@ def request_params(
         top_logprobs=top_logprobs,
     )
     return stopping, sampling
+
+
+def bind_prefix_constraint(
+    sampling: SamplingParams, function: Callable[[int, torch.Tensor], list[int]], batch_id: int
+) -> SamplingParams:
+    """`sampling` for one row of a call with ``prefix_allowed_tokens_fn`` (`function`): HF's processor asks the
+    function with the batch index of each row of the whole batch (``row // num_return_sequences``), where
+    the engine runs a row's processors on that row alone; so the row gets a processor of its own, at the
+    same place in the list, that asks with `batch_id`. (HF forces a row whose allowed tokens are all
+    -inf only when every copy of its prompt is so: then HF samples from no token and fails; here the
+    row alone is forced.)"""
+    processors = sampling.processors or []
+    bound = [
+        logits_process.PrefixConstrainedLogitsProcessor(_AskedFor(function, batch_id), 1)
+        if type(p) is logits_process.PrefixConstrainedLogitsProcessor
+        else p
+        for p in processors
+    ]
+    return dataclasses.replace(sampling, processors=LogitsProcessorList(bound))
+
+
+class _AskedFor:
+    """``prefix_allowed_tokens_fn`` with the batch index fixed to the row's prompt."""
+
+    def __init__(self, function: Callable[[int, torch.Tensor], list[int]], batch_id: int) -> None:
+        self.function, self.batch_id = function, batch_id
+
+    def __call__(self, _: int, sent: torch.Tensor) -> list[int]:
+        return self.function(self.batch_id, sent)
 
 
 def split_score_only(processors: LogitsProcessorList) -> tuple[LogitsProcessorList, LogitsProcessorList]:

@@ -37,6 +37,7 @@ from hfaccel.patches.layer_support import (
 )
 from hfaccel.patches.models import quantized_activations_reason
 from hfaccel.patches.params import (
+    bind_prefix_constraint,
     has_default_lengths,
     prepare_config,
     prepare_special_tokens,
@@ -47,7 +48,6 @@ from hfaccel.patches.patch_state import PatchState, given
 
 # Arguments of HF generate that the engine does not serve, with the reason shown to the user.
 UNSUPPORTED_ARGUMENTS = {
-    "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn (constrained decoding)",
     "negative_prompt_ids": "negative_prompt_ids (classifier-free guidance)",
     "negative_prompt_attention_mask": "negative_prompt_attention_mask",
     "custom_generate": "custom_generate",
@@ -60,6 +60,7 @@ PER_ROW_ARGUMENTS = {
     "stopping_criteria": "custom stopping_criteria",
     "assistant_model": "assistant_model (assisted decoding)",
     "logits_processor": "custom logits_processor",
+    "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn (constrained decoding)",
 }
 # Arguments the planner takes out of the call before HF prepares its config: never model kwargs.
 _OWN = ("input_ids", "streamer", "tokenizer", "trust_remote_code", "adapter_names", *PER_ROW_ARGUMENTS)
@@ -217,6 +218,7 @@ class GenerateCall:
             attention_mask=attention_mask,
             logits_processor=self.custom["logits_processor"],
             stopping_criteria=self.custom["stopping_criteria"],
+            prefix_allowed_tokens_fn=self.custom["prefix_allowed_tokens_fn"],
             **lengths,
         )
 
@@ -469,6 +471,8 @@ def make_requests(
     samplings = [sampling] * len(rows)
     if sampling.processors and not bool(keep.all()):
         samplings = _per_padding(call, call.mask.repeat_interleave(copies, dim=0), sampling)
+    if (allowed := call.custom["prefix_allowed_tokens_fn"]) is not None:  # row i: prompt i // copies
+        samplings = [bind_prefix_constraint(s, allowed, i // copies) for i, s in enumerate(samplings)]
     names = call.adapter_names
     adapters = [None] * len(rows) if names is None else [names[i // copies] for i in range(len(rows))]
     masked_last = ~keep[:, -1]

@@ -143,10 +143,8 @@ def test_strict_mode_turns_the_fallback_into_an_error():
         model.generate(
             torch.tensor([[5, 6, 7]]), num_beams=2, num_beam_groups=2, diversity_penalty=1.0, max_new_tokens=3
         )
-    with pytest.raises(ValueError, match="prefix_allowed_tokens_fn"):
-        model.generate(
-            torch.tensor([[5, 6, 7]]), prefix_allowed_tokens_fn=lambda i, ids: [5], max_new_tokens=3
-        )
+    with pytest.raises(ValueError, match="does not serve max_time"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_time=5.0, max_new_tokens=3)
     out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3)
     assert out[0, 3:].tolist() == hf_greedy(model, [5, 6, 7], 3)
 

@@ -170,6 +170,71 @@ def test_sampling_runs_the_custom_processor_on_every_row():
     assert set(out[:, ids.shape[1] :].flatten().tolist()) <= {40, 41}
 
 
+def by_prompt(batch_id, sent):
+    """A constraint per prompt and history: prompt 0 only even ids, the others ids below 60; after an
+    id divisible by 5, only that id + 1 (every rule reads the row HF shows, padding included)."""
+    last = int(sent[-1])
+    if last % 5 == 0:
+        return [last + 1]
+    return list(range(4, 100, 2)) if batch_id == 0 else list(range(3, 60))
+
+
+@pytest.mark.parametrize("prompt_lookup", [None, 2])
+def test_prefix_allowed_tokens_fn_is_served_per_row_as_hf(prompt_lookup):
+    """Constrained decoding on a left-padded batch (with prompt lookup: each draft checked under the
+    constraint too): HF's tokens, the function asked with each row's own batch index."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    if prompt_lookup:
+        kwargs["prompt_lookup_num_tokens"] = prompt_lookup
+        kwargs["input_ids"], kwargs["attention_mask"] = ids[:1], mask[:1]  # HF's lookup takes one row
+    reference = hf(model, prefix_allowed_tokens_fn=by_prompt, **kwargs)
+    assert not torch.equal(reference, hf(model, **kwargs)), "the constraint must change the result"
+    asked = set()
+
+    def recording(batch_id, sent):
+        asked.add(batch_id)
+        return by_prompt(batch_id, sent)
+
+    patch(model, strict=True)
+    out = model.generate(prefix_allowed_tokens_fn=recording, **kwargs)
+    assert torch.equal(out, reference)
+    assert asked == set(range(kwargs["input_ids"].shape[0]))
+    assert (model._hfaccel.engine.stats()["spec_drafted"] > 0) == bool(prompt_lookup)
+
+
+def test_prefix_allowed_tokens_fn_with_copies_asks_with_the_prompts_index():
+    """num_return_sequences copies of a prompt are asked with the prompt's index, as HF asks."""
+    model = patch(tiny_model("llama"), strict=True)
+    ids, mask = left_padded(PROMPTS[:2])
+    asked = []
+
+    def only(batch_id, sent):
+        asked.append(batch_id)
+        return [40 + batch_id, 50 + batch_id]
+
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=5,
+        do_sample=True,
+        num_return_sequences=3,
+        prefix_allowed_tokens_fn=only,
+    )
+    new = out[:, ids.shape[1] :]
+    assert set(new[:3].flatten().tolist()) <= {40, 50} and set(new[3:].flatten().tolist()) <= {41, 51}
+    assert set(asked) == {0, 1}
+
+
+def test_prefix_allowed_tokens_fn_with_beams_falls_back():
+    model = patch(tiny_model("llama"))
+    with pytest.warns(UserWarning, match="beam search with prefix_allowed_tokens_fn"):
+        model.generate(
+            torch.tensor([[5, 6, 7]]), max_new_tokens=3, num_beams=2, prefix_allowed_tokens_fn=by_prompt
+        )
+
+
 def test_a_raising_custom_processor_fails_its_own_request_only():
     class Boom(LogitsProcessor):
         def __call__(self, input_ids, scores):

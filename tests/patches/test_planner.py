@@ -29,7 +29,10 @@ class Identity(LogitsProcessor):
 
 # (arguments, the reason both front-ends give): one per kind of gate the front-ends share.
 CALLS = [
-    ({"prefix_allowed_tokens_fn": lambda b, ids: [1, 2]}, "prefix_allowed_tokens_fn (constrained decoding)"),
+    (
+        {"negative_prompt_ids": torch.tensor([[5, 6]]), "guidance_scale": 1.5},
+        "negative_prompt_ids (classifier-free guidance)",
+    ),
     ({"num_beams": 2, "logits_processor": [Identity()]}, "beam search with logits_processor"),
     (
         {"output_attentions": True, "return_dict_in_generate": True, "max_time": 5.0},
