@@ -138,9 +138,9 @@ def has_recurrent_layers(model: torch.nn.Module) -> bool:
 
 def _verdict(model: torch.nn.Module) -> _Verdict:
     config = model.config
-    key = (id(config), config_fingerprint(config))  # a config changed in place is probed again
+    cache_key = (id(config), config_fingerprint(config))  # a config changed in place is probed again
     cached = _verdicts.get(model)
-    if cached is not None and cached[0] == key:
+    if cached is not None and cached[0] == cache_key:
         return cached[1]
     text_config = config.get_text_config(decoder=True)
     needs: set[str] = set()
@@ -162,7 +162,7 @@ def _verdict(model: torch.nn.Module) -> _Verdict:
     if chunked or window is not None or not all(isinstance(index, int) for index, _ in sliding):
         sliding = ()
     verdict = _Verdict(reason, frozenset(needs), shape, bool(mixers), window, sliding)
-    _verdicts[model] = (key, verdict)
+    _verdicts[model] = (cache_key, verdict)
     return verdict
 
 

@@ -240,6 +240,22 @@ def test_the_engine_forgets_its_prefix_cache_when_the_config_changes(llama):
     assert_matches_hf(llama, ps)
 
 
+def test_the_patch_time_probe_runs_once_per_config_state(llama, monkeypatch):
+    """The probe (a forward of a few tokens) runs again only when the config changes, not per call."""
+    from hfaccel.patches import layer_support
+
+    probes = []
+    original = layer_support.probe_reason
+    monkeypatch.setattr(layer_support, "probe_reason", lambda *a: probes.append(1) or original(*a))
+    ps = warm(llama)  # patch probes the model
+    patched_greedy(llama, ps[0])
+    assert len(probes) == 1
+    llama.config.rms_norm_eps = 1e-2
+    patched_greedy(llama, ps[0])
+    patched_greedy(llama, ps[1])
+    assert len(probes) == 2
+
+
 def test_config_fingerprint_follows_values_not_names():
     config = tiny_model("llama").config
     token = config_fingerprint(config)
