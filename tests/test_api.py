@@ -224,3 +224,21 @@ def test_check_says_what_of_a_model_the_engine_serves_before_it_runs():
     refused = hfaccel.check(family_model("mamba2"))
     assert not refused.served and "recurrent" in refused.reason  # its layers, or (5.17-5.20) its mixer
     assert "refused at patch" in str(refused)
+
+
+def test_streamed_deltas_never_show_half_a_character(smollm2):
+    """A character whose UTF-8 bytes span tokens (SmolLM2's byte-level BPE splits each of these Japanese
+    characters in two) decodes to U+FFFD until its last token comes: such text is held back, never sent,
+    and the deltas join to the whole text."""
+    from types import SimpleNamespace
+
+    from hfaccel.api.streaming import StreamEvents
+
+    _, tokenizer = smollm2
+    text = "おはよう、日本"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert "\ufffd" in tokenizer.decode(ids[:1]), "the first character must span tokens"
+    events = StreamEvents(SimpleNamespace(plans=[], prompt_indexes=[0]), tokenizer)
+    deltas = [events._event(0, token, k == len(ids) - 1, None).text for k, token in enumerate(ids)]
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    assert deltas[0] == "" and deltas[1] == "お"

@@ -167,7 +167,12 @@ class StreamEvents:
         delta = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            delta, self.texts[index] = text[len(self.texts.get(index, "")) :], text
+            if text.endswith("\ufffd") and not done:
+                # A character whose UTF-8 bytes span tokens decodes to U+FFFD until its last byte's token
+                # comes: hold it back (the deltas join to the final text, as vLLM's detokenizer does).
+                delta = ""
+            else:
+                delta, self.texts[index] = text[len(self.texts.get(index, "")) :], text
         logprob = top = None
         if request is not None and request.sampling.output_logprobs:
             position = len(tokens) - 1  # the sampler records before the token reaches the caller

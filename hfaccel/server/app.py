@@ -89,6 +89,27 @@ class Admission:
         self.pending -= count
 
 
+class BodyLimit:
+    """A body announced over `max_bytes` is a 413 before it is read. A plain ASGI middleware:
+    Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``) wraps the app's ``receive`` so that
+    ``request.is_disconnected()`` never sees a client that leaves while its request waits (found
+    2026-11-26: a queued non-streamed request then ran to its end)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.max_bytes:
+                body = error_body(
+                    f"the body is over {self.max_bytes} bytes", "invalid_request_error", None, 413
+                )
+                await JSONResponse(body, status_code=413)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def make_app(served: ServedModel) -> FastAPI:
     """The FastAPI app serving `served`."""
     app = FastAPI(title="hfaccel", summary=f"OpenAI-compatible server for {served.model_id}")
@@ -106,15 +127,7 @@ def make_app(served: ServedModel) -> FastAPI:
                 401, "a valid API key is needed: Authorization: Bearer KEY", kind="authentication_error"
             )
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > served.limits.max_body_bytes:
-            body = error_body(
-                f"the body is over {served.limits.max_body_bytes} bytes", "invalid_request_error", None, 413
-            )
-            return JSONResponse(body, status_code=413)
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=served.limits.max_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:

@@ -211,6 +211,10 @@ async def stream_pieces(
         await events.aclose()
         metrics.finished(endpoint, "error", len(call.prompt_ids), 0, {})
         raise APIError(400, str(error)) from error
+    except BaseException:  # the client left while the request waited (`_until_disconnected`), or Ctrl-C
+        await events.aclose()
+        metrics.finished(endpoint, "cancelled", len(call.prompt_ids), 0, {})
+        raise
     hold = max((len(s) for s in call.stops), default=1) - 1
     texts, sent = [""] * call.count, [0] * call.count
     first_token, outcome = time.perf_counter(), "cancelled"

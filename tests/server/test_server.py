@@ -182,6 +182,8 @@ def test_models_health_tokenize_detokenize_and_metrics(served, client):
     code, _, text = post(server, "/detokenize", {"tokens": tokens["tokens"]})
     assert code == 200 and text["prompt"] == "hi!"
     assert post(server, "/detokenize", {"tokens": [10**6]})[0] == 400
+    code, _, answer = post(server, "/tokenize", {"messages": []})  # was a 500 (2026-11-26)
+    assert code == 400 and answer["error"]["param"] == "messages", answer
     host, port = server.url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=10)
     connection.request("GET", "/metrics")
@@ -239,6 +241,47 @@ def test_a_client_killed_mid_request_frees_its_blocks_and_the_next_request_compl
         assert 'outcome="cancelled"' in server._server.config.app.state.metrics.render().decode()
         answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
         assert answer.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_while_its_request_waits_is_cancelled_before_it_runs(stream):
+    """One sequence at a time: B waits behind A, and its client leaves. B never runs (A's tokens are all
+    that is generated) and counts as cancelled. (Non-streamed, B used to run to its end: the body-size
+    middleware hid the disconnect, 2026-11-26.)"""
+    model, tokenizer = tiny_model("llama", max_positions=4096), tiny_tokenizer()
+    with hfaccel.serve(
+        model, tokenizer, port=0, model_id=MODEL, limits=Limits(max_tokens=4000), kv_cache_memory=8_000_000,
+        max_num_seqs=1,
+    ) as server:  # fmt: skip
+        assert post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})[0] == 200
+        engine = model._hfaccel.engine
+        generated = engine.stats()["generated_tokens"]
+        long = {
+            "model": MODEL,
+            "prompt": "a long one",
+            "max_tokens": 1200,
+            "min_tokens": 1200,
+            "temperature": 0,
+        }
+        first = threading.Thread(target=post, args=(server, "/v1/completions", long))
+        first.start()
+        deadline = time.monotonic() + 20
+        while not engine.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        host, port = server.url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = {**long, "prompt": "queued", "stream": stream}
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        while not engine.scheduler.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.scheduler.waiting, "B must wait behind A"
+        connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.close()
+        first.join()
+        time.sleep(1.0)  # B would be running by now
+        assert engine_idle(model) and engine.stats()["generated_tokens"] - generated == 1200
+        metrics = server._server.config.app.state.metrics.render().decode()
+        assert 'outcome="cancelled"' in metrics
 
 
 def test_sixty_four_concurrent_streaming_clients_all_complete_and_nothing_leaks(served):
