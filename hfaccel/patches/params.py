@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -296,17 +298,35 @@ def split_score_only(processors: LogitsProcessorList) -> tuple[LogitsProcessorLi
     return LogitsProcessorList(processors[:cut]), LogitsProcessorList(processors[cut:])
 
 
-def stop_string_check(tokenizer: Any, stop_strings: list[str]) -> Callable[[list[int], list[int]], bool]:
+_stops_in_output_only: ContextVar[bool] = ContextVar("hfaccel_stops_in_output_only", default=False)
+
+
+@contextmanager
+def stops_in_output_only() -> Iterator[None]:
+    """Within this block (this thread or asyncio task), stop strings match the generated text only, as
+    OpenAI's ``stop`` does (`hfaccel serve`); transformers' ``stop_strings`` also match a string that
+    begins in the prompt."""
+    token = _stops_in_output_only.set(True)
+    try:
+        yield
+    finally:
+        _stops_in_output_only.reset(token)
+
+
+def stop_string_check(
+    tokenizer: Any, stop_strings: list[str], in_prompt: bool | None = None
+) -> Callable[[list[int], list[int]], bool]:
     """A check of (prompt ids, generated ids) that fires when a stop string ends inside the newest token
     (overhang allowed), wherever it starts: in the prompt too, as HF's StopStringCriteria matches over
-    the whole row."""
+    the whole row, unless `in_prompt` is False (None: as `stops_in_output_only` says)."""
     if not stop_strings or any(not isinstance(s, str) or not s for s in stop_strings):
         raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
     window = max(map(len, stop_strings)) + 2  # every token decodes to at least one character, nearly always
+    in_prompt = not _stops_in_output_only.get() if in_prompt is None else in_prompt
 
     def check(prompt: list[int], generated: list[int]) -> bool:
         tail = generated[-window:]
-        if len(tail) < window and prompt:
+        if len(tail) < window and prompt and in_prompt:
             tail = prompt[len(tail) - window :] + tail
         text = tokenizer.decode(tail)
         before = len(tokenizer.decode(tail[:-1])) if len(tail) > 1 else 0

@@ -120,9 +120,11 @@ def make_app(served: ServedModel) -> FastAPI:
     async def authorized(request: Request) -> None:
         if served.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        expected = f"Bearer {served.api_key}"
-        if not secrets.compare_digest(given.encode(), expected.encode()):  # constant time
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # The scheme is case-insensitive (RFC 9110 11.1); the key is compared in constant time.
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            given.strip().encode(), served.api_key.encode()
+        ):
             raise APIError(
                 401, "a valid API key is needed: Authorization: Bearer KEY", kind="authentication_error"
             )

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi.sse import format_sse_event
 
 from hfaccel.api import agenerate, astream
+from hfaccel.patches.params import stops_in_output_only
 from hfaccel.patches.patch_state import strict_calls
 from hfaccel.server.protocol import APIError, ChatMessage, message_text
 from hfaccel.server.sampling import cut_at_stop, generate_kwargs, stop_strings
@@ -154,7 +155,7 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
     """The whole answer: every choice, usage, OpenAI's body."""
     tokenizer, endpoint = served.tokenizer, call.flavour.endpoint
     try:
-        with strict_calls():  # a call the engine does not serve is a 400, never HF's generate here
+        with strict_calls(), stops_in_output_only():  # a call the engine does not serve: 400, never HF's
             completions = await agenerate(
                 served.model, [call.prompt_ids] * call.count, tokenizer=tokenizer, seed=call.body.seed,
                 logprobs=call.logprobs, **call.kwargs,
@@ -205,7 +206,7 @@ async def stream_pieces(
         logprobs=call.logprobs, **call.kwargs,
     )  # fmt: skip
     try:
-        with strict_calls():  # planning runs here, on the first step of the stream: nothing yielded yet
+        with strict_calls(), stops_in_output_only():  # planning runs here, at the stream's first step
             first = await anext(events, None)
     except ValueError as error:
         await events.aclose()

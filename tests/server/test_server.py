@@ -94,6 +94,30 @@ def test_streamed_deltas_join_to_the_whole_answer(served, client):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_matches_the_generated_text_only(served, client, stream):
+    """OpenAI's ``stop`` looks at the output: a string made of the prompt's last character and the
+    answer's first does not stop it (transformers' stop_strings would: they match across the prompt)."""
+    plain = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=8, temperature=0, extra_body={"min_tokens": 8}
+    )
+    text = plain.choices[0].text
+    stop = "c" + text[0]
+    assert stop not in text, "the stop string must not be in the answer for this test to mean anything"
+
+    def ask() -> tuple[str, str]:
+        kwargs = dict(
+            model=MODEL, prompt="abc", max_tokens=8, temperature=0, stop=[stop], extra_body={"min_tokens": 8}
+        )
+        if not stream:
+            choice = client.completions.create(**kwargs).choices[0]
+            return choice.text, choice.finish_reason
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs) if c.choices]
+        return "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+    assert ask() == (text, "length")
+
+
 def test_text_completions_with_echo_and_logprobs(served, client):
     server, model, tokenizer = served
     answer = client.completions.create(
@@ -338,6 +362,9 @@ def test_an_api_key_is_required_when_set_and_compared_whole():
         assert post(server, "/v1/chat/completions", body)[0] == 401
         assert post(server, "/v1/chat/completions", body, {"Authorization": "Bearer sesam"})[0] == 401
         assert post(server, "/v1/chat/completions", body, {"Authorization": "Bearer sesame"})[0] == 200
+        assert post(server, "/v1/chat/completions", body, {"Authorization": "bearer sesame"})[0] == 200
+        for wrong in ("Basic sesame", "sesame", "Bearer", "Bearer sesame2", "Bearersesame"):
+            assert post(server, "/v1/chat/completions", body, {"Authorization": wrong})[0] == 401, wrong
         assert post(server, "/tokenize", {"prompt": "x"})[0] == 401
 
 
