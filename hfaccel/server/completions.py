@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi.sse import format_sse_event
 
-from hfaccel.api import agenerate, astream
+from hfaccel.api import agenerate, astream, prompt_logprobs_of
 from hfaccel.patches.params import stops_in_output_only
 from hfaccel.patches.patch_state import strict_calls
 from hfaccel.server.protocol import APIError, ChatMessage, message_text
@@ -144,6 +144,13 @@ class CompletionCall:
     def echo(self, tokenizer: Any) -> str:
         return tokenizer.decode(self.prompt_ids) if getattr(self.body, "echo", False) else ""
 
+    def prompt_logprobs(self) -> int | None:
+        """With ``echo`` and ``logprobs``, the prompt's tokens get logprobs too, as in OpenAI's legacy
+        completions (what eval harnesses score a text with): k alternatives each, else None."""
+        if not getattr(self.body, "echo", False) or self.logprobs is False:
+            return None
+        return 0 if self.logprobs is True else int(self.logprobs)
+
 
 def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
     ids = flavour.prompt(served.tokenizer, body)
@@ -158,7 +165,7 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
         with strict_calls(), stops_in_output_only():  # a call the engine does not serve: 400, never HF's
             completions = await agenerate(
                 served.model, [call.prompt_ids] * call.count, tokenizer=tokenizer, seed=call.body.seed,
-                logprobs=call.logprobs, **call.kwargs,
+                logprobs=call.logprobs, prompt_logprobs=call.prompt_logprobs(), **call.kwargs,
             )  # fmt: skip
     except ValueError as error:
         metrics.finished(endpoint, "error", len(call.prompt_ids), 0, {})
@@ -174,6 +181,8 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
         items = _logprob_items(
             tokenizer, completion.token_ids, completion.logprobs, completion.top_logprobs, call
         )
+        if completion.prompt_logprobs is not None and items is not None:
+            items = _prompt_items(tokenizer, call, completion.prompt_logprobs) + items
         choices.append(call.flavour.choice(i, call.echo(tokenizer) + text, completion.finish_reason, items))
         generated += len(completion.token_ids)
     metrics.finished(endpoint, "ok", len(call.prompt_ids), generated, completions[0].metrics)
@@ -263,8 +272,12 @@ async def stream_call(
             for i in range(call.count):
                 yield _sse(call.envelope([flavour.delta(i, None, None, None)], chunk=True))
         echo = call.echo(served.tokenizer)
+        items = None
+        if echo and (k := call.prompt_logprobs()) is not None:  # one forward, off the event loop
+            prompt = await asyncio.to_thread(prompt_logprobs_of, served.model, call.prompt_ids, k)
+            items = _prompt_items(served.tokenizer, call, prompt)
         for i in range(call.count if echo else 0):
-            yield _sse(call.envelope([flavour.delta(i, echo, None, None)], chunk=True))
+            yield _sse(call.envelope([flavour.delta(i, echo, None, items)], chunk=True))
         async for piece in pieces:
             assert piece is not None
             delta = flavour.delta(piece.index, piece.delta, piece.finish, piece.items)
@@ -349,7 +362,17 @@ def _logprob_items(
     return items
 
 
-def _token(tokenizer: Any, token: int, logprob: float) -> dict[str, Any]:
+def _prompt_items(
+    tokenizer: Any, call: CompletionCall, prompt: list[dict[int, float] | None]
+) -> list[dict[str, Any]]:
+    """The echoed prompt's logprob items (`api.results.prompt_logprobs_of`: the model's own distribution;
+    the first token has none, OpenAI's null)."""
+    ids = call.prompt_ids
+    logprobs = [None if top is None else top[token] for token, top in zip(ids, prompt)]
+    return _logprob_items(tokenizer, ids, logprobs, [top or {} for top in prompt], call) or []
+
+
+def _token(tokenizer: Any, token: int, logprob: float | None) -> dict[str, Any]:
     text = tokenizer.decode([token])
     return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 

@@ -17,6 +17,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 import hfaccel  # noqa: E402
+from hfaccel.api import prompt_logprobs_of  # noqa: E402
 from hfaccel.server import Limits  # noqa: E402
 from tests.helpers import tiny_model, tiny_tokenizer  # noqa: E402
 
@@ -128,10 +129,24 @@ def test_text_completions_with_echo_and_logprobs(served, client):
     )[0]
     choice = answer.choices[0]
     assert choice.text == "abc" + expected.text
-    assert choice.logprobs.token_logprobs == pytest.approx(expected.logprobs)
+    # Echoed, the prompt's tokens come first with the model's own logprobs (the first has none), as in
+    # OpenAI's legacy completions, which eval harnesses score texts with.
+    ids = tokenizer("abc")["input_ids"]
+    prompt = prompt_logprobs_of(model, ids, 2)
+    logprobs = choice.logprobs
+    assert logprobs.token_logprobs[0] is None and len(logprobs.tokens) == len(ids) + len(expected.token_ids)
+    assert logprobs.token_logprobs[1 : len(ids)] == pytest.approx([p[t] for p, t in zip(prompt[1:], ids[1:])])
+    assert logprobs.token_logprobs[len(ids) :] == pytest.approx(expected.logprobs)
+    assert "".join(logprobs.tokens) == choice.text
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
     # Keyed by token text (OpenAI's legacy layout): tokens that decode alike share a key.
-    assert all(1 <= len(top) <= 2 for top in choice.logprobs.top_logprobs)
-    assert len(choice.logprobs.top_logprobs) == len(expected.token_ids)
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    stream = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=6, temperature=0, logprobs=2, echo=True, stream=True
+    )
+    echoed = next(iter(stream)).choices[0]  # the echo comes first, with the prompt's logprobs
+    assert echoed.text == "abc" and echoed.logprobs.token_logprobs == logprobs.token_logprobs[: len(ids)]
+    stream.close()
 
 
 def test_n_choices_and_a_seed_reproduce(served, client):
