@@ -261,17 +261,21 @@ def request_params(
 
 
 def bind_prefix_constraint(
-    sampling: SamplingParams, function: Callable[[int, torch.Tensor], list[int]], batch_id: int
+    sampling: SamplingParams, function: Callable[[int, torch.Tensor], list[int]], row: int
 ) -> SamplingParams:
-    """`sampling` for one row of a call with ``prefix_allowed_tokens_fn`` (`function`): HF's processor asks the
-    function with the batch index of each row of the whole batch (``row // num_return_sequences``), where
-    the engine runs a row's processors on that row alone; so the row gets a processor of its own, at the
-    same place in the list, that asks with `batch_id`. (HF forces a row whose allowed tokens are all
-    -inf only when every copy of its prompt is so: then HF samples from no token and fails; here the
-    row alone is forced.)"""
+    """`sampling` for row `row` (of the call's expanded batch: prompt i's copies are rows
+    ``i * num_return_sequences + c``) of a call with ``prefix_allowed_tokens_fn`` (`function`): HF's
+    processor asks the function with each row's batch index, ``row // group``, where the engine runs a
+    row's processors on that row alone; so the row gets a processor of its own, at the same place in
+    the list, asking with that index. The group is the one HF built its processor with (5.24:
+    ``max(num_beams, num_return_sequences)``, so a prompt's copies share its index; 5.17: ``num_beams``,
+    so each copy has its own). (HF forces a row whose allowed tokens all score -inf only when every row
+    of its group is so, and otherwise samples from no token and fails; here the row alone is forced.)"""
     processors = sampling.processors or []
     bound = [
-        logits_process.PrefixConstrainedLogitsProcessor(_AskedFor(function, batch_id), 1)
+        logits_process.PrefixConstrainedLogitsProcessor(
+            _AskedFor(function, row // max(1, int(getattr(p, "_num_beams", 1)))), 1
+        )
         if type(p) is logits_process.PrefixConstrainedLogitsProcessor
         else p
         for p in processors

@@ -471,8 +471,8 @@ def make_requests(
     samplings = [sampling] * len(rows)
     if sampling.processors and not bool(keep.all()):
         samplings = _per_padding(call, call.mask.repeat_interleave(copies, dim=0), sampling)
-    if (allowed := call.custom["prefix_allowed_tokens_fn"]) is not None:  # row i: prompt i // copies
-        samplings = [bind_prefix_constraint(s, allowed, i // copies) for i, s in enumerate(samplings)]
+    if (allowed := call.custom["prefix_allowed_tokens_fn"]) is not None:  # asked as HF asks row i
+        samplings = [bind_prefix_constraint(s, allowed, i) for i, s in enumerate(samplings)]
     names = call.adapter_names
     adapters = [None] * len(rows) if names is None else [names[i // copies] for i in range(len(rows))]
     masked_last = ~keep[:, -1]

@@ -204,27 +204,30 @@ def test_prefix_allowed_tokens_fn_is_served_per_row_as_hf(prompt_lookup):
     assert (model._hfaccel.engine.stats()["spec_drafted"] > 0) == bool(prompt_lookup)
 
 
-def test_prefix_allowed_tokens_fn_with_copies_asks_with_the_prompts_index():
-    """num_return_sequences copies of a prompt are asked with the prompt's index, as HF asks."""
-    model = patch(tiny_model("llama"), strict=True)
+def test_prefix_allowed_tokens_fn_with_copies_asks_each_row_as_hf_asks():
+    """num_return_sequences copies: each row is asked with the batch index HF asks it with (5.24: its
+    prompt's; 5.17: its own row's), and samples only what its answer allows."""
+    model = tiny_model("llama")
     ids, mask = left_padded(PROMPTS[:2])
-    asked = []
-
-    def only(batch_id, sent):
-        asked.append(batch_id)
-        return [40 + batch_id, 50 + batch_id]
-
-    out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
-        max_new_tokens=5,
-        do_sample=True,
-        num_return_sequences=3,
-        prefix_allowed_tokens_fn=only,
+    kwargs = dict(
+        input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=True, num_return_sequences=3
     )
-    new = out[:, ids.shape[1] :]
-    assert set(new[:3].flatten().tolist()) <= {40, 50} and set(new[3:].flatten().tolist()) <= {41, 51}
-    assert set(asked) == {0, 1}
+
+    def recorder(asked):
+        def only(batch_id, sent):
+            asked.add(batch_id)
+            return [40 + batch_id, 50 + batch_id]
+
+        return only
+
+    by_hf, by_engine = set(), set()
+    hf(model, prefix_allowed_tokens_fn=recorder(by_hf), **kwargs)
+    patch(model, strict=True)
+    out = model.generate(prefix_allowed_tokens_fn=recorder(by_engine), **kwargs)
+    assert by_engine == by_hf and len(by_hf) in (2, 6)
+    group = 6 // len(by_hf)
+    for row, tokens in enumerate(out[:, ids.shape[1] :].tolist()):
+        assert set(tokens) <= {40 + row // group, 50 + row // group}
 
 
 def test_prefix_allowed_tokens_fn_with_beams_falls_back():
