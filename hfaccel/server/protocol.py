@@ -119,12 +119,13 @@ def message_text(message: ChatMessage, index: int) -> str | None:
     if message.content is None or isinstance(message.content, str):
         return message.content
     texts = []
-    for part in message.content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+    for j, part in enumerate(message.content):
+        where = f"messages[{index}].content[{j}]"
+        if part.get("type") != "text":
+            raise APIError(400, f"only text content parts are served, got {part.get('type')!r}", where)
+        if not isinstance(part.get("text"), str):
             raise APIError(
-                400,
-                f"only text content parts are served, got {part.get('type')!r}",
-                f"messages[{index}].content",
+                400, f"a text part needs a string 'text', got {part.get('text')!r}", f"{where}.text"
             )
         texts.append(part["text"])
     return "".join(texts)

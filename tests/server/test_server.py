@@ -199,6 +199,12 @@ def test_a_stop_string_ends_the_answer_and_is_left_out(served, client):
         ({"model": "gpt-4"}, 404, "model"),
         ({"messages": [{"role": "user", "content": "x" * 300}]}, 413, "messages"),
         ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0]"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+            400,
+            "messages[0].content[0].text",
+        ),
     ],
 )
 def test_each_mistake_gets_its_status_and_names_its_field(served, body, status, param):
