@@ -276,12 +276,13 @@ async def stream_call(
         if echo and (k := call.prompt_logprobs()) is not None:  # one forward, off the event loop
             prompt = await asyncio.to_thread(prompt_logprobs_of, served.model, call.prompt_ids, k)
             items = _prompt_items(served.tokenizer, call, prompt)
+        offsets = [0] * call.count  # each choice's text so far, where its next chunk's offsets start
         for i in range(call.count if echo else 0):
-            yield _sse(call.envelope([flavour.delta(i, echo, None, items)], chunk=True))
+            yield _sse(call.envelope([_shifted(flavour.delta(i, echo, None, items), offsets)], chunk=True))
         async for piece in pieces:
             assert piece is not None
             delta = flavour.delta(piece.index, piece.delta, piece.finish, piece.items)
-            yield _sse(call.envelope([delta], chunk=True))
+            yield _sse(call.envelope([_shifted(delta, offsets)], chunk=True))
         if not call.streamed:
             return  # the client went: no closing chunks
         options = call.body.stream_options
@@ -290,6 +291,17 @@ async def stream_call(
         yield format_sse_event(data_str="[DONE]")
     finally:
         await pieces.aclose()
+
+
+def _shifted(delta: dict[str, Any], offsets: list[int]) -> dict[str, Any]:
+    """A legacy completions chunk whose ``text_offset`` counts from the start of its choice's whole text
+    (as OpenAI's and vLLM's streams do), not from the chunk's; `offsets` moves on past its tokens."""
+    logprobs = delta.get("logprobs")
+    if logprobs and "text_offset" in logprobs:
+        start = offsets[delta["index"]]
+        logprobs["text_offset"] = [start + offset for offset in logprobs["text_offset"]]
+        offsets[delta["index"]] = start + sum(len(token) for token in logprobs["tokens"])
+    return delta
 
 
 CHECK_S = 0.25  # how often a stream asks whether its client is still there

@@ -144,9 +144,11 @@ def test_text_completions_with_echo_and_logprobs(served, client):
     stream = client.completions.create(
         model=MODEL, prompt="abc", max_tokens=6, temperature=0, logprobs=2, echo=True, stream=True
     )
-    echoed = next(iter(stream)).choices[0]  # the echo comes first, with the prompt's logprobs
+    chunks = [chunk.choices[0] for chunk in stream if chunk.choices]
+    echoed = chunks[0]  # the echo comes first, with the prompt's logprobs
     assert echoed.text == "abc" and echoed.logprobs.token_logprobs == logprobs.token_logprobs[: len(ids)]
-    stream.close()
+    streamed = [offset for chunk in chunks if chunk.logprobs for offset in chunk.logprobs.text_offset]
+    assert streamed == logprobs.text_offset  # counted from the start of the whole text, as not streamed
 
 
 def test_n_choices_and_a_seed_reproduce(served, client):
