@@ -90,7 +90,7 @@ def plan_call(
             ids = encode_prompt(prompt, tokenizer)
             planned = plan_prompt(
                 model, state, ids, config, kwargs, tokenizer, bool(logprobs is not False), top, first,
-                targets, name, check, beams,
+                targets, name, check, beams, first_row=len(plans),
             )  # fmt: skip
         except ValueError as error:
             copies = refused_copies(model, config, kwargs)
@@ -127,9 +127,13 @@ def plan_prompt(
     adapter: str | None = None,
     adapter_fallback: str | None = None,
     beams: bool = True,
+    first_row: int = 0,
 ) -> list[Request | Hypothesis | Done]:
     """One prompt through the planner `model.generate` uses (`patches/planner.py`): its requests, its
-    hypotheses (beam search), or its results from transformers' generate when a gate sends it there."""
+    hypotheses (beam search), or its results from transformers' generate when a gate sends it there.
+    `first_row`: its first row in the call's batch (the rows of the prompts before it), what
+    ``prefix_allowed_tokens_fn`` is asked as in one batched generate (a prompt sent to transformers'
+    generate alone is asked as its batch's first)."""
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     call = GenerateCall(
@@ -147,6 +151,7 @@ def plan_prompt(
         adapter_reason=adapter_fallback,
         states_allowed=False,  # a Completion carries no hidden states or attentions
         beams_allowed=beams,
+        first_row=first_row,
     )
     reason = call.first_reason()
     if reason is not None:

@@ -24,8 +24,9 @@ What the token covers:
 - the root module's ``training`` flag (dropout makes KV computed in train mode differ);
 - the model's config, by value (`config_fingerprint`): a config changed in place (``layer_types``, a
   sliding window, rope parameters) changes what the layers compute, as transformers reads it at every
-  forward. Settings that change no computed value (``use_cache``, ``output_attentions``, names) are
-  left out, so a training loop toggling them resets nothing.
+  forward. Settings that change no computed value (``use_cache``, ``output_attentions``, names, the
+  ``dtype`` that ``save_pretrained`` writes, the special-token ids generation reads from its own
+  config) are left out, so a training loop toggling them, or saving checkpoints, resets nothing.
 
 Any optimizer step anywhere in the process changes every tracker's token (a spurious reset costs
 only recomputation, never correctness).
@@ -159,6 +160,12 @@ _NOT_COMPUTED = frozenset(
         "label2id",
         "problem_type",
         "finetuning_task",
+        "dtype",  # save_pretrained writes it; the parameters' own dtype is what computes (a move rebuilds)
+        "torch_dtype",
+        "pad_token_id",  # generation reads its special tokens from the generation config
+        "bos_token_id",
+        "eos_token_id",
+        "output_router_logits",  # a MoE's router logits returned beside its outputs
         "_attn_implementation_internal",
         "_attn_implementation_autoset",
         "_post_init_done",

@@ -222,18 +222,22 @@ def request_params(
         strings = [config.stop_strings] if isinstance(config.stop_strings, str) else list(config.stop_strings)
         stop_check = stop_string_check(tokenizer, strings)
     custom = list(logits_processor) if logits_processor is not None else []
+    in_hf_order = bool(custom) or prefix_allowed_tokens_fn is not None  # every processor runs as HF runs it
     criteria = None
     if stopping_criteria is not None and len(stopping_criteria) > 0:
         criteria = RowCriteria(stopping_criteria, input_ids.device, config)
     stopping = StoppingParams(
         max_new_tokens=config.max_length - width,
-        # With custom processors HF's own min-length processors run (per row, in HF's order).
-        min_new_tokens=0 if custom else max(0, (config.min_length or 0) - width),
+        # With custom processors (or a prefix constraint, which HF 5.24 lets force an EOS that the
+        # min-length processor masked) HF's own min-length processors run (per row, in HF's order).
+        min_new_tokens=0 if in_hf_order else max(0, (config.min_length or 0) - width),
         eos_token_ids=frozenset(eos.flatten().tolist()) if eos is not None else frozenset(),
         stop_check=stop_check,
         criteria=criteria,
     )
-    if not custom:  # min length is applied by the sampler, batched; every other processor HF builds is kept
+    if (
+        not in_hf_order
+    ):  # min length is applied by the sampler, batched; every other processor HF builds is kept
         config.min_length, config.min_new_tokens = 0, None
     processors = model._get_logits_processor(
         generation_config=config,

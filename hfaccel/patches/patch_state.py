@@ -88,8 +88,10 @@ class PatchState:
         model no longer matches.
         """
         param = next(model.parameters())
-        config = config_fingerprint(getattr(model, "config", None))
-        with self.lock:
+        with (
+            self.lock
+        ):  # the config read inside: a thread that read it before another rebuilt must not undo that
+            config = config_fingerprint(getattr(model, "config", None))
             engine = self.engine
             moved = engine is not None and (
                 engine.device != param.device or engine.model_dtype != param.dtype

@@ -100,6 +100,7 @@ class GenerateCall:
     adapter_reason: str | None = None
     beams_allowed: bool = True  # False in streams: a beam search's hypotheses are known at its end
     states_allowed: bool = True  # False in hfaccel.generate: its results carry no hidden states
+    first_row: int = 0  # the call's first row in the caller's batch (a prompt list's later prompts)
     imported: Any = None  # the DynamicCache given, as planned on the engine (`cache_in.plan`)
 
     def __post_init__(self) -> None:
@@ -472,7 +473,7 @@ def make_requests(
     if sampling.processors and not bool(keep.all()):
         samplings = _per_padding(call, call.mask.repeat_interleave(copies, dim=0), sampling)
     if (allowed := call.custom["prefix_allowed_tokens_fn"]) is not None:  # asked as HF asks row i
-        samplings = [bind_prefix_constraint(s, allowed, i) for i, s in enumerate(samplings)]
+        samplings = [bind_prefix_constraint(s, allowed, call.first_row + i) for i, s in enumerate(samplings)]
     names = call.adapter_names
     adapters = [None] * len(rows) if names is None else [names[i // copies] for i in range(len(rows))]
     masked_last = ~keep[:, -1]

@@ -268,8 +268,10 @@ async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
             if done:
                 return task.result()
             if await request.is_disconnected():
-                task.cancel()
-                raise APIError(499, "the client disconnected")
+                break
     finally:
         if not task.done():
             task.cancel()
+            # Wait until it has unwound: a stream's generator must leave `anext` before anyone closes it.
+            await asyncio.gather(task, return_exceptions=True)
+    raise APIError(499, "the client disconnected")

@@ -165,13 +165,18 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
         with strict_calls(), stops_in_output_only():  # a call the engine does not serve: 400, never HF's
             completions = await agenerate(
                 served.model, [call.prompt_ids] * call.count, tokenizer=tokenizer, seed=call.body.seed,
-                logprobs=call.logprobs, prompt_logprobs=call.prompt_logprobs(), **call.kwargs,
+                logprobs=call.logprobs, **call.kwargs,
             )  # fmt: skip
+        prompt = None
+        if (k := call.prompt_logprobs()) is not None:  # one forward for the n copies, off the event loop
+            prompt = _prompt_items(
+                tokenizer, call, await asyncio.to_thread(prompt_logprobs_of, served.model, call.prompt_ids, k)
+            )
     except ValueError as error:
         metrics.finished(endpoint, "error", len(call.prompt_ids), 0, {})
         raise APIError(400, str(error)) from error
-    except BaseException:
-        metrics.finished(endpoint, "cancelled", len(call.prompt_ids), 0, {})
+    except BaseException as error:
+        metrics.finished(endpoint, _outcome(error), len(call.prompt_ids), 0, {})
         raise
     choices, generated = [], 0
     for i, completion in enumerate(completions):
@@ -181,12 +186,18 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
         items = _logprob_items(
             tokenizer, completion.token_ids, completion.logprobs, completion.top_logprobs, call
         )
-        if completion.prompt_logprobs is not None and items is not None:
-            items = _prompt_items(tokenizer, call, completion.prompt_logprobs) + items
+        if prompt is not None and items is not None:
+            items = prompt + items
         choices.append(call.flavour.choice(i, call.echo(tokenizer) + text, completion.finish_reason, items))
         generated += len(completion.token_ids)
     metrics.finished(endpoint, "ok", len(call.prompt_ids), generated, completions[0].metrics)
     return {**call.envelope(choices), "usage": call.usage(generated)}
+
+
+def _outcome(error: BaseException) -> str:
+    """A request's outcome in the metrics when it ends by `error`: cancelled (its client went, the server
+    stops) or an error (the engine failed it)."""
+    return "cancelled" if isinstance(error, (asyncio.CancelledError, KeyboardInterrupt)) else "error"
 
 
 @dataclass
@@ -221,9 +232,9 @@ async def stream_pieces(
         await events.aclose()
         metrics.finished(endpoint, "error", len(call.prompt_ids), 0, {})
         raise APIError(400, str(error)) from error
-    except BaseException:  # the client left while the request waited (`_until_disconnected`), or Ctrl-C
+    except BaseException as error:  # the client left while the request waited (`_until_disconnected`)
         await events.aclose()
-        metrics.finished(endpoint, "cancelled", len(call.prompt_ids), 0, {})
+        metrics.finished(endpoint, _outcome(error), len(call.prompt_ids), 0, {})
         raise
     hold = max((len(s) for s in call.stops), default=1) - 1
     texts, sent = [""] * call.count, [0] * call.count
@@ -400,6 +411,9 @@ def _legacy_logprobs(items: list[dict[str, Any]] | None) -> dict[str, Any] | Non
     return {
         "tokens": [item["token"] for item in items],
         "token_logprobs": [item["logprob"] for item in items],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in item["top_logprobs"]} for item in items],
+        "top_logprobs": [
+            None if item["logprob"] is None else {t["token"]: t["logprob"] for t in item["top_logprobs"]}
+            for item in items
+        ],
         "text_offset": offsets,
     }

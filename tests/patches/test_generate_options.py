@@ -204,6 +204,16 @@ def test_prefix_allowed_tokens_fn_is_served_per_row_as_hf(prompt_lookup):
     assert (model._hfaccel.engine.stats()["spec_drafted"] > 0) == bool(prompt_lookup)
 
 
+def test_prefix_allowed_tokens_fn_that_allows_only_eos_below_min_new_tokens_stops_as_hf():
+    """HF's min-length processor masks EOS, and 5.24's prefix processor then forces the allowed EOS,
+    which ends the row (5.17 does not force: every score is -inf). Either way, HF's tokens."""
+    model = tiny_model("llama")
+    kwargs = dict(input_ids=torch.tensor([[7, 8, 9]]), max_new_tokens=5, min_new_tokens=3, do_sample=False)
+    reference = hf(model, prefix_allowed_tokens_fn=lambda b, sent: [EOS], **kwargs)
+    patch(model, strict=True)
+    assert torch.equal(model.generate(prefix_allowed_tokens_fn=lambda b, sent: [EOS], **kwargs), reference)
+
+
 def test_prefix_allowed_tokens_fn_with_copies_asks_each_row_as_hf_asks():
     """num_return_sequences copies: each row is asked with the batch index HF asks it with (5.24: its
     prompt's; 5.17: its own row's), and samples only what its answer allows."""
@@ -228,6 +238,32 @@ def test_prefix_allowed_tokens_fn_with_copies_asks_each_row_as_hf_asks():
     group = 6 // len(by_hf)
     for row, tokens in enumerate(out[:, ids.shape[1] :].tolist()):
         assert set(tokens) <= {40 + row // group, 50 + row // group}
+
+
+def test_prefix_allowed_tokens_fn_on_a_prompt_list_asks_each_prompt_with_its_index():
+    """hfaccel.generate's prompts are asked as the rows of one batched generate: prompt i with i, each
+    constrained as that batch's row i would be (HF's greedy tokens for the batch)."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS[:3])
+    reference = hf(model, input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                   prefix_allowed_tokens_fn=by_prompt)  # fmt: skip
+    patch(model, strict=True)
+    asked = set()
+
+    def recording(batch_id, sent):
+        asked.add(batch_id)
+        return by_prompt(batch_id, sent)
+
+    completions = hfaccel.generate(
+        model,
+        PROMPTS[:3],
+        max_new_tokens=6,
+        do_sample=False,
+        prefix_allowed_tokens_fn=recording,
+        progress=False,
+    )
+    assert asked == {0, 1, 2}
+    assert [c.token_ids for c in completions] == reference[:, ids.shape[1] :].tolist()
 
 
 def test_prefix_allowed_tokens_fn_with_beams_falls_back():

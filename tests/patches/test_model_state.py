@@ -206,13 +206,15 @@ def test_a_sliding_window_changed_in_place_rebuilds_the_engine():
     hfaccel.unpatch(model)
 
 
-def test_settings_that_compute_nothing_keep_the_engine_and_its_cache(llama):
-    """A training loop toggles ``use_cache`` and the output flags: no rebuild, the prefix cache still hits."""
+def test_settings_that_compute_nothing_keep_the_engine_and_its_cache(llama, tmp_path):
+    """A training loop toggles ``use_cache`` and the output flags, and saves checkpoints (which writes
+    the config's ``dtype``): no rebuild, the prefix cache still hits."""
     ps = warm(llama)
     engine = engine_of(llama)
     hits = engine.stats()["prefix_cache_hit_tokens"]
     llama.config.use_cache = False
     llama.config.output_hidden_states = True
+    llama.save_pretrained(tmp_path)
     patched_greedy(llama, ps[0])
     llama.config.use_cache, llama.config.output_hidden_states = True, False
     assert engine_of(llama) is engine and engine.stats()["prefix_cache_hit_tokens"] == hits + 32

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -134,7 +135,8 @@ def test_text_completions_with_echo_and_logprobs(served, client):
     ids = tokenizer("abc")["input_ids"]
     prompt = prompt_logprobs_of(model, ids, 2)
     logprobs = choice.logprobs
-    assert logprobs.token_logprobs[0] is None and len(logprobs.tokens) == len(ids) + len(expected.token_ids)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert len(logprobs.tokens) == len(ids) + len(expected.token_ids)
     assert logprobs.token_logprobs[1 : len(ids)] == pytest.approx([p[t] for p, t in zip(prompt[1:], ids[1:])])
     assert logprobs.token_logprobs[len(ids) :] == pytest.approx(expected.logprobs)
     assert "".join(logprobs.tokens) == choice.text
@@ -149,6 +151,19 @@ def test_text_completions_with_echo_and_logprobs(served, client):
     assert echoed.text == "abc" and echoed.logprobs.token_logprobs == logprobs.token_logprobs[: len(ids)]
     streamed = [offset for chunk in chunks if chunk.logprobs for offset in chunk.logprobs.text_offset]
     assert streamed == logprobs.text_offset  # counted from the start of the whole text, as not streamed
+
+
+def test_echoed_logprobs_of_n_choices_take_one_forward(served, client, monkeypatch):
+    import hfaccel.server.completions as completions
+
+    forwards = []
+    original = completions.prompt_logprobs_of
+    monkeypatch.setattr(completions, "prompt_logprobs_of", lambda *a: forwards.append(1) or original(*a))
+    answer = client.completions.create(
+        model=MODEL, prompt="abc", max_tokens=2, temperature=1.0, n=3, logprobs=1, echo=True, seed=1
+    )
+    assert len(answer.choices) == 3 and len(forwards) == 1
+    assert len({tuple(c.logprobs.token_logprobs[1:3]) for c in answer.choices}) == 1  # the same prompt
 
 
 def test_n_choices_and_a_seed_reproduce(served, client):
@@ -296,10 +311,12 @@ def test_a_client_that_leaves_while_its_request_waits_is_cancelled_before_it_run
     that is generated) and counts as cancelled. (Non-streamed, B used to run to its end: the body-size
     middleware hid the disconnect, 2026-11-26.)"""
     model, tokenizer = tiny_model("llama", max_positions=4096), tiny_tokenizer()
+    errors = ErrorLog()
     with hfaccel.serve(
         model, tokenizer, port=0, model_id=MODEL, limits=Limits(max_tokens=4000), kv_cache_memory=8_000_000,
         max_num_seqs=1,
     ) as server:  # fmt: skip
+        logging.getLogger("uvicorn.error").addHandler(errors)  # (uvicorn configures its loggers at start)
         assert post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})[0] == 200
         engine = model._hfaccel.engine
         generated = engine.stats()["generated_tokens"]
@@ -329,6 +346,19 @@ def test_a_client_that_leaves_while_its_request_waits_is_cancelled_before_it_run
         assert engine_idle(model) and engine.stats()["generated_tokens"] - generated == 1200
         metrics = server._server.config.app.state.metrics.render().decode()
         assert 'outcome="cancelled"' in metrics
+    logging.getLogger("uvicorn.error").removeHandler(errors)
+    assert not errors.records, errors.records  # the server raised nothing on the way
+
+
+class ErrorLog(logging.Handler):
+    """The ERROR records a logger emits (uvicorn's loggers do not propagate to pytest's)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record.getMessage() + (str(record.exc_info[1]) if record.exc_info else ""))
 
 
 def test_sixty_four_concurrent_streaming_clients_all_complete_and_nothing_leaks(served):
