@@ -109,6 +109,19 @@ class PatchState:
                 self.engine_config = config
             return self.engine
 
+    def config_reason(self, model: torch.nn.Module) -> str | None:
+        """Why the engine cannot serve `model` since its config changed in place after its engine was
+        built (None: unchanged, or served): a call then falls back to transformers (or raises under
+        strict), as `patch` would have refused it."""
+        with self.lock:
+            if (
+                self.engine_config is None
+                or config_fingerprint(getattr(model, "config", None)) == self.engine_config
+            ):
+                return None
+        reason = model_reason(model)
+        return None if reason is None else f"a config changed after hfaccel.patch ({reason})"
+
     def get_loop(self, model: torch.nn.Module) -> EngineLoop:
         """The loop that steps the model's (current) engine for every caller."""
         with self.lock:

@@ -438,6 +438,7 @@ def _beam_limits_gate(call: GenerateCall) -> str | None:
 
 # Every reason a call goes to transformers' generate, in the order they are asked: the first wins.
 GATES: tuple[tuple[str, Callable[[GenerateCall], str | None]], ...] = (
+    ("the model's config as it is now", lambda call: call.state.config_reason(call.model)),
     ("arguments the engine does not take", _arguments_gate),
     ("prompts as embeddings", _embeds_gate),
     ("prompt ids", _ids_gate),

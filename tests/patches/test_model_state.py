@@ -220,14 +220,31 @@ def test_settings_that_compute_nothing_keep_the_engine_and_its_cache(llama, tmp_
     assert engine_of(llama) is engine and engine.stats()["prefix_cache_hit_tokens"] == hits + 32
 
 
-def test_a_config_changed_to_what_the_engine_cannot_serve_is_refused_at_the_next_call(llama):
-    warm(llama)
-    kinds = llama.config.layer_types = ["full_attention"] * llama.config.num_hidden_layers
-    kinds[-1] = "telepathic_attention"
-    with pytest.raises(ValueError, match=r"config changed after hfaccel.patch: .*'telepathic_attention'"):
-        patched_greedy(llama, prompts()[0])
-    kinds[-1] = "full_attention"  # as it was: served again
-    assert_matches_hf(llama, prompts()[:1])
+def test_a_config_changed_to_what_the_engine_cannot_serve_falls_back_until_it_can():
+    """Qwen2 with its sliding layers, then ``use_sliding_window=False`` in place (its layers still hand
+    attention their window, while its masks are full: `patch` refuses such a model). The next call goes to
+    transformers with a warning naming the reason (an error under strict, and from the engine itself);
+    put back, the config is served on the engine again (a new one: asking for the engine under the
+    changed config gave the old one up)."""
+    model = family_model("qwen2")
+    prompt = list(range(5, 17))
+    hfaccel.patch(model, kv_cache_memory=4_000_000)
+    assert patched_greedy(model, prompt) == hf_greedy(model, prompt, NEW_TOKENS)
+    engine = engine_of(model)
+    model.config.use_sliding_window = False
+    with pytest.warns(UserWarning, match=r"a config changed after hfaccel.patch \(.*sliding_window=8"):
+        assert patched_greedy(model, prompt) == hf_greedy(model, prompt, NEW_TOKENS)
+    with pytest.raises(ValueError, match=r"config changed after hfaccel.patch: .*sliding_window=8"):
+        model._hfaccel.get_engine(model)
+    model._hfaccel.strict = True
+    with pytest.raises(
+        ValueError, match=r"strict=True\) does not serve a config changed after hfaccel.patch"
+    ):
+        patched_greedy(model, prompt)
+    model.config.use_sliding_window = True  # as it was: served again
+    assert patched_greedy(model, prompt) == hf_greedy(model, prompt, NEW_TOKENS)
+    assert engine_of(model) is not engine and engine_of(model).stats()["generated_tokens"] == NEW_TOKENS
+    hfaccel.unpatch(model)
 
 
 def test_the_engine_forgets_its_prefix_cache_when_the_config_changes(llama):
