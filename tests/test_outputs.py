@@ -58,6 +58,25 @@ def test_top_logprobs_match_hf_scores(family):
             assert len(top) == 3 + (token not in ids.tolist())
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_prompt_logprobs_of_a_long_prompt_are_computed_a_slice_at_a_time(family, monkeypatch):
+    """Past the logits budget a prompt's logprobs come a slice of positions per forward (`logits_to_keep`):
+    the same values as one forward (Gemma 2: its final soft-capping applies to every slice)."""
+    from hfaccel.api import results
+    from hfaccel.bench.families import family_model
+
+    model = tiny_model("llama") if family == "llama" else family_model("gemma2")
+    prompt = max(varied_prompts(16, seed=5), key=len)[:23]
+    assert len(prompt) > 10, "the prompt must take several slices"
+    whole = results.prompt_logprobs_of(model, prompt, 2)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    monkeypatch.setattr(results, "LOGITS_BUDGET_BYTES", 4 * vocab * 5)  # 5 positions a forward
+    sliced = results.prompt_logprobs_of(model, prompt, 2)
+    assert len(sliced) == len(whole) == len(prompt) and sliced[0] is None
+    for a, b in zip(whole[1:], sliced[1:]):
+        assert a.keys() == b.keys() and all(math.isclose(a[t], b[t], abs_tol=1e-5) for t in a)
+
+
 def test_logprobs_true_keeps_the_chosen_token_only_and_zero_gives_dicts_of_one():
     model = tiny_model()
     plain = hfaccel.generate(model, [[5, 6, 7]], logprobs=True, max_new_tokens=4, progress=False)[0]

@@ -234,19 +234,34 @@ def _hypothesis_completion(plan: Hypothesis, tokenizer: Any, prompt_index: int) 
     )
 
 
+# The most bytes of logits a prompt's forward may hold at once; a longer prompt's are computed a slice of
+# positions at a time (`logits_to_keep`), each slice a forward of its own.
+LOGITS_BUDGET_BYTES = 1 << 28
+
+
 def prompt_logprobs_of(model: Any, ids: list[int], k: int) -> list[dict[int, float] | None]:
     """Per prompt token: None for the first, then ``{token id: log-probability}`` of that token and the
-    `k` most likely ones, from one plain forward of `model` (its own attention, the raw distribution)."""
+    `k` most likely ones, from a plain forward of `model` (its own attention, the raw distribution). A
+    prompt whose ``[L, V]`` logits pass `LOGITS_BUDGET_BYTES` takes one forward per slice of positions
+    (transformers' ``logits_to_keep``), so the logits held stay bounded."""
     device = next(model.parameters()).device
     result: list[dict[int, float] | None] = [None]
     if len(ids) < 2:
         return result
+    vocab = model.get_output_embeddings().weight.shape[0]
+    width = max(1, min(len(ids) - 1, LOGITS_BUDGET_BYTES // (4 * vocab)))  # float32 rows per slice
+    inputs = torch.tensor([ids], device=device)
     with torch.no_grad():
-        logits = model(torch.tensor([ids], device=device)).logits[0, :-1]
-        for start in range(0, logits.shape[0], 512):  # log-softmax in slices: one [L, V] float copy at most
-            rows = torch.log_softmax(logits[start : start + 512].float(), dim=-1).cpu()
-            for j, row in enumerate(rows):
-                result.append(top_logprobs(row, ids[start + j + 1], k))
+        for start in range(0, len(ids) - 1, width):
+            end = min(start + width, len(ids) - 1)
+            if width >= len(ids) - 1:
+                logits = model(inputs).logits[0, start:end]
+            else:
+                logits = model(inputs, logits_to_keep=torch.arange(start, end, device=device)).logits[0]
+            for first in range(0, logits.shape[0], 512):  # log-softmax in slices: one float copy at most
+                rows = torch.log_softmax(logits[first : first + 512].float(), dim=-1).cpu()
+                for j, row in enumerate(rows):
+                    result.append(top_logprobs(row, ids[start + first + j + 1], k))
     return result
 
 
