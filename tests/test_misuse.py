@@ -237,3 +237,17 @@ def test_bad_logprobs_values_raise():
         _generate(model, [[5]], logprobs=-1)
     with pytest.raises(ValueError, match="prompt_logprobs must be an int k >= 0"):
         _generate(model, [[5]], prompt_logprobs="all")
+
+
+@pytest.mark.parametrize("seed", ["1", 1.5, 2**64, -1, True])
+def test_a_seed_that_is_not_an_int_in_range_is_refused_naming_it(seed):
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63\)"):
+        _generate(tiny_model(), [[5, 6]], seed=seed, max_new_tokens=2, do_sample=True)
+
+
+@pytest.mark.parametrize("name", ["errors", "progress", "prompt_logprobs"])
+def test_a_stream_says_which_of_generates_parameters_it_does_not_take(name):
+    with pytest.raises(
+        ValueError, match=rf"hfaccel.stream does not take {name}= \(hfaccel.generate's parameter\)"
+    ):
+        next(iter(hfaccel.stream(tiny_model(), [[5, 6]], max_new_tokens=2, **{name: 1})))

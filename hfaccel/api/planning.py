@@ -4,6 +4,7 @@ no room to generate, or served by transformers' own generate)."""
 from __future__ import annotations
 
 import copy
+import numbers
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -42,6 +43,12 @@ OWN_PARAMETERS = (
 )
 
 
+# `hfaccel.generate`'s (and `agenerate`'s) own parameters that a stream does not take.
+GENERATE_ONLY = {
+    "progress": "a stream has no progress bar: count its events",
+    "prompt_logprobs": "call hfaccel.generate for prompt log-probabilities",
+    "errors": "a stream raises ValueError for a refused prompt before anything runs",
+}
 # Parameters of HF's generate that make no sense for a list of prompts.
 NOT_FOR_PROMPT_LISTS = {
     "inputs": "pass the prompts as the second argument",
@@ -73,6 +80,13 @@ def plan_call(
     for name, hint in NOT_FOR_PROMPT_LISTS.items():
         if kwargs.get(name) is not None:
             raise ValueError(f"{where} does not take {name}=: {hint}")
+    for name, hint in GENERATE_ONLY.items():  # (a stream's call: generate's own parameters arrive as kwargs)
+        if name in kwargs:
+            raise ValueError(f"{where} does not take {name}= (hfaccel.generate's parameter): {hint}")
+    if seed is not None:  # row i draws from seed + i: an int (numpy's too), never a float rounded down
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
+        seed = int(seed)
     kwargs = normalize_cache_argument(kwargs, where)  # past_key_values: a model input, refused as such
     check_generate_kwargs(model, kwargs, where, configs, model_inputs=False, own=OWN_PARAMETERS)
     check_top_k("logprobs", logprobs)
