@@ -256,27 +256,27 @@ class EngineLoop:
         self._post("submit", submission)
         return submission
 
-    def _refuse_reentry(self) -> None:
-        if threading.current_thread() in (self._thread, self._stepper):
-            raise RuntimeError(
-                "generate was called on a model from inside its own engine step (a stopping criterion, "
-                "logits processor or stop check of one of its requests): it would wait for the step that "
-                "is waiting for it; call it from another thread, or after the outer call returns"
-            )
+    def reentry_reason(self) -> str | None:
+        """Why a call submitted from this thread would wait forever, or None (`patches/planner.py`)."""
+        if threading.current_thread() in (self._thread, self._stepper):  # a callback of its own requests
+            return "generate was called on a model from inside its own engine step: it would wait for itself"
         waiter = getattr(_this_thread, "loop", None)  # a callback inside another model's step
-        if waiter is None:
-            return
         with _waits_lock:
-            target: EngineLoop | None = self
-            while target is not None:
-                if target is waiter:
-                    raise RuntimeError(
-                        "generate was called from inside a model's engine step on a model whose step is, "
-                        "through callbacks calling generate, waiting for this one: the models would wait for "
-                        "each other forever; call it from another thread, or after the outer call returns"
-                    )
+            target: EngineLoop | None = self if waiter is not None else None
+            while target is not None and target is not waiter:
                 target = _waits.get(id(target))
-            _waits[id(waiter)] = self  # until this wait ends (`Submission._wait_ended`)
+        if target is None:
+            return None
+        return (
+            "generate was called from inside a model's engine step on a model whose step waits for this one"
+        )
+
+    def _refuse_reentry(self) -> None:
+        if (reason := self.reentry_reason()) is not None:
+            raise RuntimeError(f"{reason}; call it from another thread, or after the outer call returns")
+        if (waiter := getattr(_this_thread, "loop", None)) is not None:
+            with _waits_lock:
+                _waits[id(waiter)] = self  # until this wait ends (`Submission._wait_ended`)
 
     @staticmethod
     def _wait_ended() -> None:

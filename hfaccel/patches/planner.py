@@ -437,7 +437,16 @@ def _beam_limits_gate(call: GenerateCall) -> str | None:
 
 
 # Every reason a call goes to transformers' generate, in the order they are asked: the first wins.
+def _reentry_gate(call: GenerateCall) -> str | None:
+    """A call from inside the model's own engine step (a processor or criterion that generates), or one
+    that would close a cycle of models waiting on each other, runs on transformers: it completes."""
+    loop = call.state.loop
+    reason = None if loop is None else loop.reentry_reason()
+    return None if reason is None else "a generate call from inside an engine step (a processor or criterion)"
+
+
 GATES: tuple[tuple[str, Callable[[GenerateCall], str | None]], ...] = (
+    ("a call from inside an engine step", _reentry_gate),
     ("the model's config as it is now", lambda call: call.state.config_reason(call.model)),
     ("arguments the engine does not take", _arguments_gate),
     ("prompts as embeddings", _embeds_gate),
