@@ -201,7 +201,7 @@ def request_params(
     With `inputs_embeds` (the prompt given as embeddings; `input_ids` are the ids beside them, or
     ``[B, 0]``) HF's length rules for embeddings apply. `prefix_allowed_tokens_fn` puts HF's
     `PrefixConstrainedLogitsProcessor` where HF puts it; `bind_prefix_constraint` then gives each row
-    its own, bound to the row's prompt index.
+    its own, asking with the batch index HF asks that row with.
     """
     config = copy.deepcopy(config)
     width = input_ids.shape[1]
@@ -235,9 +235,8 @@ def request_params(
         stop_check=stop_check,
         criteria=criteria,
     )
-    if (
-        not in_hf_order
-    ):  # min length is applied by the sampler, batched; every other processor HF builds is kept
+    if not in_hf_order:
+        # min length is applied by the sampler, batched; every other processor HF builds is kept
         config.min_length, config.min_new_tokens = 0, None
     processors = model._get_logits_processor(
         generation_config=config,
@@ -288,7 +287,7 @@ def bind_prefix_constraint(
 
 
 class _AskedFor:
-    """``prefix_allowed_tokens_fn`` with the batch index fixed to the row's prompt."""
+    """``prefix_allowed_tokens_fn`` with the batch index fixed to the one HF asks the row with."""
 
     def __init__(self, function: Callable[[int, torch.Tensor], list[int]], batch_id: int) -> None:
         self.function, self.batch_id = function, batch_id

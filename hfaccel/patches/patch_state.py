@@ -80,7 +80,8 @@ class PatchState:
     def get_engine(self, model: torch.nn.Module) -> Engine:
         """The model's engine, (re)built if absent, if the model moved to another device or dtype, or if
         its config changed in place (`config_fingerprint`: the layers' kinds, windows and what else the
-        engine was laid out for are checked again, and a model the engine cannot serve now is refused).
+        engine was laid out for are checked again; for a config the engine cannot serve now it raises
+        ValueError, where a call has already fallen back: `config_reason`).
 
         The engine watches the model's weights, adapters and config (`HFExecutor.state_token`) and
         forgets its prefix cache when they change. A rebuild closes the old engine's loop: requests still
@@ -88,15 +89,15 @@ class PatchState:
         model no longer matches.
         """
         param = next(model.parameters())
-        with (
-            self.lock
-        ):  # the config read inside: a thread that read it before another rebuilt must not undo that
+        with self.lock:
+            # The config is read under the lock: a thread that read it before another rebuilt must not
+            # undo that rebuild.
             config = config_fingerprint(getattr(model, "config", None))
             engine = self.engine
             moved = engine is not None and (
                 engine.device != param.device or engine.model_dtype != param.dtype
             )
-            if engine is not None and moved:
+            if moved:
                 self.release(f"the model moved to {param.device} / {param.dtype}: its engine was rebuilt")
             elif engine is not None and config != self.engine_config:
                 self.release("the model's config changed in place: its engine was rebuilt")
