@@ -304,7 +304,9 @@ def test_a_rebuilt_engine_does_not_leave_its_callers_hanging():
     out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
     caller.join(30)
     assert not caller.is_alive(), "the caller of the old engine hangs"
-    assert len(raised) == 1 and isinstance(raised[0], (LoopClosed, RuntimeError)), raised
+    # The old loop is closed (LoopClosed), or, where it stepped between `to` and the rebuild, that step
+    # failed on the new dtype (the kernel's ValueError, seen once on a busy machine): either way it raised.
+    assert len(raised) == 1 and isinstance(raised[0], (LoopClosed, RuntimeError, ValueError)), raised
     assert model._hfaccel.engine.model_dtype == torch.float64 and out.shape == (1, 7)
     assert old_loop.engine.block_manager.num_used_blocks == 0 and not old_loop.is_running
 
