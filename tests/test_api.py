@@ -221,9 +221,16 @@ def test_check_says_what_of_a_model_the_engine_serves_before_it_runs():
     sinks = hfaccel.check(family_model("gpt_oss"))
     assert sinks.served and sinks.needs == ["attention_sinks", "sliding_window"]
     assert sinks.backends["triton"] == "the triton backend does not serve attention sinks"
-    refused = hfaccel.check(family_model("mamba2"))
-    assert not refused.served and "recurrent" in refused.reason  # its layers, or (5.17-5.20) its mixer
+    refused = hfaccel.check(family_model("minimax"))  # lightning attention: no state to hand it
+    assert not refused.served and "linear-attention" in refused.reason
     assert "refused at patch" in str(refused)
+    recurrent = hfaccel.check(family_model("mamba2"))
+    if recurrent.served:  # transformers 5.21 on: Mamba's state through the linear-attention cache API
+        assert "attention: none (every layer is recurrent)" in str(recurrent)
+        state = "a fixed-size state per sequence in the 4 recurrent layers"
+        assert recurrent.kv_memory == f"none (no layer attends): {state}"
+    else:
+        assert "cache API" in recurrent.reason
 
 
 def test_streamed_deltas_never_show_half_a_character(smollm2):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hfaccel.kernels.selection import ATTENTION_NEEDS, BACKEND_NAMES, get_backend, unavailable_reason
-from hfaccel.patches.layer_support import attention_needs, kv_window, sliding_layers
+from hfaccel.patches.layer_support import attention_needs, kv_layers, kv_window, sliding_layers
 from hfaccel.patches.models import attention_dims, max_model_len, model_reason
 
 # Calls that go to transformers' generate whatever the model (patches/planner.py's gates), for the report.
@@ -33,6 +33,7 @@ class ModelCheck:
     backend: str | None = None
     max_model_len: int | None = None
     kv_memory: str = ""
+    attends: bool = True  # False: no layer calls attention (a purely recurrent model)
 
     def __str__(self) -> str:
         lines = [f"hfaccel.check: {self.model}"]
@@ -42,6 +43,7 @@ class ModelCheck:
         kinds = ", ".join(f"{count} {kind}" for kind, count in self.layers.items())
         lines.append(f"  served on the engine: {kinds}; up to {self.max_model_len} tokens")
         wanted = ", ".join(ATTENTION_NEEDS[n] for n in self.needs) or "plain causal attention"
+        wanted = wanted if self.attends else "none (every layer is recurrent)"
         lines.append(f"  attention: {wanted}")
         lines.append(f"  KV memory: {self.kv_memory}")
         for name, answer in self.backends.items():
@@ -64,6 +66,10 @@ def check(model: Any) -> ModelCheck:
     text_config = model.config.get_text_config(decoder=True)
     types = list(getattr(text_config, "layer_types", None) or ())[: text_config.num_hidden_layers]
     layers = dict(Counter(types)) if types else {"full_attention": text_config.num_hidden_layers}
+    attending = kv_layers(model)
+    if attending is not None and not types:  # Mamba's config names no layer types
+        counts = {"attention": len(attending), "recurrent": text_config.num_hidden_layers - len(attending)}
+        layers = {kind: count for kind, count in counts.items() if count}
     needs = attention_needs(model)
     param = next(model.parameters())
     head_dim = attention_dims(model)[1]
@@ -74,11 +80,22 @@ def check(model: Any) -> ModelCheck:
     }
     chosen = get_backend("auto", param.device, param.dtype, head_dim, needs).name
     longest = max_model_len(model, None)
-    return ModelCheck(name, True, None, layers, sorted(needs), backends, chosen, longest, _kv_memory(model))
+    memory = _kv_memory(model)
+    return ModelCheck(
+        name, True, None, layers, sorted(needs), backends, chosen, longest, memory, attending != frozenset()
+    )
 
 
 def _kv_memory(model: Any) -> str:
-    """How a sequence's KV memory grows on the engine (`layer_support.kv_window`, `sliding_layers`)."""
+    """How a sequence's KV memory grows on the engine (`layer_support.kv_window`, `sliding_layers`,
+    `kv_layers`)."""
+    attending = kv_layers(model)
+    if attending is not None:
+        total = model.config.get_text_config(decoder=True).num_hidden_layers
+        state = f"a fixed-size state per sequence in the {total - len(attending)} recurrent layers"
+        if not attending:
+            return f"none (no layer attends): {state}"
+        return f"grows with the sequence in the {len(attending)} attention layers only; {state}"
     window = kv_window(model)
     if window is not None:
         return f"bounded by the window ({window} positions): every layer slides, older blocks are given back"

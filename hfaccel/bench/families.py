@@ -150,6 +150,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     },
     "olmo_hybrid": {},
     "mamba": {},
+    "falcon_mamba": {},
     "mamba2": {"num_heads": 4, "head_dim": 32, "n_groups": 1, "state_size": 16},
     "deepseek_v3": {**_LATENT, "n_group": 1, "topk_group": 1},
     "deepseek_v2": _LATENT,

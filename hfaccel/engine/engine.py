@@ -227,7 +227,7 @@ class Engine:
     def _num_blocks(self, bytes_per_block: int, budget: int) -> int:
         # More blocks than max_num_seqs full-length sequences can never be used.
         useful = self.config.max_num_seqs * blocks_for(self.max_model_len, self.config.block_size)
-        num_blocks = min(budget // bytes_per_block, useful)
+        num_blocks = min(budget // bytes_per_block, useful) if bytes_per_block else useful  # 0: no K/V
         if self.step_sync is not None:  # tensor parallel: the same blocks on every rank
             num_blocks = self.step_sync.min_int(num_blocks)
         if num_blocks < 1:

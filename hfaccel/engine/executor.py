@@ -106,6 +106,9 @@ class ExecutorBase:
     pipelined: bool = False  # a pipeline stage: steps go through `run_pipeline`, not `forward`
     attention_needs: frozenset[str] = frozenset()  # plain causal attention
     recurrent: bool = False  # no recurrent layers
+    # The layers that keep K/V, where recurrent ones keep a state instead (none at all: Mamba's). None:
+    # every layer. Read with `getattr`, so a protocol executor without it keeps K/V in every layer.
+    kv_layers: frozenset[int] | None = None
     kv_window: int | None = None  # every attention layer slides within this many positions (None: not)
     sliding_layers: dict[int, int] = {}  # noqa: RUF012 (read only) no sliding layers beside full ones
 

@@ -60,8 +60,13 @@ def resolve_limits(
     auto = []
     kv_tokens = max(1, kv_budget_bytes // max(1, kv_bytes_per_token))
     typical = max(1, min(max_model_len, TYPICAL_LEN))
+    held = (
+        f"KV memory holds {kv_tokens} tokens = {kv_tokens // typical} sequences of {typical}"
+        if kv_bytes_per_token
+        else "no layer keeps K/V (a purely recurrent model)"
+    )
     reason = (
-        f"KV memory holds {kv_tokens} tokens = {kv_tokens // typical} sequences of {typical}; "
+        f"{held}; "
         f"{'GPU' if gpu else 'CPU'} cap {GPU_MAX_SEQS if gpu else CPU_MAX_SEQS} sequences, "
         f"{GPU_TOKENS if gpu else CPU_TOKENS} tokens a step"
     )

@@ -88,17 +88,25 @@ class ModelRunner:
         # `num_window_blocks` blocks (`engine/window_blocks.py`): their caches are that much smaller.
         self.window_layers, num_window_blocks = window_pool or (frozenset(), 0)
         geometry = (block_size, executor.num_kv_heads, executor.head_dim, kv_dtype)
-        shapes = (
-            backend.kv_cache_shape(num_blocks, *geometry),
-            backend.kv_cache_shape(num_window_blocks, *geometry),
-        )
+        # A recurrent layer (beside attention layers, or in a model of them alone) keeps no K/V: its
+        # cache has no blocks, so the layer indices stay the model's.
+        kept = kv_layer_indices(executor)
+        shapes = {
+            "full": backend.kv_cache_shape(num_blocks, *geometry),
+            "window": backend.kv_cache_shape(num_window_blocks, *geometry),
+            "none": backend.kv_cache_shape(0, *geometry),
+        }
+        pools = [
+            "none" if i not in kept else "window" if i in self.window_layers else "full"
+            for i in range(executor.num_layers)
+        ]
         # Zeroed, not empty: masked-out slots may still be read, and NaN garbage would leak through.
         self.kv_caches = [
             (
-                torch.zeros(shapes[i in self.window_layers], dtype=kv_dtype, device=self.device),
-                torch.zeros(shapes[i in self.window_layers], dtype=kv_dtype, device=self.device),
+                torch.zeros(shapes[pool], dtype=kv_dtype, device=self.device),
+                torch.zeros(shapes[pool], dtype=kv_dtype, device=self.device),
             )
-            for i in range(executor.num_layers)
+            for pool in pools
         ]
         self._builder_args = (max_num_seqs, max_num_tokens, max_blocks_per_seq, block_size, self.device)
         self._num_blocks = num_blocks
@@ -402,7 +410,7 @@ class ModelRunner:
             src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
             dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
             for layer, (k, v) in enumerate(self.kv_caches):
-                if (layer in self.window_layers) == window:
+                if (layer in self.window_layers) == window and k.numel():  # a recurrent layer has none
                     k.index_copy_(0, dst, k.index_select(0, src))
                     v.index_copy_(0, dst, v.index_select(0, src))
 
@@ -476,4 +484,11 @@ def kv_bytes_per_token(executor: ModelExecutor, dtype: torch.dtype, backend: Att
     """Bytes of K and V one token takes across all layers in `backend`'s cache (an int8 cache's scales
     included, its rows padded as the backend asks)."""
     row = kv_quant.row_bytes(executor.head_dim, dtype, backend.capabilities.quantized_row_align)
-    return 2 * executor.num_layers * executor.num_kv_heads * row
+    return 2 * len(kv_layer_indices(executor)) * executor.num_kv_heads * row
+
+
+def kv_layer_indices(executor: ModelExecutor) -> range | frozenset[int]:
+    """The layers whose K/V the cache keeps: every layer, or those the executor names (`kv_layers`: a
+    model with recurrent layers keeps their state instead)."""
+    kept = getattr(executor, "kv_layers", None)
+    return range(executor.num_layers) if kept is None else kept

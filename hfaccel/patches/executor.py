@@ -19,10 +19,12 @@ from hfaccel.patches.layer_support import (
     attention_needs,
     attention_shape,
     has_recurrent_layers,
+    kv_layers,
     kv_window,
     sliding_layers,
 )
 from hfaccel.patches.model_state import ModelStateTracker
+from hfaccel.patches.models import NO_ATTENTION_DIMS
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
 from hfaccel.patches.recurrent import SlotStates, install_mixers
 
@@ -41,9 +43,14 @@ class HFExecutor(ExecutorBase):
         self.vocab_size = getattr(embeddings, "base_layer", embeddings).num_embeddings
         config = model.config.get_text_config(decoder=True)
         self.num_layers = config.num_hidden_layers
-        self.num_q_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_q_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
+        self.kv_layers = kv_layers(model)
+        if self.kv_layers == frozenset():  # purely recurrent (Mamba): no attention heads in its config
+            self.num_kv_heads, self.head_dim = NO_ATTENTION_DIMS
+            self.num_q_heads = self.num_kv_heads
+        else:
+            self.num_q_heads = config.num_attention_heads
+            self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_q_heads
+            self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
         shape = attention_shape(model)  # what the layers hand attention: DeepSeek-V3's config says otherwise
         if shape is not None:
             self.num_kv_heads, self.head_dim = shape.num_kv_heads, shape.head_dim

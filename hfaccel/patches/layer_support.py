@@ -96,6 +96,7 @@ class _Verdict:
     recurrent: bool
     window: int | None
     sliding_layers: tuple[tuple[int, int], ...] = ()
+    kv_layers: frozenset[int] | None = None  # the layers that call attention (None: every layer)
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -130,6 +131,12 @@ def sliding_layers(model: torch.nn.Module) -> dict[int, int]:
     return dict(_verdict(model).sliding_layers)
 
 
+def kv_layers(model: torch.nn.Module) -> frozenset[int] | None:
+    """The layers that keep K/V, on a model with recurrent layers: those that call attention (none on a
+    purely recurrent model, Mamba's). None: every layer keeps K/V."""
+    return _verdict(model).kv_layers
+
+
 def has_recurrent_layers(model: torch.nn.Module) -> bool:
     """Whether the model has recurrent or convolutional token mixers (served with a per-sequence state
     slot, `patches/recurrent.py`: a sequence cannot be resumed from KV alone)."""
@@ -161,7 +168,8 @@ def _verdict(model: torch.nn.Module) -> _Verdict:
     sliding = tuple((call.layer_idx, int(slide)) for call, slide in zip(calls, windows) if slide)
     if chunked or window is not None or not all(isinstance(index, int) for index, _ in sliding):
         sliding = ()
-    verdict = _Verdict(reason, frozenset(needs), shape, bool(mixers), window, sliding)
+    attending = frozenset(int(call.layer_idx) for call in calls) if mixers and reason is None else None
+    verdict = _Verdict(reason, frozenset(needs), shape, bool(mixers), window, sliding, attending)
     _verdicts[model] = (cache_key, verdict)
     return verdict
 
@@ -319,11 +327,8 @@ def calls_reason(
     repeated = sorted(layer for layer, count in counts.items() if count > 1)
     if repeated:
         return f"layers {_spans(repeated)} call attention more than once a forward"
-    if not calls:
-        return (
-            "no layer calls attention (a purely recurrent model): the engine serves recurrent layers beside "
-            "attention layers, whose paged KV cache it is built around"
-        )
+    if not calls:  # a purely recurrent model (Mamba's): every layer's mixer is served, no K/V kept
+        return None
     first = calls[0]
     for call in calls:
         # Values narrower than keys (multi-head latent attention, DeepSeek-V2/V3) are served: the cache

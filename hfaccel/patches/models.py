@@ -13,9 +13,14 @@ from hfaccel.patches.layer_support import (
     attention_needs,
     attention_shape,
     has_recurrent_layers,
+    kv_layers,
     unsupported_reason,
 )
 
+# A purely recurrent model (Mamba's) keeps no K/V: its cache has no layers, and these (KV heads, head dim),
+# which every backend takes, only size the step metadata nothing reads.
+NO_ATTENTION_DIMS = (1, 64)
+RECURRENT_MAX_MODEL_LEN = 32768  # a purely recurrent model's default max_model_len (block counts only)
 TESTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"})
 
 
@@ -79,10 +84,16 @@ def quantized_activations_reason(model: torch.nn.Module) -> str | None:
 
 def max_model_len(model: torch.nn.Module, requested: int | None) -> int:
     """Longest sequence the engine serves for this model: its context (``max_position_embeddings``), or
-    `requested` where it fits. Sliding windows do not shorten it: the kernels attend within each layer's
+    `requested` where it fits; any `requested` (else `RECURRENT_MAX_MODEL_LEN`) for a purely recurrent
+    model that declares none. Sliding windows do not shorten it: the kernels attend within each layer's
     window."""
     config = model.config.get_text_config(decoder=True)
-    limit = getattr(config, "max_position_embeddings", None) or 2048
+    declared = getattr(config, "max_position_embeddings", None)
+    if declared is None and kv_layers(model) == frozenset():
+        # A purely recurrent model (Mamba's) declares no context and keeps no K/V: any length is served,
+        # the blocks it holds only count tokens.
+        return requested or RECURRENT_MAX_MODEL_LEN
+    limit = declared or 2048
     if requested is not None:
         if requested > limit:
             raise ValueError(f"max_model_len ({requested}) exceeds what the model supports ({limit})")
@@ -91,11 +102,19 @@ def max_model_len(model: torch.nn.Module, requested: int | None) -> int:
 
 
 def kv_bytes_per_token(model: torch.nn.Module, kv_dtype: torch.dtype, align: int = 4) -> int:
-    """Bytes of K and V one token takes across all layers, from the model's config alone (the same
-    count the engine's runner makes; an int8 cache's rows padded to `align` bytes)."""
-    config = model.config.get_text_config(decoder=True)
+    """Bytes of K and V one token takes across the layers that keep them (the same count the engine's
+    runner makes; an int8 cache's rows padded to `align` bytes). 0 for a purely recurrent model."""
     num_kv_heads, head_dim = attention_dims(model)
-    return 2 * config.num_hidden_layers * num_kv_heads * kv_quant.row_bytes(head_dim, kv_dtype, align)
+    return 2 * num_kv_layers(model) * num_kv_heads * kv_quant.row_bytes(head_dim, kv_dtype, align)
+
+
+def num_kv_layers(model: torch.nn.Module) -> int:
+    """How many layers keep K/V: every decoder layer, or on a model with recurrent layers those that
+    call attention."""
+    attending = kv_layers(model)
+    if attending is not None:
+        return len(attending)
+    return model.config.get_text_config(decoder=True).num_hidden_layers
 
 
 def attention_dims(model: torch.nn.Module) -> tuple[int, int]:
@@ -105,6 +124,8 @@ def attention_dims(model: torch.nn.Module) -> tuple[int, int]:
     shape = attention_shape(model)
     if shape is not None:
         return shape.num_kv_heads, shape.head_dim
+    if kv_layers(model) == frozenset():  # purely recurrent: a nominal geometry for the backend's metadata
+        return NO_ATTENTION_DIMS
     config = model.config.get_text_config(decoder=True)
     num_q_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
@@ -156,6 +177,8 @@ def check_engine_config(model: torch.nn.Module, config: Any) -> None:
     if tp is not None and getattr(tp, "size", 1) > 1:  # a rank holds its share of the KV heads
         kv_heads = attention_dims(model)[0]
         block_bytes = block_bytes * max(1, kv_heads // tp.size) // kv_heads
+    if block_bytes == 0:  # no layer keeps K/V: the budget holds nothing
+        return
     memory = config.kv_cache_memory
     budget = int(memory * free_memory_bytes(param.device)) if isinstance(memory, float) else memory
     blocks = budget // block_bytes

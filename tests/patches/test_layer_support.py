@@ -22,7 +22,6 @@ REFUSED = {
         {"attention_chunk_size": None},
         "chunked attention layers without an attention_chunk_size",
     ),
-    "mamba2": ({}, "(no layer calls attention \\(a purely recurrent model\\)|cache API)"),
     "minimax": ({}, "linear-attention or recurrent layers"),  # lightning attention: no state API
     "lfm2": ({"layer_types": ["conv", "full_attention", "telepathy", "full_attention"]}, "'telepathy'"),
 }
@@ -202,13 +201,14 @@ def test_latent_attention_returns_transformers_own_cache():
 
 
 @pytest.mark.skipif(hasattr(DynamicCache, "get_conv_state"), reason="this transformers has the state API")
-def test_hybrids_are_refused_where_transformers_has_no_state_api():
+@pytest.mark.parametrize("model_type", ["jamba", "mamba2"])
+def test_hybrids_are_refused_where_transformers_has_no_state_api(model_type):
     """transformers 5.17's recurrent mixers keep their state in model-specific caches the engine cannot
     hand them per sequence: refused, naming the version."""
     with pytest.raises(
         ValueError, match=r"Mamba.*linear-attention cache API, which transformers .* does not have"
     ):
-        hfaccel.patch(family_model("jamba"))
+        hfaccel.patch(family_model(model_type))
 
 
 def _long_windowed_run(model: Any, new: int) -> tuple[list, set[int]]:

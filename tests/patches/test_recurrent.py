@@ -51,6 +51,52 @@ def test_hybrid_families_give_hf_tokens(model_type):
 
 
 @state_api
+@pytest.mark.parametrize("model_type", ["mamba", "mamba2", "falcon_mamba"])
+def test_purely_recurrent_models_give_hf_tokens_and_keep_no_kv(model_type):
+    """No layer calls attention: every sequence is its state rows alone. The paged cache has no blocks
+    in any layer (its blocks only count tokens), any max_model_len is taken (the config declares no
+    context), and chunked prefill, batched decode and sampling with a seed match HF."""
+    model = family_model(model_type)
+    prompts = varied_prompts(8, seed=5)
+    hfaccel.patch(model, strict=True, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=100_000)
+    try:
+        completions = hfaccel.generate(model, prompts, max_new_tokens=12, progress=False)
+        engine = model._hfaccel.get_engine(model)
+        assert engine.max_model_len == 100_000
+        assert all(k.shape[0] <= 1 and v.shape[0] <= 1 for k, v in engine.runner.kv_caches)  # no blocks
+        assert engine.limits.reason.startswith("no layer keeps K/V")
+        assert engine.block_manager.num_free_state_slots == 4
+        engine.block_manager.check([])
+    finally:
+        hfaccel.unpatch(model)
+    for prompt, completion in zip(prompts, completions):
+        assert_same_or_near_tie(model, prompt, completion.token_ids, hf_greedy(model, prompt, 12))
+
+
+@state_api
+def test_a_hybrid_keeps_kv_in_its_attention_layers_only():
+    """Jamba's recurrent layers hold a state, not K/V: the budget buys blocks for the attention layers
+    alone (twice the tokens here, where half the layers attend), and the recurrent layers' caches have
+    none."""
+    from hfaccel.patches.models import kv_bytes_per_token
+
+    model = family_model("jamba")
+    attending = [i for i, kind in enumerate(model.config.layer_types) if kind == "full_attention"]
+    assert 0 < len(attending) < model.config.num_hidden_layers
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    row = 2 * model.config.num_key_value_heads * head_dim * 4  # K and V, float32
+    hfaccel.patch(model, strict=True, max_num_seqs=4)
+    try:
+        assert kv_bytes_per_token(model, torch.float32) == len(attending) * row
+        hfaccel.generate(model, [[3, 4, 5]], max_new_tokens=2, progress=False)
+        engine = model._hfaccel.get_engine(model)
+        blocks = [k.shape[0] for k, _ in engine.runner.kv_caches]
+    finally:
+        hfaccel.unpatch(model)
+    assert all((b > 1) == (i in attending) for i, b in enumerate(blocks)), blocks
+
+
+@state_api
 def test_a_preempted_hybrid_sequence_starts_its_state_again():
     model = family_model("jamba")
     prompts = varied_prompts(6, seed=4)[2:6]
