@@ -153,7 +153,7 @@ def test_closing_a_stream_early_cancels_the_rest():
 
 
 def test_a_prompt_that_falls_back_gets_what_hf_generate_gives_by_default():
-    # max_time is served by HF only: the call falls back with a warning. With no length given, HF's
+    # guidance_scale is served by HF only: the call falls back with a warning. With no length given, HF's
     # own default applies (the prepared config's max_length=20 passed on would have cut it to 20 total).
     import copy
 
@@ -161,10 +161,10 @@ def test_a_prompt_that_falls_back_gets_what_hf_generate_gives_by_default():
     reference = copy.deepcopy(model)
     prompt = list(range(5, 20))
     with torch.no_grad():
-        expected = reference.generate(torch.tensor([prompt]), max_time=100.0)[0, len(prompt) :].tolist()
+        expected = reference.generate(torch.tensor([prompt]), guidance_scale=1.5)[0, len(prompt) :].tolist()
     hfaccel.patch(model)
     with pytest.warns(UserWarning, match="falls back"):
-        (completion,) = hfaccel.generate(model, [prompt], max_time=100.0, progress=False)
+        (completion,) = hfaccel.generate(model, [prompt], guidance_scale=1.5, progress=False)
     assert completion.token_ids == expected and len(expected) == 20
 
 
@@ -184,13 +184,13 @@ def test_fallen_back_copies_lose_hf_padding_and_say_they_stopped():
     ids = tokenizer("Hello world").input_ids
     torch.manual_seed(1)
     with torch.no_grad():
-        rows = reference.generate(torch.tensor([ids]), tokenizer=tokenizer, max_time=100.0, **kwargs)
+        rows = reference.generate(torch.tensor([ids]), tokenizer=tokenizer, guidance_scale=1.5, **kwargs)
     hfaccel.patch(model)
     torch.manual_seed(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         completions = hfaccel.generate(
-            model, [ids], tokenizer=tokenizer, max_time=100.0, progress=False, **kwargs
+            model, [ids], tokenizer=tokenizer, guidance_scale=1.5, progress=False, **kwargs
         )
     longest = rows.shape[1] - len(ids)
     padded = 0

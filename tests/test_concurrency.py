@@ -612,8 +612,8 @@ def test_closing_a_stream_while_it_yields_fallen_back_prompts_cancels_the_engine
     model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
     configs = [
         GenerationConfig(
-            max_new_tokens=5, max_time=30.0, do_sample=False
-        ),  # max_time: transformers serves it
+            max_new_tokens=5, guidance_scale=1.5, do_sample=False
+        ),  # guidance_scale: transformers serves it
         GenerationConfig(max_new_tokens=400, min_new_tokens=400, do_sample=False),
     ]
     with warnings.catch_warnings():

@@ -80,7 +80,7 @@ def unsupported_reason(
             return f"{name} (assisted decoding)"
     if stops:
         return (
-            f"assisted decoding ({what}) with stop_strings or stopping_criteria (transformers checks them "
+            f"assisted decoding ({what}) with stop_strings, stopping_criteria or max_time (transformers checks them "
             "once per accepted block of tokens, not after each token)"
         )
     return None

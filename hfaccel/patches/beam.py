@@ -28,7 +28,7 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from hfaccel.distributed.layout import parallel_layout
 from hfaccel.engine.request import StoppingParams
-from hfaccel.patches.params import unsupported_reason
+from hfaccel.patches.params import unsupported_reason, uses_batch_prompts
 
 
 def is_beam_search(config: GenerationConfig) -> bool:
@@ -54,6 +54,10 @@ def beam_unsupported_reason(
         return "adapter_names with beam search"
     if config.stop_strings:
         return "stop_strings with beam search"
+    if config.max_time is not None:
+        return "max_time with beam search"
+    if uses_batch_prompts(config):
+        return "encoder_repetition_penalty or encoder_no_repeat_ngram_size with beam search"
     if getattr(config, "low_memory", None):
         return "low_memory beam search"
     if extra:

@@ -18,6 +18,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation import logits_process
 from transformers.generation.configuration_utils import GenerationMode
+from transformers.generation.stopping_criteria import MaxTimeCriteria
 
 from hfaccel.engine.request import SamplingParams, StoppingParams
 from hfaccel.patches.criteria import RowCriteria
@@ -122,8 +123,6 @@ def unsupported_reason(
         mode = config.get_generation_mode()
     if mode not in _SERVED_MODES:
         return f"generation mode {mode.value!r}"
-    if config.max_time is not None:
-        return "max_time"
     implementation = config.cache_implementation
     if implementation not in SERVED_CACHE_IMPLEMENTATIONS:
         return _CACHE_REASONS.get(implementation, f"cache_implementation={implementation!r}")
@@ -133,17 +132,15 @@ def unsupported_reason(
         )
     if implementation not in (None, "dynamic", "offloaded") and _compiles_its_forward(config, device):
         return "compile_config with a static cache (the call asks for transformers' own compiled forward)"
-    # HF builds these with the whole batch's prompts ([B, L]); the engine's processors run per request.
-    if (config.encoder_repetition_penalty or 1.0) != 1.0:
-        return "encoder_repetition_penalty"
-    if config.encoder_no_repeat_ngram_size:
-        return "encoder_no_repeat_ngram_size"
     if getattr(config, "token_healing", False):
         return "token_healing"
     if (config.guidance_scale or 1) != 1:
         return "guidance_scale"
-    if getattr(config, "watermarking_config", None) is not None:
-        return "watermarking_config"
+    watermark = getattr(config, "watermarking_config", None)
+    # The green-list watermark reads each row alone (reseeded from the row's last tokens): served per
+    # row. SynthID's keeps a state per batch row across steps, so it stays HF's.
+    if watermark is not None and type(watermark).__name__ != "WatermarkingConfig":
+        return f"watermarking_config ({type(watermark).__name__})"
     return None
 
 
@@ -223,9 +220,10 @@ def request_params(
         stop_check = stop_string_check(tokenizer, strings)
     custom = list(logits_processor) if logits_processor is not None else []
     in_hf_order = bool(custom) or prefix_allowed_tokens_fn is not None  # every processor runs as HF runs it
-    criteria = None
-    if stopping_criteria is not None and len(stopping_criteria) > 0:
-        criteria = RowCriteria(stopping_criteria, input_ids.device, config)
+    custom_criteria = list(stopping_criteria) if stopping_criteria is not None else []
+    if config.max_time is not None:  # HF's own, timed from this call's start: every row stops after it
+        custom_criteria.append(MaxTimeCriteria(config.max_time))
+    criteria = RowCriteria(custom_criteria, input_ids.device, config) if custom_criteria else None
     stopping = StoppingParams(
         max_new_tokens=config.max_length - width,
         # With custom processors (or a prefix constraint, which HF 5.24 lets force an EOS that the
@@ -284,6 +282,42 @@ def bind_prefix_constraint(
         for p in processors
     ]
     return dataclasses.replace(sampling, processors=LogitsProcessorList(bound))
+
+
+# Processors HF builds with the whole batch's prompts as "encoder" ids ([B, L], unexpanded) and applies
+# to the [B * n, V] scores by row: each engine row runs them as its row of such a batch (`bind_batch_row`).
+_BATCH_BUILT = (
+    logits_process.EncoderRepetitionPenaltyLogitsProcessor,
+    logits_process.EncoderNoRepeatNGramLogitsProcessor,
+)
+
+
+def uses_batch_prompts(config: GenerationConfig) -> bool:
+    """Whether HF builds a processor of this call from the batch's prompts (the `encoder_*` options)."""
+    return (config.encoder_repetition_penalty or 1.0) != 1.0 or bool(config.encoder_no_repeat_ngram_size)
+
+
+def bind_batch_row(sampling: SamplingParams, row: int, rows: int) -> SamplingParams:
+    """`sampling` for row `row` of a call of `rows` rows (prompt i's copies are rows ``i * n + c``) whose
+    processors HF built from the batch's prompts: each such processor sees the row's ids and scores as
+    row `row` of a `rows`-row batch, so it picks the prompt HF's own indexing picks for that row (5.24
+    repeats the prompts per copy; 5.17 gathers the first B rows only, and leaves the others alone)."""
+    processors = sampling.processors or []
+    bound = [_AsRowOf(p, row, rows) if type(p) in _BATCH_BUILT else p for p in processors]
+    return dataclasses.replace(sampling, processors=LogitsProcessorList(bound))
+
+
+class _AsRowOf:
+    """A processor built for a batch of `rows` rows, run on one of them: the row's ids and scores are
+    repeated to the batch's height (each of these processors reads a row's own ids and scores only) and
+    its row of the result kept."""
+
+    def __init__(self, processor: Any, row: int, rows: int) -> None:
+        self.processor, self.row, self.rows = processor, row, rows
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        batch = self.processor(input_ids.expand(self.rows, -1), scores.expand(self.rows, -1))
+        return batch[self.row : self.row + 1]
 
 
 class _AskedFor:

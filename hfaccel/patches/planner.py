@@ -37,12 +37,14 @@ from hfaccel.patches.layer_support import (
 )
 from hfaccel.patches.models import quantized_activations_reason
 from hfaccel.patches.params import (
+    bind_batch_row,
     bind_prefix_constraint,
     has_default_lengths,
     prepare_config,
     prepare_special_tokens,
     request_params,
     unsupported_reason,
+    uses_batch_prompts,
 )
 from hfaccel.patches.patch_state import PatchState, given
 
@@ -354,7 +356,7 @@ def _options_gate(call: GenerateCall) -> str | None:
     `logits_to_keep`): each feature's module is asked only when the call uses the feature."""
     config, custom, ids, mask = call.config, call.custom, call.ids, call.mask
     stopping_criteria = custom["stopping_criteria"]
-    stops = bool(config.stop_strings) or given(stopping_criteria)
+    stops = bool(config.stop_strings) or given(stopping_criteria) or config.max_time is not None
     rows = ids.shape[0] * call.copies
     if stops and (reason := criteria.unsupported_reason(call.model, config, stopping_criteria, rows)):
         return reason
@@ -472,11 +474,9 @@ def make_requests(
     the padded row as in HF."""
     copies, rows = call.copies, call.ids
     stopping, sampling = call.params
-    assistant = call.custom["assistant_model"]  # (asked only then: assisted.py stays off plain calls)
-    if assistant is not None and assisted.foreign_assistant(
-        call.config, assistant, call.state.config.speculative
-    ):
-        assisted.warn_foreign(call.state.warned)
+    assistant, speculative = call.custom["assistant_model"], call.state.config.speculative
+    if assistant is not None and assisted.foreign_assistant(call.config, assistant, speculative):
+        assisted.warn_foreign(call.state.warned)  # (asked only then: assisted.py stays off plain calls)
     keep = call.mask.bool().cpu().repeat_interleave(copies, dim=0)
     rows = rows.repeat_interleave(copies, dim=0).cpu()
     samplings = [sampling] * len(rows)
@@ -484,6 +484,8 @@ def make_requests(
         samplings = _per_padding(call, call.mask.repeat_interleave(copies, dim=0), sampling)
     if (allowed := call.custom["prefix_allowed_tokens_fn"]) is not None:  # asked as HF asks row i
         samplings = [bind_prefix_constraint(s, allowed, call.first_row + i) for i, s in enumerate(samplings)]
+    if uses_batch_prompts(call.config):  # the encoder_* processors, built from the batch's prompts
+        samplings = [bind_batch_row(s, i, len(rows)) for i, s in enumerate(samplings)]
     names = call.adapter_names
     adapters = [None] * len(rows) if names is None else [names[i // copies] for i in range(len(rows))]
     masked_last = ~keep[:, -1]

@@ -4,7 +4,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, SynthIDTextWatermarkingConfig
 
 import hfaccel
 from tests.helpers import (
@@ -118,7 +118,7 @@ def test_a_call_without_inputs_starts_from_bos_as_hf_does():
     ("kwargs", "reason"),
     [
         ({"guidance_scale": 1.5}, "guidance_scale"),
-        ({"max_time": 30.0}, "max_time"),
+        ({"watermarking_config": SynthIDTextWatermarkingConfig(keys=[3, 5, 7], ngram_len=2)}, "SynthID"),
     ],
 )
 def test_unsupported_options_fall_back_with_one_warning(patched, kwargs, reason):
@@ -143,8 +143,8 @@ def test_strict_mode_turns_the_fallback_into_an_error():
         model.generate(
             torch.tensor([[5, 6, 7]]), num_beams=2, num_beam_groups=2, diversity_penalty=1.0, max_new_tokens=3
         )
-    with pytest.raises(ValueError, match="does not serve max_time"):
-        model.generate(torch.tensor([[5, 6, 7]]), max_time=5.0, max_new_tokens=3)
+    with pytest.raises(ValueError, match="does not serve guidance_scale"):
+        model.generate(torch.tensor([[5, 6, 7]]), guidance_scale=1.5, max_new_tokens=3)
     out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3)
     assert out[0, 3:].tolist() == hf_greedy(model, [5, 6, 7], 3)
 

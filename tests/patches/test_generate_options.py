@@ -302,6 +302,45 @@ def test_a_raising_custom_processor_fails_its_own_request_only():
     )
 
 
+@pytest.mark.parametrize("scheme", ["lefthash", "selfhash"])
+def test_a_green_list_watermark_is_served_per_row_as_hf(scheme):
+    """HF's WatermarkLogitsProcessor seeds each row's green list from that row's last tokens alone: run
+    per row (left padding restored), it gives HF's tokens; SynthID's keeps per-batch state: HF's."""
+    from transformers import SynthIDTextWatermarkingConfig
+
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS)
+    watermark = {"bias": 2.5, "seeding_scheme": scheme, "context_width": 2}
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    expected = hf(model, watermarking_config=watermark, **kwargs)
+    assert not torch.equal(expected, hf(model, **kwargs))  # the bias moves some argmax
+    patch(model, strict=True)
+    assert torch.equal(model.generate(watermarking_config=watermark, **kwargs), expected)
+    synth_id = SynthIDTextWatermarkingConfig(keys=[3, 5, 7, 11], ngram_len=3)
+    with pytest.raises(
+        ValueError, match=r"does not serve watermarking_config \(SynthIDTextWatermarkingConfig\)"
+    ):
+        model.generate(watermarking_config=synth_id, **kwargs)
+
+
+@pytest.mark.parametrize("option", [{"encoder_repetition_penalty": 3.0}, {"encoder_no_repeat_ngram_size": 1}])
+def test_options_hf_builds_from_the_batch_prompts_run_as_each_row_of_that_batch(option):
+    """HF builds the `encoder_*` processors from the padded batch's prompts and indexes them by row (5.24
+    repeats them per copy; 5.17 reaches the first rows only): each engine row runs them as its row of
+    that batch, so greedy rows and the copies of sampling at top_k=1 are HF's."""
+    model = tiny_model("llama")
+    ids, mask = left_padded([*PROMPTS[:4], [30, 31, 30, 31, 30, 142, 41]])  # greedy repeats 142 next
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=10)
+    modes = [dict(do_sample=False), dict(do_sample=True, top_k=1, num_return_sequences=2)]
+    expected = [hf(model, **option, **kwargs, **mode) for mode in modes]
+    assert not torch.equal(expected[0], hf(model, **kwargs, **modes[0]))  # the option moves some argmax
+    patch(model, strict=True)
+    for mode, reference in zip(modes, expected):
+        assert torch.equal(model.generate(**option, **kwargs, **mode), reference), mode
+    with pytest.raises(ValueError, match="encoder_no_repeat_ngram_size with beam search"):
+        model.generate(**option, **kwargs, num_beams=2)
+
+
 # ----------------------------------------------------------------- 2. custom stopping criteria
 
 
@@ -425,6 +464,33 @@ def test_criteria_fall_back_where_hf_applies_them_otherwise():
         out,
         hf(model, stopping_criteria=criteria, input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=8),
     )
+
+
+def test_max_time_is_served_and_stops_every_row_once_it_has_passed():
+    """HF's MaxTimeCriteria, timed from the call's start, checked after each row's new token: with time
+    to spare the tokens are HF's; with none left at the first check, every row stops after one token,
+    as in HF; a call whose steps are slow stops early, every row, whatever max_new_tokens says."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    spare, spent = hf(model, max_time=600.0, **kwargs), hf(model, max_time=1e-9, **kwargs)
+    assert spent.shape[1] == ids.shape[1] + 1 < spare.shape[1]
+    patch(model, strict=True)
+    assert torch.equal(model.generate(max_time=600.0, **kwargs), spare)
+    assert torch.equal(model.generate(max_time=1e-9, **kwargs), spent)
+
+    class Slow(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            threading.Event().wait(0.01)
+            return scores
+
+    prompts = [p for p in PROMPTS if p]
+    completions = hfaccel.generate(
+        model, prompts, max_new_tokens=200, max_time=0.3, logits_processor=[Slow()], progress=False
+    )
+    assert all(1 <= len(c.token_ids) < 200 for c in completions)
+    engine = model._hfaccel.engine
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
 
 
 # ----------------------------------------------------------------- 3. cache implementations, compile config
@@ -617,7 +683,7 @@ def test_assisted_decoding_falls_back_where_hf_refuses_or_differs():
         model.generate(
             one, max_new_tokens=4, prompt_lookup_num_tokens=2, num_return_sequences=2, do_sample=True
         )
-    with pytest.warns(UserWarning, match=r"with stop_strings or stopping_criteria"):
+    with pytest.warns(UserWarning, match=r"with stop_strings, stopping_criteria or max_time"):
         out = model.generate(
             one, max_new_tokens=6, prompt_lookup_num_tokens=2, stopping_criteria=[StopAtLength(30)]
         )

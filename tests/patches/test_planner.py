@@ -35,8 +35,8 @@ CALLS = [
     ),
     ({"num_beams": 2, "logits_processor": [Identity()]}, "beam search with logits_processor"),
     (
-        {"output_attentions": True, "return_dict_in_generate": True, "max_time": 5.0},
-        "max_time",
+        {"output_attentions": True, "return_dict_in_generate": True, "guidance_scale": 1.5},
+        "guidance_scale",
     ),
 ]
 
