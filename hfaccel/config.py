@@ -245,7 +245,8 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step (decode tokens plus prefill chunks); ``None``
             (auto): chosen with ``max_num_seqs``.
         kv_cache_memory: KV-cache size, in bytes (an int > 1) or as a fraction of the free memory of the
-            model's device (a float in (0, 1]).
+            model's device (a float in (0, 1]); on a model with recurrent layers it holds the recurrent
+            state of ``max_num_seqs`` sequences too (taken first).
         backend: paged-attention backend: ``"auto"`` picks the best one available, ``"torch"`` is the
             pure-PyTorch reference.
         dtype: KV-cache dtype (``"auto"`` follows the model's dtype, or ``"float32"``, ``"float16"``,

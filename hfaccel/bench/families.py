@@ -211,7 +211,7 @@ def run_family(model_type: str) -> FamilyRow:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             hfaccel.patch(
-                model, strict=True, max_num_batched_tokens=16, max_num_seqs=4, kv_cache_memory=16_000_000
+                model, strict=True, max_num_batched_tokens=16, max_num_seqs=4, kv_cache_memory=64_000_000
             )
             try:
                 completions = hfaccel.generate(model, prompts, max_new_tokens=NEW_TOKENS, progress=False)

@@ -87,7 +87,7 @@ class Engine:
         if self.step_sync is not None:  # auto limits follow the budget: the same budget on every rank
             budget = self.step_sync.min_int(budget)
         self.limits = self._resolve_limits(budget, per_token)
-        self.num_blocks = self._num_blocks(per_token * block_size, budget)
+        self.num_blocks = self._num_blocks(per_token * block_size, budget - self.limits.state_bytes)
         state_slots = self._recurrent_state_slots()
         self.block_manager, window_pool = make_block_manager(
             self.executor, self.config, self.max_model_len, self.num_blocks, state_slots, draft is not None
@@ -197,6 +197,7 @@ class Engine:
             device=self.device,
             block_size=config.block_size,
             at_least_seqs=max(config.max_batch_size or 1, *(config.cuda_graph_sizes or (1,))),
+            state_bytes_per_seq=getattr(self.executor, "state_bytes_per_seq", 0),
         )
         if limits.auto:
             self.config = config.with_overrides(

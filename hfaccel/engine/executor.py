@@ -109,6 +109,7 @@ class ExecutorBase:
     # The layers that keep K/V, where recurrent ones keep a state instead (none at all: Mamba's). None:
     # every layer. Read with `getattr`, so a protocol executor without it keeps K/V in every layer.
     kv_layers: frozenset[int] | None = None
+    state_bytes_per_seq: int = 0  # one sequence's recurrent state, budgeted beside the K/V (`getattr` too)
     kv_window: int | None = None  # every attention layer slides within this many positions (None: not)
     sliding_layers: dict[int, int] = {}  # noqa: RUF012 (read only) no sliding layers beside full ones
 

@@ -34,6 +34,7 @@ class Limits:
     max_num_batched_tokens: int
     auto: tuple[str, ...]  # which of them were chosen here (the others were the user's)
     reason: str  # how the automatic ones were chosen
+    state_bytes: int = 0  # the recurrent state of max_num_seqs sequences, taken from the KV budget
 
     def describe(self) -> str:
         parts = []
@@ -53,31 +54,46 @@ def resolve_limits(
     device: torch.device,
     block_size: int,
     at_least_seqs: int = 1,
+    state_bytes_per_seq: int = 0,
 ) -> Limits:
     """Fill in the limits the user left as None (see the module docstring); `at_least_seqs` is the
-    largest batch another setting needs (``max_batch_size``, the CUDA-graph sizes)."""
+    largest batch another setting needs (``max_batch_size``, the CUDA-graph sizes). A model with
+    recurrent layers keeps `state_bytes_per_seq` for each of its ``max_num_seqs`` sequences out of the
+    same budget: a sequence then costs its state beside its K/V."""
     gpu = device.type == "cuda"
     auto = []
-    kv_tokens = max(1, kv_budget_bytes // max(1, kv_bytes_per_token))
     typical = max(1, min(max_model_len, TYPICAL_LEN))
+    per_seq = typical * kv_bytes_per_token + state_bytes_per_seq
+    fit = kv_budget_bytes // max(1, per_seq)
     held = (
-        f"KV memory holds {kv_tokens} tokens = {kv_tokens // typical} sequences of {typical}"
-        if kv_bytes_per_token
-        else "no layer keeps K/V (a purely recurrent model)"
+        "KV memory"
+        if not state_bytes_per_seq
+        else f"KV and recurrent state ({state_bytes_per_seq} bytes a sequence)"
     )
     reason = (
-        f"{held}; "
+        f"{held} holds {fit} sequences of {typical} tokens; "
         f"{'GPU' if gpu else 'CPU'} cap {GPU_MAX_SEQS if gpu else CPU_MAX_SEQS} sequences, "
         f"{GPU_TOKENS if gpu else CPU_TOKENS} tokens a step"
     )
+    if not kv_bytes_per_token:
+        reason = f"no layer keeps K/V (a purely recurrent model); {reason}"
     if max_num_seqs is None:
         cap = GPU_MAX_SEQS if gpu else CPU_MAX_SEQS
-        max_num_seqs = max(MIN_SEQS, at_least_seqs, min(cap, kv_tokens // typical))
+        # Preemption covers K/V that outgrows its share; a state is held whole from the first token.
+        floor = 1 if state_bytes_per_seq else MIN_SEQS
+        max_num_seqs = max(floor, at_least_seqs, min(cap, fit))
         auto.append("max_num_seqs")
+    state_bytes = state_bytes_per_seq * max_num_seqs
+    if state_bytes >= kv_budget_bytes:
+        raise ValueError(
+            f"kv_cache_memory gives {kv_budget_bytes:,} bytes, and the recurrent state of max_num_seqs="
+            f"{max_num_seqs} sequences alone takes {state_bytes:,} ({state_bytes_per_seq:,} bytes each): "
+            "raise kv_cache_memory or lower max_num_seqs"
+        )
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(GPU_TOKENS if gpu else CPU_TOKENS, block_size, max_num_seqs)
         auto.append("max_num_batched_tokens")
-    return Limits(max_num_seqs, max_num_batched_tokens, tuple(auto), reason)
+    return Limits(max_num_seqs, max_num_batched_tokens, tuple(auto), reason, state_bytes)
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -22,6 +22,7 @@ from hfaccel.patches.layer_support import (
     kv_layers,
     kv_window,
     sliding_layers,
+    state_bytes_per_sequence,
 )
 from hfaccel.patches.model_state import ModelStateTracker
 from hfaccel.patches.models import NO_ATTENTION_DIMS
@@ -57,6 +58,7 @@ class HFExecutor(ExecutorBase):
         self.attention_scale = _attention_scale(model, self.head_dim)
         self.attention_needs = attention_needs(model)
         self.recurrent = has_recurrent_layers(model)
+        self.state_bytes_per_seq = state_bytes_per_sequence(model)
         self.kv_window = kv_window(model)
         self.sliding_layers = sliding_layers(model)
         self._state = ModelStateTracker(model)

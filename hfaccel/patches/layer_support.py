@@ -97,6 +97,7 @@ class _Verdict:
     window: int | None
     sliding_layers: tuple[tuple[int, int], ...] = ()
     kv_layers: frozenset[int] | None = None  # the layers that call attention (None: every layer)
+    state_bytes: int = 0  # one sequence's recurrent state, over every mixer
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -137,6 +138,12 @@ def kv_layers(model: torch.nn.Module) -> frozenset[int] | None:
     return _verdict(model).kv_layers
 
 
+def state_bytes_per_sequence(model: torch.nn.Module) -> int:
+    """Bytes one sequence's recurrent state takes, over every recurrent mixer (0 without any), as the
+    probe's replay made them (shapes and dtypes are transformers' own)."""
+    return _verdict(model).state_bytes
+
+
 def has_recurrent_layers(model: torch.nn.Module) -> bool:
     """Whether the model has recurrent or convolutional token mixers (served with a per-sequence state
     slot, `patches/recurrent.py`: a sequence cannot be resumed from KV alone)."""
@@ -152,11 +159,12 @@ def _verdict(model: torch.nn.Module) -> _Verdict:
     text_config = config.get_text_config(decoder=True)
     needs: set[str] = set()
     calls: list[AttentionCall] = []
+    state_bytes: list[int] = []
     mixers = recurrent_mixers(model)
     reason = (
         layer_types_reason(text_config, bool(mixers))
         or module_reason(mixers)
-        or probe_reason(model, text_config, needs, calls, mixers)
+        or probe_reason(model, text_config, needs, calls, mixers, state_bytes)
     )
     shape = None
     if calls:
@@ -169,7 +177,9 @@ def _verdict(model: torch.nn.Module) -> _Verdict:
     if chunked or window is not None or not all(isinstance(index, int) for index, _ in sliding):
         sliding = ()
     attending = frozenset(int(call.layer_idx) for call in calls) if mixers and reason is None else None
-    verdict = _Verdict(reason, frozenset(needs), shape, bool(mixers), window, sliding, attending)
+    verdict = _Verdict(
+        reason, frozenset(needs), shape, bool(mixers), window, sliding, attending, sum(state_bytes)
+    )
     _verdicts[model] = (cache_key, verdict)
     return verdict
 
@@ -233,9 +243,11 @@ def probe_reason(
     needs: set[str] | None = None,
     seen: list[AttentionCall] | None = None,
     mixers: Sequence[tuple[str, torch.nn.Module]] = (),
+    state_bytes: list[int] | None = None,
 ) -> str | None:
     """Run the model on a few tokens with the attention function recording, and check what it saw
-    (the calls are appended to `seen`, when given; each recurrent mixer of `mixers` is replayed)."""
+    (the calls are appended to `seen`, when given; each recurrent mixer of `mixers` is replayed, its
+    state's bytes per sequence appended to `state_bytes`)."""
     param = next(model.parameters())
     vocab = model.get_input_embeddings()
     vocab_size = getattr(vocab, "base_layer", vocab).num_embeddings
@@ -258,7 +270,7 @@ def probe_reason(
     for name, module in mixers:
         if name not in mixer_calls:
             return f"{name} ({type(module).__name__}) convolves over the sequence but was not called"
-        if (reason := round_trip_reason(name, module, *mixer_calls[name])) is not None:
+        if (reason := round_trip_reason(name, module, *mixer_calls[name], state_bytes)) is not None:
             return reason
     if seen is not None:
         seen.extend(calls)

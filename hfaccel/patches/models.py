@@ -14,6 +14,7 @@ from hfaccel.patches.layer_support import (
     attention_shape,
     has_recurrent_layers,
     kv_layers,
+    state_bytes_per_sequence,
     unsupported_reason,
 )
 
@@ -177,10 +178,18 @@ def check_engine_config(model: torch.nn.Module, config: Any) -> None:
     if tp is not None and getattr(tp, "size", 1) > 1:  # a rank holds its share of the KV heads
         kv_heads = attention_dims(model)[0]
         block_bytes = block_bytes * max(1, kv_heads // tp.size) // kv_heads
-    if block_bytes == 0:  # no layer keeps K/V: the budget holds nothing
-        return
     memory = config.kv_cache_memory
     budget = int(memory * free_memory_bytes(param.device)) if isinstance(memory, float) else memory
+    state = state_bytes_per_sequence(model) * (config.max_num_seqs or 1)  # held whole for every seat
+    if state >= budget:
+        seats = f"max_num_seqs={config.max_num_seqs}" if config.max_num_seqs else "one"
+        raise ValueError(
+            f"kv_cache_memory gives {budget:,} bytes, less than the recurrent state of {seats} sequences "
+            f"({state:,} bytes): raise kv_cache_memory or lower max_num_seqs"
+        )
+    if block_bytes == 0:  # no layer keeps K/V: the state is all the budget holds
+        return
+    budget -= state
     blocks = budget // block_bytes
     needed = -(-context // config.block_size)
     if blocks < needed:

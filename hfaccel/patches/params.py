@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -299,25 +300,46 @@ def uses_batch_prompts(config: GenerationConfig) -> bool:
 
 def bind_batch_row(sampling: SamplingParams, row: int, rows: int) -> SamplingParams:
     """`sampling` for row `row` of a call of `rows` rows (prompt i's copies are rows ``i * n + c``) whose
-    processors HF built from the batch's prompts: each such processor sees the row's ids and scores as
-    row `row` of a `rows`-row batch, so it picks the prompt HF's own indexing picks for that row (5.24
-    repeats the prompts per copy; 5.17 gathers the first B rows only, and leaves the others alone)."""
-    processors = sampling.processors or []
-    bound = [_AsRowOf(p, row, rows) if type(p) in _BATCH_BUILT else p for p in processors]
+    processors HF built from the batch's prompts: each such processor is narrowed to the one prompt HF's
+    own indexing applies to that row (5.24 repeats the prompts per copy; 5.17's repetition penalty
+    reaches the first B rows only and leaves the others alone), so a row pays for its prompt alone."""
+    bound = []
+    for processor in sampling.processors or []:
+        if type(processor) in _BATCH_BUILT:
+            prompt = _prompt_of_row(type(processor), _batch_size(processor), rows)[row]
+            if prompt is None:
+                continue  # HF's processor leaves this row's scores as they are
+            processor = _narrowed(processor, prompt)
+        bound.append(processor)
     return dataclasses.replace(sampling, processors=LogitsProcessorList(bound))
 
 
-class _AsRowOf:
-    """A processor built for a batch of `rows` rows, run on one of them: the row's ids and scores are
-    repeated to the batch's height (each of these processors reads a row's own ids and scores only) and
-    its row of the result kept."""
+def _batch_size(processor: Any) -> int:
+    if isinstance(processor, logits_process.EncoderNoRepeatNGramLogitsProcessor):
+        return int(processor.batch_size)
+    return int(processor.encoder_input_ids.shape[0])
 
-    def __init__(self, processor: Any, row: int, rows: int) -> None:
-        self.processor, self.row, self.rows = processor, row, rows
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        batch = self.processor(input_ids.expand(self.rows, -1), scores.expand(self.rows, -1))
-        return batch[self.row : self.row + 1]
+def _narrowed(processor: Any, prompt: int) -> Any:
+    """A copy of `processor` built from prompt `prompt` of its batch alone (for a one-row batch)."""
+    narrowed = copy.copy(processor)
+    if isinstance(processor, logits_process.EncoderNoRepeatNGramLogitsProcessor):
+        narrowed.generated_ngrams, narrowed.batch_size = [processor.generated_ngrams[prompt]], 1
+    else:
+        narrowed.encoder_input_ids = processor.encoder_input_ids[prompt : prompt + 1]
+    return narrowed
+
+
+@functools.lru_cache(maxsize=64)
+def _prompt_of_row(kind: type, batch: int, rows: int) -> tuple[int | None, ...]:
+    """Which of `batch` prompts HF's processor of this `kind` applies to each of `rows` rows (None: none),
+    read off the installed transformers by running one built from prompts of one distinct token each
+    (token i for prompt i) on `rows` rows of ones: the token a row's scores change at is its prompt's."""
+    tokens = torch.arange(batch).unsqueeze(1)
+    no_repeat = kind is logits_process.EncoderNoRepeatNGramLogitsProcessor  # 1-grams: bans the token
+    probe = kind(1, tokens) if no_repeat else kind(2.0, tokens)
+    changed = probe(torch.zeros(rows, 1, dtype=torch.long), torch.ones(rows, batch)) != 1
+    return tuple(int(hit.nonzero()[0]) if bool(hit.any()) else None for hit in changed)
 
 
 class _AskedFor:

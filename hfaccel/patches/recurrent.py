@@ -268,12 +268,15 @@ def split_by_sequence(
     return out
 
 
-def round_trip_reason(name: str, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> str | None:
+def round_trip_reason(
+    name: str, module: nn.Module, args: tuple, kwargs: dict[str, Any], state_bytes: list[int] | None = None
+) -> str | None:
     """Why this mixer cannot be served per sequence (None: it can), from one call of it (the patch-time
     probe's, a few tokens, no cache): the tokens in one start must give what the mixer gives them with
     no cache, and so must a start of one token, a chunk continued from its state and one decoded token
     (transformers' three forms), with another sequence's state beside it. A mixer that keeps its state
-    anywhere but the cache it is handed, or reads the cache some other way, fails here."""
+    anywhere but the cache it is handed, or reads the cache some other way, fails here. The bytes one
+    sequence's state takes in this mixer are appended to `state_bytes`, when given."""
     original = getattr(module, _ORIGINAL, module.forward)
     try:
         with torch.no_grad():
@@ -309,6 +312,8 @@ def round_trip_reason(name: str, module: nn.Module, args: tuple, kwargs: dict[st
                 f"{name} ({type(module).__name__}) gives other outputs {form} from its state than over the "
                 "whole sequence: it keeps or reads its recurrent state outside transformers' cache API"
             )
+    if state_bytes is not None:  # each state tensor holds the probe's 2 sequences' rows
+        state_bytes.append(sum(t[0].numel() * t.element_size() for t in states.tensors.values()))
     return None
 
 

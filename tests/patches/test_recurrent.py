@@ -13,7 +13,8 @@ from hfaccel.bench.families import family_model
 from hfaccel.config import EngineConfig
 from hfaccel.engine.engine import Engine
 from hfaccel.engine.request import StoppingParams
-from hfaccel.patches.recurrent import split_by_sequence
+from hfaccel.patches.layer_support import state_bytes_per_sequence
+from hfaccel.patches.recurrent import recurrent_mixers, split_by_sequence
 from tests.helpers import assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
 
 state_api = pytest.mark.skipif(
@@ -101,9 +102,13 @@ def test_a_preempted_hybrid_sequence_starts_its_state_again():
     model = family_model("jamba")
     prompts = varied_prompts(6, seed=4)[2:6]
     expected = [hf_greedy(model, p, 24, min_new_tokens=24) for p in prompts]
-    # Room for about two of the four requests at their full length: the newest ones are preempted.
+    # Room for about two of the four requests at their full length: the newest ones are preempted. The
+    # budget holds the four seats' recurrent state beside the K/V.
     block_bytes = 2 * 2 * 2 * 16 * 4 * 8  # K and V, 2 attention layers of 4, 2 KV heads, dim 16, float32
-    config = EngineConfig(block_size=8, kv_cache_memory=20 * block_bytes, max_num_batched_tokens=32)
+    state = 4 * state_bytes_per_sequence(model)
+    config = EngineConfig(
+        block_size=8, kv_cache_memory=20 * block_bytes + state, max_num_seqs=4, max_num_batched_tokens=32
+    )
     engine = Engine(model, config)
     requests = [engine.make_request(p, StoppingParams(24, 24)) for p in prompts]
     engine.run(requests)
@@ -111,6 +116,29 @@ def test_a_preempted_hybrid_sequence_starts_its_state_again():
     assert [r.output_token_ids for r in requests] == expected
     engine.block_manager.check([])
     assert engine.block_manager.num_free_state_slots == engine.config.max_num_seqs
+    assert engine.num_blocks == 20 and engine.limits.state_bytes == state
+
+
+@state_api
+def test_the_recurrent_state_of_every_seat_is_budgeted_beside_the_kv():
+    """A state row is held whole from a sequence's first token for each of max_num_seqs seats: the
+    budget pays for them first (the probe measured one sequence's bytes), the automatic max_num_seqs
+    counts them, and a budget that cannot hold them is refused at patch, naming both settings."""
+    model = family_model("mamba")
+    per_seq = state_bytes_per_sequence(model)
+    # 4 layers of Mamba: an SSM state [d_inner, d_state] and a conv state [d_inner, d_conv], float32
+    d_inner, config = model.config.intermediate_size, model.config
+    assert per_seq == config.num_hidden_layers * d_inner * (config.state_size + config.conv_kernel) * 4
+    engine = Engine(model, EngineConfig(kv_cache_memory=10 * per_seq + 1))
+    assert engine.config.max_num_seqs == 10 and engine.limits.state_bytes == 10 * per_seq
+    engine.run([engine.make_request([3, 4, 5], StoppingParams(4))])
+    states = recurrent_mixers(model)[0][1].forward.args[2]  # the SlotStates the wrapped mixers share
+    assert sum(t.numel() * t.element_size() for t in states.tensors.values()) == 10 * per_seq
+    with pytest.raises(
+        ValueError, match=r"recurrent state of max_num_seqs=8 sequences .*raise kv_cache_memory"
+    ):
+        hfaccel.patch(model, kv_cache_memory=7 * per_seq, max_num_seqs=8)
+    assert not hasattr(model, "_hfaccel")
 
 
 @state_api
