@@ -21,7 +21,7 @@ from hfaccel.engine.block_manager import blocks_for
 from hfaccel.engine.cost_model import StepCostModel
 from hfaccel.engine.decode_buckets import resolve_compile_mode
 from hfaccel.engine.executor import ModelExecutor, make_executor
-from hfaccel.engine.limits import Limits, free_memory_bytes, resolve_limits
+from hfaccel.engine.limits import Limits, counting_blocks, free_memory_bytes, resolve_limits
 from hfaccel.engine.metrics import StepStats
 from hfaccel.engine.prompt_inputs import write_imported_kv
 from hfaccel.engine.request import GREEDY, Request, SamplingParams, StoppingParams
@@ -226,9 +226,10 @@ class Engine:
             self._cost_model_seen = new[0].step
 
     def _num_blocks(self, bytes_per_block: int, budget: int) -> int:
-        # More blocks than max_num_seqs full-length sequences can never be used.
-        useful = self.config.max_num_seqs * blocks_for(self.max_model_len, self.config.block_size)
-        num_blocks = min(budget // bytes_per_block, useful) if bytes_per_block else useful  # 0: no K/V
+        useful = self.config.max_num_seqs * blocks_for(
+            self.max_model_len, self.config.block_size
+        )  # all usable
+        num_blocks = min(budget // bytes_per_block, useful) if bytes_per_block else counting_blocks(self)
         if self.step_sync is not None:  # tensor parallel: the same blocks on every rank
             num_blocks = self.step_sync.min_int(num_blocks)
         if num_blocks < 1:

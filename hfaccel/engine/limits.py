@@ -17,6 +17,7 @@ scheduler then bounds each step by it (`engine/scheduler.py`). Explicit values a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -94,6 +95,20 @@ def resolve_limits(
         max_num_batched_tokens = max(GPU_TOKENS if gpu else CPU_TOKENS, block_size, max_num_seqs)
         auto.append("max_num_batched_tokens")
     return Limits(max_num_seqs, max_num_batched_tokens, tuple(auto), reason, state_bytes)
+
+
+# Tokens the blocks of a model that keeps no K/V (every layer recurrent) count across its sequences, at
+# most: such blocks cost nothing but the block manager's bookkeeping, which grows with their number.
+COUNTED_TOKENS = 1 << 21
+
+
+def counting_blocks(engine: Any) -> int:
+    """Blocks for a model that keeps no K/V: every seat at full length, at most `COUNTED_TOKENS` tokens'
+    worth, never fewer than one sequence of ``max_model_len`` needs (more sequences than fit are
+    preempted, as K/V would make them)."""
+    size, longest = engine.config.block_size, engine.max_model_len
+    useful = engine.config.max_num_seqs * -(-longest // size)
+    return min(useful, max(-(-COUNTED_TOKENS // size), -(-longest // size)))
 
 
 def free_memory_bytes(device: torch.device) -> int:

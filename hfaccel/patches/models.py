@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from hfaccel.distributed.layout import parallel_layout
+from hfaccel.engine.limits import COUNTED_TOKENS
 from hfaccel.kernels import kv_quant
 from hfaccel.patches.layer_support import (
     attention_needs,
@@ -85,14 +86,19 @@ def quantized_activations_reason(model: torch.nn.Module) -> str | None:
 
 def max_model_len(model: torch.nn.Module, requested: int | None) -> int:
     """Longest sequence the engine serves for this model: its context (``max_position_embeddings``), or
-    `requested` where it fits; any `requested` (else `RECURRENT_MAX_MODEL_LEN`) for a purely recurrent
-    model that declares none. Sliding windows do not shorten it: the kernels attend within each layer's
+    `requested` where it fits; up to `COUNTED_TOKENS` (else `RECURRENT_MAX_MODEL_LEN`) for a purely
+    recurrent model that declares none. Sliding windows do not shorten it: the kernels attend within each layer's
     window."""
     config = model.config.get_text_config(decoder=True)
     declared = getattr(config, "max_position_embeddings", None)
     if declared is None and kv_layers(model) == frozenset():
-        # A purely recurrent model (Mamba's) declares no context and keeps no K/V: any length is served,
-        # the blocks it holds only count tokens.
+        # A purely recurrent model (Mamba's) declares no context and keeps no K/V: the blocks it holds
+        # only count tokens, up to the bookkeeping's bound.
+        if requested is not None and requested > COUNTED_TOKENS:
+            raise ValueError(
+                f"max_model_len ({requested}) exceeds {COUNTED_TOKENS}, the most tokens the engine counts for "
+                "a model without K/V (its blocks' bookkeeping grows with them)"
+            )
         return requested or RECURRENT_MAX_MODEL_LEN
     limit = declared or 2048
     if requested is not None:

@@ -75,6 +75,22 @@ def test_purely_recurrent_models_give_hf_tokens_and_keep_no_kv(model_type):
 
 
 @state_api
+def test_a_purely_recurrent_models_blocks_count_tokens_within_a_bound():
+    """Its blocks cost no memory but the block manager's bookkeeping: they count at most COUNTED_TOKENS
+    tokens across sequences (or one max_model_len), and a longer max_model_len is refused at patch,
+    naming it, instead of failing the first generate (a probe saw a MemoryError at 2**31)."""
+    from hfaccel.engine.limits import COUNTED_TOKENS
+
+    model = family_model("mamba")
+    engine = Engine(model, EngineConfig(max_model_len=COUNTED_TOKENS, max_num_seqs=64))
+    assert engine.num_blocks == COUNTED_TOKENS // engine.config.block_size  # not 64 full-length seats
+    assert Engine(model, EngineConfig(max_num_seqs=4)).num_blocks == 4 * 32768 // 16  # the default length
+    with pytest.raises(ValueError, match=rf"max_model_len \(2147483648\) exceeds {COUNTED_TOKENS}"):
+        hfaccel.patch(model, max_model_len=2**31)
+    assert not hasattr(model, "_hfaccel")
+
+
+@state_api
 def test_a_hybrid_keeps_kv_in_its_attention_layers_only():
     """Jamba's recurrent layers hold a state, not K/V: the budget buys blocks for the attention layers
     alone (twice the tokens here, where half the layers attend), and the recurrent layers' caches have
