@@ -83,6 +83,10 @@ def resolve_limits(
         # Preemption covers K/V that outgrows its share; a state is held whole from the first token.
         floor = 1 if state_bytes_per_seq else MIN_SEQS
         max_num_seqs = max(floor, at_least_seqs, min(cap, fit))
+        if state_bytes_per_seq:  # the seats' state leaves K/V room for one sequence of max_model_len
+            longest = -(-max_model_len // block_size) * block_size * kv_bytes_per_token
+            room = (kv_budget_bytes - longest) // state_bytes_per_seq
+            max_num_seqs = max(1, at_least_seqs, min(max_num_seqs, room))
         auto.append("max_num_seqs")
     state_bytes = state_bytes_per_seq * max_num_seqs
     if state_bytes >= kv_budget_bytes:

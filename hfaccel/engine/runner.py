@@ -90,7 +90,7 @@ class ModelRunner:
         geometry = (block_size, executor.num_kv_heads, executor.head_dim, kv_dtype)
         # A recurrent layer (beside attention layers, or in a model of them alone) keeps no K/V: its
         # cache has no blocks, so the layer indices stay the model's.
-        kept = kv_layer_indices(executor)
+        kept = self._kv_layers = kv_layer_indices(executor)
         shapes = {
             "full": backend.kv_cache_shape(num_blocks, *geometry),
             "window": backend.kv_cache_shape(num_window_blocks, *geometry),
@@ -410,7 +410,7 @@ class ModelRunner:
             src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
             dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
             for layer, (k, v) in enumerate(self.kv_caches):
-                if (layer in self.window_layers) == window and k.numel():  # a recurrent layer has none
+                if (layer in self.window_layers) == window and layer in self._kv_layers:  # not recurrent
                     k.index_copy_(0, dst, k.index_select(0, src))
                     v.index_copy_(0, dst, v.index_select(0, src))
 
@@ -439,6 +439,7 @@ class ModelRunner:
         sliding layers' from `window_ids`, where they have a pool of their own). Positions whose blocks
         were given back (before a sliding layer's window) come out as zeros: no later token reads them,
         and HF's sliding cache layers drop them."""
+        self._check_every_layer_keeps_kv()
         head_dim, dtype = self.executor.head_dim, self._values_dtype()
         layers = []
         for (k, v), (slots, given_back) in zip(
@@ -450,6 +451,10 @@ class ModelRunner:
                 keys[given_back], values[given_back] = 0, 0
             layers.append((keys, values))
         return layers
+
+    def _check_every_layer_keeps_kv(self) -> None:
+        if len(self._kv_layers) != len(self.kv_caches):  # the planner sends such calls to transformers
+            raise ValueError("K/V in or out of a model with recurrent layers: they keep a state, not K/V")
 
     def _values_dtype(self) -> torch.dtype:
         """The dtype K/V values leave the cache in: the cache's own, or the model's for an int8 cache."""
@@ -464,6 +469,7 @@ class ModelRunner:
         """Write K and V (``[n, Hkv, D]`` per layer) into the slots of positions ``[0, n)`` of `block_ids`
         (and of `window_ids` for the sliding layers that have a pool of their own, less the positions
         whose blocks were given back): the inverse of `gather_kv`."""
+        self._check_every_layer_keeps_kv()
         num_tokens = int(kv[0][0].shape[0])
         if num_tokens == 0:
             return

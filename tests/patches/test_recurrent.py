@@ -177,6 +177,56 @@ def test_what_cannot_resume_a_recurrent_state_falls_back_or_is_refused():
     assert out.past_key_values is not None
 
 
+@state_api
+def test_a_cache_hf_returns_for_embeddings_whatever_use_cache_says_falls_back():
+    """HF returns a cache for `inputs_embeds` even with use_cache=False: on a recurrent model that call
+    goes to transformers with the reason (it crashed reading K/V the recurrent layers do not keep), and a
+    direct K/V read of such an engine says why."""
+    model = family_model("mamba")
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    embeds = model.get_input_embeddings()(ids).detach()
+    kwargs = dict(inputs_embeds=embeds, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    expected = model.generate(use_cache=False, **kwargs)
+    hfaccel.patch(model, max_num_seqs=4)
+    try:
+        with pytest.warns(UserWarning, match="a cache given or returned, with recurrent layers"):
+            out = model.generate(use_cache=False, **kwargs)
+        engine = model._hfaccel.get_engine(model)
+        with pytest.raises(ValueError, match="recurrent layers: they keep a state, not K/V"):
+            engine.runner.gather_kv([0], 4)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(out.sequences, expected.sequences)
+
+
+@state_api
+def test_a_draft_model_with_recurrent_layers_is_refused():
+    """A draft's mixers would run without a state of their own (each draft seeing only its chunk)."""
+    with pytest.raises(ValueError, match="speculative: a draft model with recurrent layers"):
+        Engine(tiny_model("llama"), EngineConfig(speculative=family_model("mamba")))
+
+
+@state_api
+def test_automatic_seats_leave_kv_room_for_one_sequence_of_max_model_len():
+    """Each seat's state comes out of the budget first: the automatic max_num_seqs stops where the K/V
+    left would no longer hold one max_model_len sequence (a budget patch accepts is then served)."""
+    from hfaccel.patches.models import kv_bytes_per_token
+
+    model = family_model("jamba", max_position_embeddings=2048)
+    per_token, state = kv_bytes_per_token(model, torch.float32), state_bytes_per_sequence(model)
+    # Sequences of a typical 512 tokens would give 3 seats; their state would leave K/V for 2032 tokens.
+    budget = 2048 * per_token + 2 * state + 100
+    hfaccel.patch(model, kv_cache_memory=budget)
+    try:
+        prompt = [3 + i % 200 for i in range(2044)]
+        (completion,) = hfaccel.generate(model, [prompt], max_new_tokens=2, progress=False)
+        engine = model._hfaccel.get_engine(model)
+    finally:
+        hfaccel.unpatch(model)
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 2
+    assert engine.config.max_num_seqs == 2 and engine.num_blocks * engine.config.block_size >= 2048
+
+
 class RunningSum(torch.nn.Module):
     """A token mixer with a convolution that keeps its state in itself, not in the cache it is handed."""
 

@@ -181,6 +181,11 @@ def draft_executor(speculative: Any, vocab_size: int, device: torch.device) -> M
     if not is_draft_model(speculative):
         return None
     draft = make_executor(speculative)
+    if getattr(draft, "recurrent", False):  # its mixers would need a state per sequence of their own
+        raise ValueError(
+            "speculative: a draft model with recurrent layers (Mamba and its kin) is not served: give a "
+            "draft model of attention layers only"
+        )
     if draft.vocab_size != vocab_size:
         raise ValueError(
             f"speculative: the draft model's vocabulary has {draft.vocab_size} tokens, the model's "
