@@ -31,6 +31,7 @@ class StoppingParams:
     eos_token_ids: frozenset[int] = frozenset()
     stop_check: Callable[[list[int], list[int]], bool] | None = None
     criteria: Callable[[Request], bool] | None = None  # e.g. HF's custom stopping criteria, run per row
+    deadline: float | None = None  # a `time.time()` after which the next token is the last (max_time)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -339,7 +340,8 @@ class Request:
             if stop:
                 self.finish("stop")
                 return
-        if num_new >= stopping.max_new_tokens or self.num_tokens >= max_model_len:
+        out_of_time = stopping.deadline is not None and time.time() > stopping.deadline
+        if num_new >= stopping.max_new_tokens or self.num_tokens >= max_model_len or out_of_time:
             self.finish("length")
 
     def finish(self, reason: str) -> None:

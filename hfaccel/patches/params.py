@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -19,7 +20,6 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList
 from transformers.generation import logits_process
 from transformers.generation.configuration_utils import GenerationMode
-from transformers.generation.stopping_criteria import MaxTimeCriteria
 
 from hfaccel.engine.request import SamplingParams, StoppingParams
 from hfaccel.patches.criteria import RowCriteria
@@ -221,10 +221,9 @@ def request_params(
         stop_check = stop_string_check(tokenizer, strings)
     custom = list(logits_processor) if logits_processor is not None else []
     in_hf_order = bool(custom) or prefix_allowed_tokens_fn is not None  # every processor runs as HF runs it
-    custom_criteria = list(stopping_criteria) if stopping_criteria is not None else []
-    if config.max_time is not None:  # HF's own, timed from this call's start: every row stops after it
-        custom_criteria.append(MaxTimeCriteria(config.max_time))
-    criteria = RowCriteria(custom_criteria, input_ids.device, config) if custom_criteria else None
+    criteria = None
+    if stopping_criteria is not None and len(stopping_criteria) > 0:
+        criteria = RowCriteria(stopping_criteria, input_ids.device, config)
     stopping = StoppingParams(
         max_new_tokens=config.max_length - width,
         # With custom processors (or a prefix constraint, which HF 5.24 lets force an EOS that the
@@ -233,6 +232,8 @@ def request_params(
         eos_token_ids=frozenset(eos.flatten().tolist()) if eos is not None else frozenset(),
         stop_check=stop_check,
         criteria=criteria,
+        # HF's MaxTimeCriteria, timed from this call's start: every row stops at its next token after it
+        deadline=None if config.max_time is None else time.time() + config.max_time,
     )
     if not in_hf_order:
         # min length is applied by the sampler, batched; every other processor HF builds is kept
