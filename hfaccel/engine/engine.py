@@ -226,9 +226,7 @@ class Engine:
             self._cost_model_seen = new[0].step
 
     def _num_blocks(self, bytes_per_block: int, budget: int) -> int:
-        useful = self.config.max_num_seqs * blocks_for(
-            self.max_model_len, self.config.block_size
-        )  # all usable
+        useful = self.config.max_num_seqs * blocks_for(self.max_model_len, self.config.block_size)
         num_blocks = min(budget // bytes_per_block, useful) if bytes_per_block else counting_blocks(self)
         if self.step_sync is not None:  # tensor parallel: the same blocks on every rank
             num_blocks = self.step_sync.min_int(num_blocks)

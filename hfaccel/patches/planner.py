@@ -264,10 +264,8 @@ def _cache_gate(call: GenerateCall) -> str | None:
     """A cache given (of a type the engine imports) or returned (`return_dict_in_generate`), on a model
     whose transformers cache holds what the engine's does: not multi-head latent attention's, which
     holds compressed latents where the engine keeps expanded K and padded V."""
-    # HF returns one with embeddings whatever use_cache says (`generate.py`'s keep_kv: the same test)
-    returned = call.config.return_dict_in_generate and (
-        call.config.use_cache is not False or call.embeds is not None
-    )
+    config = call.config  # HF returns one for embeddings whatever use_cache says (as `generate.keep_kv`)
+    returned = config.return_dict_in_generate and (config.use_cache is not False or call.embeds is not None)
     if call.cache is None and not returned:
         return None
     if has_recurrent_layers(call.model):
