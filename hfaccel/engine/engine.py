@@ -363,6 +363,7 @@ class Engine:
         own ``stop_check``, stopping ``criteria`` or logits processors raise (an ``Exception``) fails
         alone, without failing the step: it is returned among the finished requests with its error.
         """
+        self.scheduler.finished_in_step = []  # what this step retires fails with it until it is returned
         try:
             return self._step(draining)
         except BaseException as error:
@@ -482,10 +483,10 @@ class Engine:
             self.runner.graphs.clear()
 
     def _recover(self, error: BaseException) -> None:
-        """The one recovery path after an exception anywhere in a step (or an abort): fail the requests
-        the step had scheduled, then rebuild the scheduler's queues and the block counts from the
+        """The one recovery path after an exception anywhere in a step: fail the requests the step had
+        scheduled or retired (never returned), then rebuild the queues and block counts from the
         requests that remain (`Scheduler.repair`)."""
-        failed = [request for request, _ in self.scheduler.scheduled]
+        failed = [*(request for request, _ in self.scheduler.scheduled), *self.scheduler.finished_in_step]
         self.scheduler.repair(failed, error)
 
     def stream(self, request: Request) -> Iterator[int]:

@@ -79,7 +79,7 @@ def repair(scheduler: Any, failed: Iterable[Request] = (), error: BaseException 
             ).appendleft(request)
     for request in resuming:  # ahead of the requests that have not started
         scheduler.requeue(request)
-    scheduler.scheduled = []
+    scheduler.scheduled, scheduler.finished_in_step = [], []
     scheduler.admission_order.clear()
     scheduler.latency.clear()
     scheduler.block_manager.repair(scheduler.live.values())

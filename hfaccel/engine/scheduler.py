@@ -65,6 +65,7 @@ class Scheduler:
         self.live: dict[int, Request] = {}
         # The current step's choices so far (request, tokens); the engine clears it when the step is done.
         self.scheduled: list[tuple[Request, int]] = []
+        self.finished_in_step: list[Request] = []  # what `update` retired, until the step returns them
         self._next_priority = 0
         self.spec_totals = SpeculationCounts()  # speculative totals
         # Adaptive scheduling: the step-time model (anything with `fit()` returning an object with
@@ -255,7 +256,8 @@ class Scheduler:
             self.live.pop(id(request), None)
             self._forget(request, keys=False)
         # A beam group's other sequences are internal: the caller holds (and hears of) the request.
-        return [r for r in finished if r.beam_group is None or r.beam_group.handle is r]
+        self.finished_in_step = [r for r in finished if r.beam_group is None or r.beam_group.handle is r]
+        return self.finished_in_step
 
     def _drop(self, request: Request) -> None:
         """Take a request out of every queue and free its blocks (a beam leaving its group)."""

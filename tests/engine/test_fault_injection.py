@@ -165,3 +165,37 @@ ERROR_CASES = CASES if FULL else CASES[3::8]
 @pytest.mark.parametrize(("step_index", "at"), ERROR_CASES, ids=[f"step{k}-line{n}" for k, n in ERROR_CASES])
 def test_runtime_error_at_any_line_of_a_step(step_index, at):
     run_with_fault(step_index, at, RuntimeError)
+
+
+def test_an_interrupt_as_a_step_returns_fails_what_it_retired_instead_of_losing_it():
+    """A Ctrl-C on the step's last line (its requests retired, its schedule cleared, the list not yet
+    returned): the caller never gets them from `step`, so they fail with the interrupt, as the step's
+    other requests do, instead of staying finished unannounced (a hypothesis machine found it). The
+    engine then serves the next request."""
+    import linecache
+    import sys
+
+    engine = Engine(MODEL, EngineConfig(block_size=4, kv_cache_memory=400_000, max_num_seqs=6))
+    request = engine.add_request([5, 6, 7], StoppingParams(max_new_tokens=1))
+
+    def at_the_return(frame, event, arg):
+        if frame.f_code.co_name != "_step":
+            return None
+        line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+        if event == "line" and line.startswith("return finished") and request.is_finished:
+            raise KeyboardInterrupt("as the step returns")
+        return at_the_return
+
+    sys.settrace(at_the_return)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            while not request.is_finished:
+                engine.step()
+    finally:
+        sys.settrace(None)
+    assert request.finish_reason == "error" and isinstance(request.error, KeyboardInterrupt)
+    check_consistent(engine)
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    again = engine.make_request([5, 6, 7], StoppingParams(max_new_tokens=3))
+    engine.run([again])
+    assert again.output_token_ids == hf_greedy(MODEL, [5, 6, 7], 3)
