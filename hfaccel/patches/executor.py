@@ -17,7 +17,6 @@ from hfaccel.patches.attention import engine_attention, register_attention
 from hfaccel.patches.compiled_forward import CompiledForward, own_code
 from hfaccel.patches.layer_support import (
     attention_needs,
-    attention_shape,
     has_recurrent_layers,
     kv_layers,
     kv_window,
@@ -25,7 +24,7 @@ from hfaccel.patches.layer_support import (
     state_bytes_per_sequence,
 )
 from hfaccel.patches.model_state import ModelStateTracker
-from hfaccel.patches.models import NO_ATTENTION_DIMS
+from hfaccel.patches.models import attention_dims
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
 from hfaccel.patches.recurrent import SlotStates, install_mixers
 
@@ -45,16 +44,11 @@ class HFExecutor(ExecutorBase):
         config = model.config.get_text_config(decoder=True)
         self.num_layers = config.num_hidden_layers
         self.kv_layers = kv_layers(model)
-        if self.kv_layers == frozenset():  # purely recurrent (Mamba): no attention heads in its config
-            self.num_kv_heads, self.head_dim = NO_ATTENTION_DIMS
-            self.num_q_heads = self.num_kv_heads
-        else:
-            self.num_q_heads = config.num_attention_heads
-            self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_q_heads
-            self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
-        shape = attention_shape(model)  # what the layers hand attention: DeepSeek-V3's config says otherwise
-        if shape is not None:
-            self.num_kv_heads, self.head_dim = shape.num_kv_heads, shape.head_dim
+        # What the layers hand attention (DeepSeek-V3's config says otherwise), or a nominal geometry
+        # where no layer attends (Mamba: no attention heads in its config).
+        self.num_kv_heads, self.head_dim = attention_dims(model)
+        attends = self.kv_layers != frozenset()
+        self.num_q_heads = config.num_attention_heads if attends else self.num_kv_heads
         self.attention_scale = _attention_scale(model, self.head_dim)
         self.attention_needs = attention_needs(model)
         self.recurrent = has_recurrent_layers(model)

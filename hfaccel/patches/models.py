@@ -87,8 +87,8 @@ def quantized_activations_reason(model: torch.nn.Module) -> str | None:
 def max_model_len(model: torch.nn.Module, requested: int | None) -> int:
     """Longest sequence the engine serves for this model: its context (``max_position_embeddings``), or
     `requested` where it fits; up to `COUNTED_TOKENS` (else `RECURRENT_MAX_MODEL_LEN`) for a purely
-    recurrent model that declares none. Sliding windows do not shorten it: the kernels attend within each layer's
-    window."""
+    recurrent model that declares none. Sliding windows do not shorten it: the kernels attend within
+    each layer's window."""
     config = model.config.get_text_config(decoder=True)
     declared = getattr(config, "max_position_embeddings", None)
     if declared is None and kv_layers(model) == frozenset():
