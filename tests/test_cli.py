@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import hfaccel
 from hfaccel import cli
@@ -110,6 +111,9 @@ def test_generate_reads_stdin_one_prompt_per_line(model_folder, capsys, monkeypa
         (["generate", "--temperature", "-1", "hi"], "argument --temperature: expected a number >= 0"),
         (["generate", "--weights", "fp8", "hi"], "argument --weights: invalid choice: 'fp8'"),
         (["demo", "--dtype", "int8"], "argument --dtype: invalid choice"),
+        (["generate", "--device", "gpu0", "hi"], "--device gpu0: not a device (auto, cpu, cuda or cuda:N)"),
+        (["generate", "--device", "meta", "hi"], "--device meta: hfaccel runs on cpu or cuda"),
+        (["serve", "--device", "cuda:64"], "--device cuda:64: this machine has"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )
@@ -200,3 +204,21 @@ def test_serve_passes_the_kv_cache_dtype_to_the_engine(monkeypatch):
         assert seen.pop().get("dtype") == expected
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["serve", "--kv-cache-dtype", "int4"])
+
+
+def test_device_auto_is_cuda_where_there_is_one_else_the_cpu(model_folder, monkeypatch):
+    """`--device auto` (the default, as `transformers serve` has it) puts the model on the GPU when there
+    is one; the loaded model's parameters are where the flag says."""
+    from hfaccel.cli_loading import CommandError, resolve_device
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert resolve_device("auto").type == expected
+    assert cli.build_parser().parse_args(["serve"]).device == "auto"
+    model, _ = cli._load(str(model_folder), torch.float32, None, "cpu")
+    assert next(model.parameters()).device.type == "cpu"
+    if expected == "cpu":
+        with pytest.raises(CommandError, match="--device cuda: this machine has no CUDA device"):
+            resolve_device("cuda")
+    else:
+        model, _ = cli._load(str(model_folder), torch.float32, None, "auto")
+        assert next(model.parameters()).device.type == "cuda"

