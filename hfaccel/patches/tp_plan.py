@@ -37,7 +37,6 @@ from hfaccel.distributed.tp import (
     group_src,
     tp_mesh,
 )
-from hfaccel.patches.models import TESTED_MODEL_TYPES
 from hfaccel.patches.tp_modules import run_locally
 
 _COLWISE = {"colwise", "local_colwise"}
@@ -45,6 +44,10 @@ _ROWWISE = {"rowwise", "local_rowwise"}
 _COLWISE_GATHERED = {"colwise_rep", "colwise_gather_output", "embedding_colwise"}
 _ROWWISE_REPLICATED_INPUT = {"rowwise_rep", "rowwise_split_input", "embedding_rowwise"}
 _REPLICATED = {"replicate", "replicated_with_grad_allreduce", "local_params", "local", "sequence_parallel"}
+# Sequence parallelism splits the residual stream between a pre-norm and the next layer: checked on these.
+SEQUENCE_PARALLEL_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"}
+)
 MAPPED_STYLES = _COLWISE | _ROWWISE | _COLWISE_GATHERED | _ROWWISE_REPLICATED_INPUT | _REPLICATED
 
 
@@ -118,10 +121,12 @@ def check_shardable(model: Any, n: int, sequence_parallel: bool) -> dict[str, st
     if sequence_parallel:
         model_type = getattr(model.config.get_text_config(decoder=True), "model_type", None)
         base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-        if model_type not in TESTED_MODEL_TYPES or not isinstance(getattr(base, "norm", None), nn.Module):
+        if model_type not in SEQUENCE_PARALLEL_MODEL_TYPES or not isinstance(
+            getattr(base, "norm", None), nn.Module
+        ):
             raise ValueError(
-                f"sequence_parallel=True is implemented for {sorted(TESTED_MODEL_TYPES)} (a pre-norm residual "
-                f"stream with the final norm at .norm), not for model_type {model_type!r}"
+                f"sequence_parallel=True is implemented for {sorted(SEQUENCE_PARALLEL_MODEL_TYPES)} (a pre-norm "
+                f"residual stream with the final norm at .norm), not for model_type {model_type!r}"
             )
     return plan
 

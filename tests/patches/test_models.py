@@ -1,5 +1,7 @@
 """Each supported family through hfaccel.generate, and the model checks."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -38,13 +40,30 @@ def test_a_sliding_window_does_not_cap_the_served_length():
         max_model_len(model, 600)
 
 
-def test_untested_families_warn_and_encoder_decoders_are_refused():
-    from transformers import GPT2Config, GPT2LMHeadModel, T5Config, T5ForConditionalGeneration
+def test_unchecked_families_warn_and_encoder_decoders_are_refused():
+    """A family the family matrix checks (GPT-2) patches silently; one it does not (Arcee) is served with
+    a warning saying its outputs are not tested."""
+    from transformers import (
+        ArceeConfig,
+        ArceeForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
-    with pytest.warns(UserWarning, match="model_type 'gpt2'"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         hfaccel.patch(gpt2)
     hfaccel.unpatch(gpt2)
+    arcee = ArceeForCausalLM(
+        ArceeConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                    num_key_value_heads=2, vocab_size=64)
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match=r"model_type 'arcee' is not among the \d+ families .* not tested"):
+        hfaccel.patch(arcee)
+    hfaccel.unpatch(arcee)
     t5 = T5ForConditionalGeneration(
         T5Config(num_layers=1, d_model=16, d_ff=32, num_heads=2, d_kv=8, vocab_size=64)
     )
