@@ -8,6 +8,7 @@ from typing import Any
 
 from transformers import GenerationConfig
 
+from hfaccel.api.detokenize import Detokenizer
 from hfaccel.api.patching import patched_for_call
 from hfaccel.api.planning import latency_targets, plan_call
 from hfaccel.api.prompts import Prompt
@@ -143,7 +144,7 @@ class StreamEvents:
         self.live = [(i, plan) for i, plan in enumerate(call.plans) if isinstance(plan, Request)]
         self.tokenizer = tokenizer
         self.tokens: dict[int, list[int]] = {}
-        self.texts: dict[int, str] = {}
+        self.detokenizers: dict[int, Detokenizer] = {}
 
     def completed(self) -> Iterator[StreamEvent]:
         """Events of the results that needed no engine (served by transformers' generate), up front."""
@@ -166,13 +167,9 @@ class StreamEvents:
         tokens.append(token)
         delta = None
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            if text.endswith("\ufffd") and not done:
-                # A character whose UTF-8 bytes span tokens decodes to U+FFFD until its last byte's token
-                # comes: hold it back (the deltas join to the final text, as vLLM's detokenizer does).
-                delta = ""
-            else:
-                delta, self.texts[index] = text[len(self.texts.get(index, "")) :], text
+            if index not in self.detokenizers:
+                self.detokenizers[index] = Detokenizer(self.tokenizer)
+            delta = self.detokenizers[index].add(token, done)
         logprob = top = None
         if request is not None and request.sampling.output_logprobs:
             position = len(tokens) - 1  # the sampler records before the token reaches the caller

@@ -1,0 +1,125 @@
+"""A stream's deltas (api/detokenize.py) join to the whole token list's decode for byte-level BPE
+(SmolLM2's), SentencePiece-style byte-fallback BPE and a tokenizer that cleans up spaces, hold a partial
+character back, and decode a short window per token however long the stream."""
+
+from __future__ import annotations
+
+import functools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hfaccel.api.detokenize import Detokenizer, decodes_locally
+from tests.helpers import tiny_tokenizer
+
+TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=40)
+CORPUS = ["héllo wörld, the snow ☃ falls", "日本語 text and more text", "naïve café: déjà vu!"] * 20
+
+
+@functools.cache
+def metaspace_bpe():
+    """A SentencePiece-style tokenizer (Metaspace, byte fallback): a word's first token carries the
+    space, and characters outside its vocabulary are bytes that decode to U+FFFD alone."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence(  # Llama 2's and Mistral's: the decode's first space is stripped
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>", *bytes_])
+    backend.train_from_iterator(CORPUS[:3], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+
+
+@functools.cache
+def wordpiece_with_cleanup():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    backend.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]"]))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=True
+    )
+
+
+def streamed(tokenizer, tokens: list[int]) -> list[str]:
+    detokenizer = Detokenizer(tokenizer)
+    return [detokenizer.add(t, done=k == len(tokens) - 1) for k, t in enumerate(tokens)]
+
+
+def check_joins(tokenizer, tokens: list[int]) -> None:
+    """The deltas join to the whole decode, and what was sent at each token is already final text
+    (a prefix of it): a partial character is never sent and taken back."""
+    deltas = streamed(tokenizer, tokens)
+    whole = tokenizer.decode(tokens, skip_special_tokens=True)
+    assert "".join(deltas) == whole
+    sent = ""
+    for delta in deltas:
+        sent += delta
+        assert whole.startswith(sent)
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=TEXT, ids=st.lists(st.integers(0, 399), max_size=30))
+def test_byte_fallback_bpe_deltas_join_to_the_whole_decode(text, ids):
+    tokenizer = metaspace_bpe()
+    assert decodes_locally(tokenizer)
+    check_joins(tokenizer, tokenizer.encode(text, add_special_tokens=False))
+    check_joins(tokenizer, [min(i, len(tokenizer) - 1) for i in ids])  # any ids: stray bytes, </s>
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=TEXT)
+def test_a_tokenizer_that_cleans_up_spaces_decodes_the_whole_list(text):
+    tokenizer = wordpiece_with_cleanup()
+    assert not decodes_locally(tokenizer)  # " ." becomes "." across tokens
+    check_joins(tokenizer, tokenizer.encode(text + " a . b , c", add_special_tokens=False))
+
+
+def test_smollm2_deltas_join_and_a_partial_character_waits(smollm2):
+    """Byte-level BPE: '☃' is three bytes over tokens; nothing of it is sent until its last byte comes."""
+    _, tokenizer = smollm2
+    assert decodes_locally(tokenizer)
+    for text in ("Hello, world! ☃ snow 日本語 déjà vu", " leading space", "\n\nnew lines  two  spaces"):
+        check_joins(tokenizer, tokenizer.encode(text, add_special_tokens=False))
+    tokens = tokenizer.encode("a☃", add_special_tokens=False)
+    assert len(tokens) >= 3
+    deltas = streamed(tokenizer, tokens + [tokenizer.eos_token_id])
+    assert deltas[0] == "a" and all(d == "" for d in deltas[1:-2]) and deltas[-2] == "☃"
+
+
+def test_the_last_token_sends_what_is_left_even_a_partial_character(smollm2):
+    _, tokenizer = smollm2
+    tokens = tokenizer.encode("☃", add_special_tokens=False)[:-1]  # the character cut short
+    assert "".join(streamed(tokenizer, tokens)) == tokenizer.decode(tokens) and tokenizer.decode(tokens)
+
+
+def test_each_token_decodes_a_short_window_however_long_the_stream(smollm2):
+    """4,000 tokens of text: every decode covers a few tokens (it was the whole list: O(n^2))."""
+    _, tokenizer = smollm2
+    tokens = tokenizer.encode("The quick brown fox, ☃, jumps over 日本 the lazy dog. " * 300)[:4000]
+    lengths = []
+    decode = tokenizer.decode
+
+    class Counting:
+        def decode(self, ids, **options):
+            lengths.append(len(ids))
+            return decode(ids, **options)
+
+        clean_up_tokenization_spaces = False
+
+    deltas = streamed(Counting(), tokens)
+    assert "".join(deltas) == decode(tokens, skip_special_tokens=True)
+    assert len(tokens) == 4000 and max(lengths) <= 8
+
+
+def test_the_tiny_character_tokenizer_streams_character_by_character():
+    tokenizer = tiny_tokenizer()
+    tokens = tokenizer.encode("ab c", add_special_tokens=False)
+    assert streamed(tokenizer, tokens) == ["a", "b", " ", "c"]
