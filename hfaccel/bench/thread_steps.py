@@ -26,11 +26,11 @@ SIZES = (1, 8)
 
 def _child(release: bool) -> None:
     import hfaccel
-    import hfaccel.engine.loop as loop_module
+    import hfaccel.engine.submission as submission_module
     from hfaccel.bench.host import tiny_llama
 
     if not release:
-        loop_module.pause_function = lambda: None
+        submission_module.pause_function = lambda: None
     model = hfaccel.patch(tiny_llama(), progress=False)
     options = {"max_new_tokens": 64, "min_new_tokens": 64, "progress": False}
     hfaccel.generate(model, [[1, 2, 3, 4]], **options)  # the main thread steps its own call

@@ -182,6 +182,43 @@ def test_coroutines_are_served_by_the_same_loop(model):
     loop.close()
 
 
+def test_one_wakeup_per_event_loop_and_step_however_many_streams_it_holds(model):
+    """Eight streaming coroutines on one event loop: the loop thread hands their updates over in one
+    ``call_soon_threadsafe`` a step (a call per stream cost a wake-up and a GIL hand-off each), in
+    order, and every stream gets each of its tokens."""
+    loop = make_loop(model, max_num_seqs=8)
+    prompts = varied_prompts(8)
+    calls = []
+
+    async def main():
+        event_loop = asyncio.get_running_loop()
+        original = event_loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):
+            calls.append(threading.get_ident())
+            return original(callback, *args, **kwargs)
+
+        event_loop.call_soon_threadsafe = counted
+
+        async def one(prompt):
+            requests = requests_for(loop, [prompt], max_new=10)
+            tokens = []
+            async for update in loop.submit_async(requests, stream=True).aupdates():
+                tokens += update.token_ids
+            assert tokens == requests[0].output_token_ids
+            return tokens
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    outputs = asyncio.run(main())
+    for prompt, output in zip(prompts, outputs):
+        assert_same_or_near_tie(model, prompt, output, hf_greedy(model, prompt, 10))
+    steps = len(loop.step_log)
+    loop_calls = [c for c in calls if c != threading.get_ident()]
+    assert steps >= 10 and len(loop_calls) <= steps + 1, (steps, len(loop_calls))  # it was 8 a step
+    loop.close()
+
+
 def test_a_caller_whose_event_loop_is_gone_is_cancelled(model):
     loop = make_loop(model)
     requests = requests_for(loop, [[3, 4, 5]], max_new=200, eos=False)
