@@ -7,6 +7,8 @@ import os
 
 import torch
 
+CPU_WEIGHTS = ("int8", "int4")  # quantized linears with CPU kernels only: "auto" keeps them on the CPU
+
 
 class CommandError(Exception):
     """A user error: printed as one line, no traceback."""
@@ -14,7 +16,7 @@ class CommandError(Exception):
 
 def resolve_device(text: str) -> torch.device:
     """`--device`: "auto" is the first CUDA device when there is one (as `transformers serve` picks),
-    else the CPU; an explicit device must exist on this machine."""
+    else the CPU (always the CPU for int8 / int4 weights); an explicit device must exist here."""
     if text == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -37,7 +39,12 @@ def load_model(
 ) -> tuple[object, object]:
     """The model and tokenizer of `path` (the embedded SmolLM2 when None), in `dtype` on `device`, with
     `weights` applied as `patch(weights=...)` does."""
-    target = resolve_device(device)
+    cpu_only = weights in CPU_WEIGHTS
+    target = resolve_device("cpu" if cpu_only and device == "auto" else device)
+    if cpu_only and target.type != "cpu":  # refused before a model is loaded onto the GPU for nothing
+        raise CommandError(
+            f"--weights {weights} runs PyTorch's packed CPU kernels: use --device cpu (or auto)"
+        )
     model, tokenizer = _load_folder(path, dtype)
     if target.type != "cpu":
         model.to(target)

@@ -114,6 +114,7 @@ def test_generate_reads_stdin_one_prompt_per_line(model_folder, capsys, monkeypa
         (["generate", "--device", "gpu0", "hi"], "--device gpu0: not a device (auto, cpu, cuda or cuda:N)"),
         (["generate", "--device", "meta", "hi"], "--device meta: hfaccel runs on cpu or cuda"),
         (["serve", "--device", "cuda:64"], "--device cuda:64: this machine has"),
+        (["serve", "--weights", "int8", "--device", "meta"], "--device meta: hfaccel runs on cpu or cuda"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )
@@ -222,3 +223,19 @@ def test_device_auto_is_cuda_where_there_is_one_else_the_cpu(model_folder, monke
     else:
         model, _ = cli._load(str(model_folder), torch.float32, None, "auto")
         assert next(model.parameters()).device.type == "cuda"
+
+
+def test_quantized_weights_stay_on_the_cpu_under_auto_and_refuse_a_gpu(model_folder, monkeypatch):
+    """int8 / int4 linears run PyTorch's packed CPU kernels: `--device auto` keeps them on the CPU even
+    where a GPU is, and an explicit GPU is refused before anything is loaded."""
+    from hfaccel import cli_loading
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with a GPU, as auto sees it
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cli_loading, "_load_folder", lambda *args: pytest.fail("loaded before refusing"))
+    with pytest.raises(cli_loading.CommandError, match="--weights int8 runs PyTorch's packed CPU kernels"):
+        cli_loading.load_model(str(model_folder), torch.float32, "int8", "cuda")
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model, _ = cli_loading.load_model(str(model_folder), torch.float32, "int8", "auto")
+    assert next(model.parameters()).device.type == "cpu"

@@ -4,17 +4,22 @@ Decoding all of a stream's tokens for each new one costs O(n) per token, O(n^2) 
 token at 4,000 tokens with a fast tokenizer, in the thread that serves every client. The text a token
 adds is read off a short window instead (vLLM's prefix and read offsets): the window from the last token
 that produced text, decoded with and without the new tokens, so a decoder's treatment of the window's
-first token (a stripped leading space) is the same on both sides and cancels. A tokenizer that rewrites
-text across token boundaries (`clean_up_tokenization_spaces` where transformers applies it) keeps the
-whole-list decode, so the deltas always join to ``tokenizer.decode(tokens, skip_special_tokens=True)``.
+first token (a stripped leading space) is the same on both sides and cancels. A tokenizer seen to rewrite
+spaces across tokens (`clean_up_tokenization_spaces` where transformers applies it, or a decoder's own
+cleanup: probed once) keeps the whole-list decode. The deltas join to ``tokenizer.decode(tokens,
+skip_special_tokens=True)`` for the tokenizers tested (byte-level BPE, SentencePiece-style BPE with byte
+fallback, WordPiece with cleanup: `tests/api/test_detokenize.py`); a decoder that rewrote earlier text
+for a later token in some other way would not join, as the whole-list decode's deltas did not either.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 from typing import Any
 
+_CLEANUP_REACH = 4  # characters at the end of a whole-list decode that a later token's cleanup can change
 _INCOMPLETE = "\ufffd"  # a character whose UTF-8 bytes span tokens, until its last byte's token comes
 
 
@@ -26,6 +31,9 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
         self.windowed = decodes_locally(tokenizer)
+        self._bytes = byte_tokens(tokenizer)
+        self._skipped = special_tokens(tokenizer) if self._bytes else frozenset()
+        self._in_run = False
         self._prefix = 0  # the window starts here: the token after the last one whose text was read...
         self._read = 0  # ...and its text up to here was sent
         self._text = ""  # whole-list mode: the text sent so far
@@ -34,11 +42,25 @@ class Detokenizer:
         """Append `token` and return the text it completes ("" while a character is incomplete, unless
         `done`: the sequence's last token sends whatever is left)."""
         self.tokens.append(token)
+        if token in self._bytes:
+            self._in_run = True
+        elif token not in self._skipped:  # a skipped special token leaves the run open on both sides
+            self._in_run = False
+        if self._in_run and not done:
+            # A byte-fallback decoder reads a run of byte tokens as one: a complete character in a run
+            # that a stray byte ends decodes to U+FFFD. Nothing of a run is final until it ends.
+            return ""
         if not self.windowed:
             text = self._decode(self.tokens)
-            if text.endswith(_INCOMPLETE) and not done:
+            if done:
+                delta, self._text = text[len(self._text) :], text
+                return delta
+            # Cleanup rewrites a space up to 4 characters back (" n't" -> "n't", " ' " -> "'"): hold
+            # those back until later tokens (or the end) settle them.
+            safe = len(text) - _CLEANUP_REACH
+            if text.endswith(_INCOMPLETE) or safe <= len(self._text):
                 return ""
-            delta, self._text = text[len(self._text) :], text
+            delta, self._text = text[len(self._text) : safe], text[:safe]
             return delta
         before = self._decode(self.tokens[self._prefix : self._read])
         after = self._decode(self.tokens[self._prefix :])
@@ -59,16 +81,44 @@ def decodes_locally(tokenizer: Any) -> bool:
         return _PROBED[tokenizer]
     except (KeyError, TypeError):  # not probed yet, or not weakly referenceable
         pass
-    local = not getattr(tokenizer, "clean_up_tokenization_spaces", False)
-    if not local:  # transformers 5 ignores the flag for BPE tokenizers: see whether it is applied
-        try:
-            ids = tokenizer.encode("a . b , c 's", add_special_tokens=False)
-            local = tokenizer.decode(ids, skip_special_tokens=True).endswith("a . b , c 's")
-        except Exception:  # noqa: BLE001 - a tokenizer that cannot say keeps the exact whole-list decode
-            local = False
+    # Probed rather than read off `clean_up_tokenization_spaces`: transformers 5 ignores that flag for
+    # BPE tokenizers, and a decoder can clean up by itself (WordPiece's `cleanup`).
+    try:
+        ids = tokenizer.encode("a . b , c 's", add_special_tokens=False)
+        local = tokenizer.decode(ids, skip_special_tokens=True).endswith("a . b , c 's")
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot say keeps the whole-list decode
+        local = False
     with contextlib.suppress(TypeError):
         _PROBED[tokenizer] = local
     return local
 
 
 _PROBED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def byte_tokens(tokenizer: Any) -> frozenset[int]:
+    """The ids of a byte-fallback vocabulary's byte tokens (``<0x00>`` ... ``<0xFF>``, SentencePiece's);
+    empty for byte-level BPE, whose tokens are bytes already. Read once per tokenizer object."""
+    try:
+        return _BYTES[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
+        found = frozenset(i for token, i in tokenizer.get_vocab().items() if _BYTE_TOKEN.fullmatch(token))
+    except Exception:  # noqa: BLE001 - no vocabulary to read: no run to hold
+        found = frozenset()
+    with contextlib.suppress(TypeError):
+        _BYTES[tokenizer] = found
+    return found
+
+
+def special_tokens(tokenizer: Any) -> frozenset[int]:
+    """The ids a decode with ``skip_special_tokens`` leaves out: the special tokens transformers names
+    and those its backend registered as special."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    named = getattr(tokenizer, "all_special_ids", None) or ()
+    return frozenset(named) | {i for i, token in added.items() if getattr(token, "special", False)}
+
+
+_BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+_BYTES: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()

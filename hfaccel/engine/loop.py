@@ -162,7 +162,7 @@ class EngineLoop:
             self._cond.notify_all()
         _this_thread.loop = self
         try:
-            while not until() and self._closed is None:
+            while (not until() and self._closed is None) or self._close_pending():
                 with self._baton:
                     with self._cond:
                         if not self._inbox and not self._busy():
@@ -267,7 +267,7 @@ class EngineLoop:
                     return False
                 self._idle = False
         self._work()
-        return self._closed is None  # a closed loop's thread exits once the close is applied
+        return self._closed is None or self._close_pending()  # exits once a close is applied
 
     def _work(self, driver: Submission | None = None) -> bool:
         """Apply the inbox and run one step (the baton held); True if there was anything to do. A close
@@ -306,12 +306,19 @@ class EngineLoop:
                     self._cond.notify_all()
                 return True
         if self._busy():
+            self._send_held()
             self._step()
         with self._cond:
             if not self._busy() and not self._inbox:
                 self._idle = True
                 self._cond.notify_all()
         return True
+
+    def _close_pending(self) -> bool:
+        """A close posted while a step ran (after the inbox was taken): the stepping thread applies it
+        before it leaves, or its callers would wait for ever (a coroutine has no liveness poll)."""
+        with self._cond:
+            return any(kind == "close" for kind, _ in self._inbox)
 
     def _busy(self) -> bool:
         return bool(self._live)  # steps serve everything the engine holds, but only for a caller's sake
@@ -427,19 +434,25 @@ class EngineLoop:
         updates in one ``call_soon_threadsafe``. Each such call writes the event loop's wake-up pipe and
         then waits to take the GIL back from that loop's thread: py-spy found one such call a step to be
         a fifth of a serving process's stepping thread (one stream, a tiny model), paid once per stream
-        a step before (docs/serve.md)."""
+        a step before (docs/serve.md). `_send_held` sends what is held so far (a cancel's or a
+        rejection's news before the step runs, not one step late)."""
         self._outbox = {}
         try:
             yield
         finally:
-            outbox, self._outbox = self._outbox, None
-            for event_loop, updates in outbox.items():
-                try:
-                    event_loop.call_soon_threadsafe(_deliver, updates)
-                except Exception:  # that event loop is closed: nobody is listening any more
-                    for submission, _ in updates:
-                        submission._deaf = True
-                        self._abort(submission, error=None)
+            self._send_held()
+            self._outbox = None
+
+    def _send_held(self) -> None:
+        outbox, self._outbox = self._outbox, None  # an abort below notifies directly
+        for event_loop, updates in (outbox or {}).items():
+            try:
+                event_loop.call_soon_threadsafe(_deliver, updates)
+            except Exception:  # that event loop is closed: nobody is listening any more
+                for submission, _ in updates:
+                    submission._deaf = True
+                    self._abort(submission, error=None)
+        self._outbox = {}
 
 
 def _deliver(updates: list[tuple[Submission, Update]]) -> None:

@@ -13,25 +13,51 @@ from hfaccel.api.detokenize import Detokenizer, decodes_locally
 from tests.helpers import tiny_tokenizer
 
 TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=40)
-CORPUS = ["héllo wörld, the snow ☃ falls", "日本語 text and more text", "naïve café: déjà vu!"] * 20
+CORPUS = ["héllo wörld, the snow ☃ falls; it's, don't, we're, do'do", "日本語 text and more text", "naïve café: déjà vu!"] * 20
 
 
 @functools.cache
 def metaspace_bpe():
-    """A SentencePiece-style tokenizer (Metaspace, byte fallback): a word's first token carries the
-    space, and characters outside its vocabulary are bytes that decode to U+FFFD alone."""
+    """A SentencePiece-style tokenizer (Llama 2's, Mistral's): a word's first token carries the space, and
+    characters outside its vocabulary are byte tokens of the vocabulary (not special), which its decoder
+    reads a run at a time: a run that is not UTF-8 decodes to U+FFFD, even a complete character in it."""
+    import json
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.pre_tokenizer = pre_tokenizers.Metaspace()
+    trained.train_from_iterator(
+        CORPUS[:3], trainers.BpeTrainer(vocab_size=150, special_tokens=["<unk>", "</s>"])
+    )
+    vocab = trained.get_vocab()
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    merges = [
+        tuple(m.split(" ")) if isinstance(m, str) else tuple(m)
+        for m in json.loads(trained.to_str())["model"]["merges"]
+    ]
+    backend = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace()
     backend.decoder = decoders.Sequence(  # Llama 2's and Mistral's: the decode's first space is stripped
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>", *bytes_])
-    backend.train_from_iterator(CORPUS[:3], trainer)
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+
+
+@functools.cache
+def wordpiece_with_decoder_cleanup():
+    """Cleanup in the decoder itself, transformers' flag off: the probe sees it all the same."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(cleanup=True)
+    backend.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]"]))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", clean_up_tokenization_spaces=False
+    )
 
 
 @functools.cache
@@ -66,7 +92,7 @@ def check_joins(tokenizer, tokens: list[int]) -> None:
 
 
 @settings(max_examples=80, deadline=None)
-@given(text=TEXT, ids=st.lists(st.integers(0, 399), max_size=30))
+@given(text=TEXT, ids=st.lists(st.integers(0, 420), max_size=30))
 def test_byte_fallback_bpe_deltas_join_to_the_whole_decode(text, ids):
     tokenizer = metaspace_bpe()
     assert decodes_locally(tokenizer)
@@ -74,12 +100,27 @@ def test_byte_fallback_bpe_deltas_join_to_the_whole_decode(text, ids):
     check_joins(tokenizer, [min(i, len(tokenizer) - 1) for i in ids])  # any ids: stray bytes, </s>
 
 
+def test_a_run_of_byte_tokens_is_held_until_it_ends():
+    """A complete character followed by a stray byte: the run decodes to U+FFFD as a whole, so nothing
+    of it is sent until a token that is not a byte (or the end) closes the run."""
+    tokenizer = metaspace_bpe()
+    byte = {b: tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xF0, 0x9F, 0x98, 0x80, 0xC3)}
+    smile = [byte[0xF0], byte[0x9F], byte[0x98], byte[0x80]]
+    word = tokenizer.encode("snow", add_special_tokens=False)
+    for tokens in (smile + [byte[0xF0], byte[0x9F]], smile + [byte[0xC3]] + word, word + smile + word):
+        check_joins(tokenizer, tokens)
+    deltas = streamed(tokenizer, word + smile + word)
+    assert deltas[len(word) : len(word) + 4] == [""] * 4  # held while the run goes on
+
+
 @settings(max_examples=40, deadline=None)
 @given(text=TEXT)
 def test_a_tokenizer_that_cleans_up_spaces_decodes_the_whole_list(text):
-    tokenizer = wordpiece_with_cleanup()
-    assert not decodes_locally(tokenizer)  # " ." becomes "." across tokens
-    check_joins(tokenizer, tokenizer.encode(text + " a . b , c", add_special_tokens=False))
+    for tokenizer in (wordpiece_with_cleanup(), wordpiece_with_decoder_cleanup()):
+        assert not decodes_locally(tokenizer)  # " ." becomes "." across tokens
+        check_joins(tokenizer, tokenizer.encode(text + " a . b , c", add_special_tokens=False))
+        for rewritten in ("it ' s", "do ' do", "don ' t", "a ' b ' c"):  # " ' " -> "'" three tokens on
+            check_joins(tokenizer, tokenizer.encode(rewritten, add_special_tokens=False))
 
 
 def test_smollm2_deltas_join_and_a_partial_character_waits(smollm2):
@@ -112,9 +153,13 @@ def test_each_token_decodes_a_short_window_however_long_the_stream(smollm2):
             lengths.append(len(ids))
             return decode(ids, **options)
 
-        clean_up_tokenization_spaces = False
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
 
-    deltas = streamed(Counting(), tokens)
+    counting = Counting()
+    assert decodes_locally(counting)  # probed once per tokenizer, before the stream
+    lengths.clear()
+    deltas = streamed(counting, tokens)
     assert "".join(deltas) == decode(tokens, skip_special_tokens=True)
     assert len(tokens) == 4000 and max(lengths) <= 8
 

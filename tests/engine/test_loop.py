@@ -219,6 +219,80 @@ def test_one_wakeup_per_event_loop_and_step_however_many_streams_it_holds(model)
     loop.close()
 
 
+def test_a_coroutines_cancel_is_answered_before_the_next_step_runs(model):
+    """Updates held for the step's one wake-up do not hold back a cancel's: the cancelled stream hears
+    its end at most one step after it asked (the step running then), not after the next one too."""
+    loop = make_loop(model)
+    steps_done = []
+    step = loop.engine.step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(0.2)
+        result = step(*args, **kwargs)
+        steps_done.append(time.monotonic())
+        return result
+
+    loop.engine.step = slow_step
+
+    async def main():
+        streams = [
+            loop.submit_async(requests_for(loop, [[3, 4, 5 + i]], max_new=40, eos=False), stream=True)
+            for i in range(2)
+        ]
+        other = asyncio.ensure_future(streams[1].await_all())
+        updates = streams[0].aupdates()
+        await anext(updates)  # the stream runs
+        streams[0].cancel()
+        before = len(steps_done)
+        async for update in updates:
+            if update.finished:
+                break
+        after = len(steps_done)
+        other.cancel()
+        await asyncio.gather(other, return_exceptions=True)
+        return after - before
+
+    steps_between = asyncio.run(main())
+    assert steps_between <= 1, steps_between  # 2 when a cancel's news waited for the next step's end
+    assert loop.wait_idle(5)
+    assert loop.engine.block_manager.num_used_blocks == 0
+    loop.close()
+
+
+def test_a_close_during_a_step_fails_a_coroutines_stream_instead_of_leaving_it_waiting(model):
+    """The close lands while the loop thread is inside a step (after it took the inbox): the thread
+    applies it before leaving, so the coroutine gets LoopClosed and the blocks come back (it waited for
+    ever: a coroutine has no liveness poll, found by a probe)."""
+    loop = make_loop(model)
+    step = loop.engine.step
+    in_step = threading.Event()
+
+    def slow_step(*args, **kwargs):
+        in_step.set()
+        time.sleep(0.2)
+        return step(*args, **kwargs)
+
+    loop.engine.step = slow_step
+
+    async def main():
+        requests = requests_for(loop, [[3, 4, 5]], max_new=40, eos=False)
+        updates = loop.submit_async(requests, stream=True).aupdates()
+        await anext(updates)
+        in_step.clear()
+        await asyncio.to_thread(in_step.wait, 5)
+        closer = threading.Thread(target=loop.close)
+        closer.start()
+        with pytest.raises(LoopClosed):
+            async with asyncio.timeout(10):
+                async for _ in updates:
+                    pass
+        closer.join(10)
+
+    asyncio.run(main())
+    assert not loop.is_running
+    assert loop.engine.block_manager.num_used_blocks == 0
+
+
 def test_a_caller_whose_event_loop_is_gone_is_cancelled(model):
     loop = make_loop(model)
     requests = requests_for(loop, [[3, 4, 5]], max_new=200, eos=False)

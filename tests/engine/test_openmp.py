@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hfaccel
-import hfaccel.engine.loop as loop_module
+import hfaccel.engine.submission as submission_module
 from hfaccel.engine.openmp import pause_function, release_thread_pool
 from tests.helpers import tiny_model
 
@@ -40,7 +40,7 @@ def test_the_pool_s_workers_exit_and_come_back_when_needed():
 def test_a_waiting_caller_and_a_returning_driver_give_their_pools_back(monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(
-        loop_module, "pause_function", lambda: lambda kind: calls.append(threading.get_ident())
+        submission_module, "pause_function", lambda: lambda kind: calls.append(threading.get_ident())
     )
     model = hfaccel.patch(tiny_model("llama"), progress=False)
     try:
