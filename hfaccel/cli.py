@@ -51,7 +51,9 @@ def _non_negative_float(text: str) -> float:
 
 def _add_device_and_weights(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--device", default="auto", help="auto (CUDA when there is one, else CPU; default), cpu, cuda, cuda:N"
+        "--device",
+        default="auto",
+        help="auto (default: CUDA if any, else CPU; CPU for int8/int4), cpu, cuda:N",
     )
     parser.add_argument(
         "--weights",
