@@ -13,7 +13,11 @@ from hfaccel.api.detokenize import Detokenizer, decodes_locally
 from tests.helpers import tiny_tokenizer
 
 TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=40)
-CORPUS = ["héllo wörld, the snow ☃ falls; it's, don't, we're, do'do", "日本語 text and more text", "naïve café: déjà vu!"] * 20
+CORPUS = [
+    "héllo wörld, the snow ☃ falls; it's, don't, we're, do'do",
+    "日本語 text and more text",
+    "naïve café: déjà vu!",
+] * 20
 
 
 @functools.cache
