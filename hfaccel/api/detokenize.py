@@ -24,8 +24,9 @@ _INCOMPLETE = "\ufffd"  # a character whose UTF-8 bytes span tokens, until its l
 
 
 class Detokenizer:
-    """The text each new token of one sequence adds (`add`), held back while it ends in a partial
-    character; the deltas join to the whole list's decode."""
+    """The text each new token of one sequence adds (`add`), held back while it could still change: a
+    partial character, a run of byte tokens not yet ended, and (cleanup tokenizers) the last 4
+    characters; the deltas join to the whole list's decode."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
