@@ -143,7 +143,7 @@ class StreamEvents:
         self.call = call
         self.live = [(i, plan) for i, plan in enumerate(call.plans) if isinstance(plan, Request)]
         self.tokenizer = tokenizer
-        self.tokens: dict[int, list[int]] = {}
+        self.counts: dict[int, int] = {}  # tokens seen per prompt index
         self.detokenizers: dict[int, Detokenizer] = {}
 
     def completed(self) -> Iterator[StreamEvent]:
@@ -163,8 +163,7 @@ class StreamEvents:
     def _event(
         self, index: int, token: int, done: bool, reason: str | None, request: Request | None = None
     ) -> StreamEvent:
-        tokens = self.tokens.setdefault(index, [])
-        tokens.append(token)
+        position = self.counts[index] = self.counts.get(index, -1) + 1
         delta = None
         if self.tokenizer is not None:
             if index not in self.detokenizers:
@@ -172,8 +171,7 @@ class StreamEvents:
             delta = self.detokenizers[index].add(token, done)
         logprob = top = None
         if request is not None and request.sampling.output_logprobs:
-            position = len(tokens) - 1  # the sampler records before the token reaches the caller
-            logprob = request.logprobs[position]
+            logprob = request.logprobs[position]  # the sampler records before the token reaches us
             if request.sampling.top_logprobs is not None:
                 top = request.top_logprobs[position]
         return StreamEvent(index, token, delta, done, reason, logprob, top, self.call.prompt_indexes[index])

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from hfaccel.engine.block_manager import blocks_for
+
 TYPICAL_LEN = 512
 MIN_SEQS = 8
 CPU_MAX_SEQS = 64
@@ -84,7 +86,7 @@ def resolve_limits(
         floor = 1 if state_bytes_per_seq else MIN_SEQS
         max_num_seqs = max(floor, at_least_seqs, min(cap, fit))
         if state_bytes_per_seq:  # the seats' state leaves K/V room for one sequence of max_model_len
-            longest = -(-max_model_len // block_size) * block_size * kv_bytes_per_token
+            longest = blocks_for(max_model_len, block_size) * block_size * kv_bytes_per_token
             room = (kv_budget_bytes - longest) // state_bytes_per_seq
             max_num_seqs = max(1, at_least_seqs, min(max_num_seqs, room))
         auto.append("max_num_seqs")
@@ -111,8 +113,8 @@ def counting_blocks(engine: Any) -> int:
     worth, never fewer than one sequence of ``max_model_len`` needs (more sequences than fit are
     preempted, as K/V would make them)."""
     size, longest = engine.config.block_size, engine.max_model_len
-    useful = engine.config.max_num_seqs * -(-longest // size)
-    return min(useful, max(-(-COUNTED_TOKENS // size), -(-longest // size)))
+    useful = engine.config.max_num_seqs * blocks_for(longest, size)
+    return min(useful, max(blocks_for(COUNTED_TOKENS, size), blocks_for(longest, size)))
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -444,15 +444,14 @@ class EngineLoop:
             self._outbox = None
 
     def _send_held(self) -> None:
-        outbox, self._outbox = self._outbox, None  # an abort below notifies directly
-        for event_loop, updates in (outbox or {}).items():
+        outbox, self._outbox = self._outbox or {}, {}
+        for event_loop, updates in outbox.items():
             try:
                 event_loop.call_soon_threadsafe(_deliver, updates)
             except Exception:  # that event loop is closed: nobody is listening any more
                 for submission, _ in updates:
-                    submission._deaf = True
+                    submission._deaf = True  # so the abort below reports nothing to it
                     self._abort(submission, error=None)
-        self._outbox = {}
 
 
 def _deliver(updates: list[tuple[Submission, Update]]) -> None:
