@@ -115,3 +115,21 @@ def test_stop_strings_and_text_streamer_match_hf(smollm2):
         assert streamed == tokenizer.decode(expected[0, ids.shape[1] :], skip_special_tokens=True)
     finally:
         hfaccel.unpatch(model)
+
+
+def test_stop_strings_fire_where_hfs_criteria_do_on_characters_split_over_tokens(smollm2):
+    """SmolLM2's byte-level tokens split an emoji or a CJK character over several tokens, each decoding
+    alone to U+FFFD: the engine's check fires at the token HF's StopStringCriteria fires at."""
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    from hfaccel.patches.params import stop_string_check
+
+    _, tokenizer = smollm2
+    emoji = "an emoji 🎉, and more"
+    cases = [("🎉", emoji), ("は", "Japan は nice"), ("ç", "français"), ("🎉,", emoji)]
+    for stop, text in cases:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        hf_criteria, ours = StopStringCriteria(tokenizer, [stop]), stop_string_check(tokenizer, [stop])
+        hf_fires = [n for n in range(1, len(ids) + 1) if bool(hf_criteria(torch.tensor([ids[:n]]), None)[0])]
+        our_fires = [n for n in range(1, len(ids) + 1) if ours([], ids[:n])]
+        assert hf_fires and our_fires == hf_fires, (stop, hf_fires, our_fires)

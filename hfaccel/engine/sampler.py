@@ -84,18 +84,26 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     if all(_plain_greedy(r) for r in requests):
         return _greedy(logits, requests)
     scores = logits.to(dtype=torch.float32, copy=True)
-    _mask_eos_below_min_tokens(scores, requests)
+    masked = _mask_eos_below_min_tokens(scores, requests)
     groups: dict[int, list[int]] = defaultdict(list)
+    raw: dict[int, torch.Tensor] = {}  # rows whose recorded logits are what their processors were given
     for i, request in enumerate(requests):
         params = request.sampling
         if params.processors:
             ids = torch.tensor([request.processor_ids()], dtype=torch.long, device=scores.device)
+            row = scores[i : i + 1]
             try:
-                scores[i : i + 1] = params.processors(ids, scores[i : i + 1])
+                processed = params.processors(ids, row)
             except BaseException as error:  # the request's own processors (a caller's): it fails alone
                 if not fails_alone(error):
                     raise
                 request.fail(error)
+                continue
+            if params.output_logits and i not in masked:
+                # HF records the very tensor its processors were given as the raw logits, so a processor
+                # that edits its input in place shows in them: the same here (an unmasked row is that tensor).
+                raw[i] = row[0].to(device="cpu", copy=True)
+            scores[i : i + 1] = processed
         if params.warpers:
             groups[id(params)].append(i)
     for rows in groups.values():
@@ -113,7 +121,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             noise[row].exponential_(generator=request_generator(requests[i], scores.device))
         tokens[index] = argmax_rows(probs / noise)
     chosen = tokens.tolist()
-    _record_outputs(logits, scores, chosen, requests)
+    _record_outputs(logits, scores, chosen, requests, raw)
     return chosen
 
 
@@ -147,7 +155,8 @@ def _greedy(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     return chosen
 
 
-def _mask_eos_below_min_tokens(scores: torch.Tensor, requests: list[Request]) -> None:
+def _mask_eos_below_min_tokens(scores: torch.Tensor, requests: list[Request]) -> set[int]:
+    """Mask the EOS ids of the rows still below their ``min_new_tokens``; returns those rows."""
     rows, cols = [], []
     for i, request in enumerate(requests):
         if len(request.output_token_ids) < request.stopping.min_new_tokens:
@@ -157,10 +166,15 @@ def _mask_eos_below_min_tokens(scores: torch.Tensor, requests: list[Request]) ->
                     cols.append(eos)
     if rows:
         scores[rows, cols] = -float("inf")
+    return set(rows)
 
 
 def _record_outputs(
-    logits: torch.Tensor, scores: torch.Tensor, chosen: list[int], requests: list[Request]
+    logits: torch.Tensor,
+    scores: torch.Tensor,
+    chosen: list[int],
+    requests: list[Request],
+    raw: dict[int, torch.Tensor] | None = None,
 ) -> None:
     if not any(
         r.sampling.output_scores or r.sampling.output_logits or r.sampling.output_logprobs for r in requests
@@ -172,7 +186,10 @@ def _record_outputs(
         if params.output_scores:
             request.scores.append(scores[i].to(device="cpu", copy=True))
         if params.output_logits:
-            request.logits.append(logits[i].to(dtype=torch.float32, device="cpu", copy=True))
+            kept = raw.get(i) if raw else None
+            request.logits.append(
+                kept if kept is not None else logits[i].to(dtype=torch.float32, device="cpu", copy=True)
+            )
         if params.output_logprobs:
             if logprobs is None:
                 logprobs = torch.log_softmax(scores, dim=-1)

@@ -21,6 +21,7 @@ HF's result: docs/generate.md.
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from contextlib import closing
 from typing import Any
@@ -43,6 +44,34 @@ from hfaccel.patches.outputs import beam_dict_output, beam_output, dynamic_cache
 from hfaccel.patches.patch_state import PatchState, call_seed, fall_back
 from hfaccel.patches.planner import GenerateCall, beam_requests, is_left_padding, make_requests
 from hfaccel.patches.state_outputs import request_rows, state_fields
+
+logger = logging.getLogger("hfaccel")
+# Types of the user's own processors and criteria already warned about (once per type and process).
+_WARNED_ROW_CALLBACKS: set[type] = set()
+
+
+def warn_row_callbacks(call: GenerateCall) -> None:
+    """Warn (once per type) that a user's own logits processor or stopping criterion, on a batch of more
+    than one row, is called once per row with that row's ``[1, L]`` ids, where HF calls it once per step
+    with the whole ``[B, L]`` batch: one that indexes rows, returns one value for the whole batch, or
+    keeps state per step gives other tokens than HF's (docs/generate.md). Transformers' own types are
+    per-row computations and are not warned about."""
+    if call.ids.shape[0] * call.copies < 2:
+        return
+    for name in ("logits_processor", "stopping_criteria"):
+        for item in call.custom[name] or ():
+            kind = type(item)
+            if kind.__module__.startswith("transformers.") or kind in _WARNED_ROW_CALLBACKS:
+                continue
+            _WARNED_ROW_CALLBACKS.add(kind)
+            logger.warning(
+                "hfaccel: %s %s runs once per row on the engine, with that row's [1, L] input_ids (HF calls "
+                "it once per step with the whole [B, L] batch): if it indexes batch rows, returns one value "
+                "for the whole batch or keeps per-step state, its tokens differ from HF's; run such a call "
+                "with hfaccel.unpatch(model) or type(model).generate(model, ...) (docs/generate.md)",
+                name,
+                kind.__name__,
+            )
 
 
 def patched_generate(
@@ -70,6 +99,7 @@ def patched_generate(
     if reason is not None:
         fall_back(state, reason)
         return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
+    warn_row_callbacks(call)
     config, visible_ids = call.config, call.rows[0]
     loop = state.get_loop(self)
     # HF returns the cache with return_dict_in_generate and use_cache (which it sets for inputs_embeds).

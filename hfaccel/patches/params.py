@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -382,18 +383,30 @@ def stop_string_check(
 ) -> Callable[[list[int], list[int]], bool]:
     """A check of (prompt ids, generated ids) that fires when a stop string ends inside the newest token
     (overhang allowed), wherever it starts: in the prompt too, as HF's StopStringCriteria matches over
-    the whole row, unless `in_prompt` is False (None: as `stops_in_output_only` says)."""
+    the whole row, unless `in_prompt` is False (None: as `stops_in_output_only` says).
+
+    The newest token's text is where the decoded tail stops agreeing with the tail decoded without it:
+    a token may end inside a character (byte-level tokenizers split an emoji or a CJK character over
+    several tokens, each alone decoding to U+FFFD), so the shorter text is not always a prefix of the
+    longer one. The tail starts a few tokens longer than the longest stop string and doubles while the
+    text before the newest token is shorter than that string (tokens that decode to nothing)."""
     if not stop_strings or any(not isinstance(s, str) or not s for s in stop_strings):
         raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
-    window = max(map(len, stop_strings)) + 2  # every token decodes to at least one character, nearly always
+    longest = max(map(len, stop_strings))
     in_prompt = not _stops_in_output_only.get() if in_prompt is None else in_prompt
 
     def check(prompt: list[int], generated: list[int]) -> bool:
-        tail = generated[-window:]
-        if len(tail) < window and prompt and in_prompt:
-            tail = prompt[len(tail) - window :] + tail
-        text = tokenizer.decode(tail)
-        before = len(tokenizer.decode(tail[:-1])) if len(tail) > 1 else 0
+        available = len(generated) + (len(prompt) if in_prompt else 0)
+        size = longest + 2
+        while True:
+            tail = generated[-size:]
+            if len(tail) < size and prompt and in_prompt:
+                tail = prompt[len(tail) - size :] + tail
+            text = tokenizer.decode(tail)
+            before = len(os.path.commonprefix([tokenizer.decode(tail[:-1]), text])) if len(tail) > 1 else 0
+            if before >= longest - 1 or len(tail) >= available:
+                break
+            size *= 2
         return any((pos := text.rfind(s)) != -1 and pos + len(s) > before for s in stop_strings)
 
     return check

@@ -1,0 +1,57 @@
+"""`params.stop_string_check`, the engine's stop strings, on a byte-level tokenizer: characters split over
+tokens and tokens that decode to nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from hfaccel.patches.params import stop_string_check
+
+
+class ByteTokenizer:
+    """Each id is a run of UTF-8 bytes; decoding joins them and replaces broken characters, as a
+    byte-level BPE tokenizer does. Id 0 decodes to nothing (a special or padding token)."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = [b""] + pieces
+
+    def encode(self, *pieces: bytes) -> list[int]:
+        return [self.pieces.index(p) for p in pieces]
+
+    def decode(self, ids: list[int]) -> str:
+        return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+
+EMOJI = "🎉".encode()
+TOKENIZER = ByteTokenizer([b"a", b" ", b",", b"c", b"%", EMOJI[:2], EMOJI[2:3], EMOJI[3:]])
+
+
+def fired(check, ids: list[int], prompt: list[int] = ()) -> list[int]:
+    """The generated lengths at which `check` fires."""
+    return [n for n in range(1, len(ids) + 1) if check(list(prompt), ids[:n])]
+
+
+def test_a_character_split_over_tokens_fires_at_its_last_byte():
+    ids = TOKENIZER.encode(b"a", b" ", EMOJI[:2], EMOJI[2:3], EMOJI[3:], b",", b"a")
+    assert fired(stop_string_check(TOKENIZER, ["🎉"]), ids) == [5]
+    assert fired(stop_string_check(TOKENIZER, ["🎉,"]), ids) == [6]
+    assert fired(stop_string_check(TOKENIZER, ["a 🎉"]), ids) == [5]
+
+
+@pytest.mark.parametrize("empty", [1, 5, 40])
+def test_tokens_that_decode_to_nothing_inside_a_stop_string_do_not_hide_it(empty):
+    ids = TOKENIZER.encode(b"a", b"c") + [0] * empty + TOKENIZER.encode(b"%", b"a")
+    assert fired(stop_string_check(TOKENIZER, ["c%"]), ids) == [2 + empty + 1]
+
+
+def test_a_stop_string_begun_in_the_prompt_fires_only_where_asked():
+    prompt = TOKENIZER.encode(b"a", b"c")
+    ids = TOKENIZER.encode(b"%", b"a")
+    assert fired(stop_string_check(TOKENIZER, ["c%"], in_prompt=True), ids, prompt) == [1]
+    assert fired(stop_string_check(TOKENIZER, ["c%"], in_prompt=False), ids, prompt) == []
+    assert fired(stop_string_check(TOKENIZER, ["%"], in_prompt=False), ids, prompt) == [1]
+
+
+def test_an_earlier_match_does_not_fire_again():
+    ids = TOKENIZER.encode(b"c", b"%", b"a", b"a", b"a")
+    assert fired(stop_string_check(TOKENIZER, ["c%"]), ids) == [2]
