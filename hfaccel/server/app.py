@@ -139,6 +139,9 @@ def make_app(served: ServedModel) -> FastAPI:
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
         location = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":  # its location is a position in the body, not a field
+            message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'a decode error')})"
+            return JSONResponse(error_body(message, "invalid_request_error", None, 400), status_code=400)
         param = ".".join(location) or None
         message = (
             f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid body"))
@@ -158,14 +161,22 @@ def make_app(served: ServedModel) -> FastAPI:
             text = f"the model {name!r} does not exist here; this server serves {served.model_id!r}"
             raise APIError(404, text, "model", "not_found_error")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    def model_card() -> dict[str, Any]:
+        card = {"id": served.model_id, "object": "model", "created": int(time.time()), "owned_by": "hfaccel"}
+        return {**card, "max_model_len": served.max_model_len()}
+
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
-        card = {"id": served.model_id, "object": "model", "created": int(time.time()), "owned_by": "hfaccel"}
-        return {"object": "list", "data": [{**card, "max_model_len": served.max_model_len()}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return model_card()
 
     @app.get("/metrics")
     async def prometheus() -> Response:

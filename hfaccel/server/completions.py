@@ -34,12 +34,20 @@ class ChatFlavour:
             raise APIError(400, "the model's tokenizer has no chat template: use /v1/completions", "messages")
         conversation = []
         for i, message in enumerate(messages):
+            if message.content is None and message.role != "assistant":  # an assistant's may be tool calls
+                raise APIError(400, f"a {message.role} message needs content", f"messages[{i}].content")
             entry = message.model_dump(exclude_none=True)
             entry["content"] = message_text(message, i) or ""
             conversation.append(entry)
+        if tools:
+            _check_tools(tools)
         text = tokenizer.apply_chat_template(
             conversation, tools=tools, add_generation_prompt=True, tokenize=False
         )
+        if tools:
+            plain = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            if plain == text:  # the template never shows them: the request would silently ignore them
+                raise APIError(400, "this model's chat template does not show tools to the model", "tools")
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     @staticmethod
@@ -73,6 +81,16 @@ class ChatFlavour:
         return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
 
 
+def _check_tools(tools: list[dict[str, Any]]) -> None:
+    """Each tool is OpenAI's ``{"type": "function", "function": {"name": ..., ...}}``."""
+    for i, tool in enumerate(tools):
+        function = tool.get("function")
+        if tool.get("type") != "function" or not isinstance(function, dict):
+            raise APIError(400, f"only function tools are served, got {tool.get('type')!r}", f"tools[{i}]")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise APIError(400, "a function tool needs a name", f"tools[{i}].function.name")
+
+
 class TextFlavour:
     """``/v1/completions``: a text (or token-id) prompt, choices of text (``echo`` puts the prompt first)."""
 
@@ -80,12 +98,19 @@ class TextFlavour:
 
     @staticmethod
     def prompt(tokenizer: Any, body: Any) -> list[int]:
-        if isinstance(body.prompt, str):
-            return tokenizer(body.prompt)["input_ids"]
-        bad = next((t for t in body.prompt if not 0 <= t < len(tokenizer)), None)
+        prompt = body.prompt
+        if not isinstance(prompt, str) and not isinstance(prompt[0], int):  # OpenAI's batch of prompts
+            if len(prompt) != 1:
+                raise APIError(400, f"a list of {len(prompt)} prompts: send one request per prompt", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return tokenizer(prompt)["input_ids"]
+        if not prompt:
+            raise APIError(400, "the prompt has no tokens", "prompt")
+        bad = next((t for t in prompt if not 0 <= t < len(tokenizer)), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary", "prompt")
-        return list(body.prompt)
+        return list(prompt)
 
     @staticmethod
     def max_tokens(body: Any) -> int | None:
@@ -127,6 +152,12 @@ class CompletionCall:
     def count(self) -> int:
         return self.body.n
 
+    @property
+    def seed(self) -> int | None:
+        """The request's seed in the engine's range: OpenAI's seed is any int64, negative ones included."""
+        seed = self.body.seed
+        return None if seed is None else seed % 2**63
+
     def envelope(self, choices: list[dict[str, Any]], chunk: bool = False) -> dict[str, Any]:
         kind = self.flavour.chunk_object if chunk else self.flavour.object
         return {
@@ -164,7 +195,7 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
     try:
         with strict_calls(), stops_in_output_only():  # a call the engine does not serve: 400, never HF's
             completions = await agenerate(
-                served.model, [call.prompt_ids] * call.count, tokenizer=tokenizer, seed=call.body.seed,
+                served.model, [call.prompt_ids] * call.count, tokenizer=tokenizer, seed=call.seed,
                 logprobs=call.logprobs, **call.kwargs,
             )  # fmt: skip
         prompt = None
@@ -222,7 +253,7 @@ async def stream_pieces(
     tokenizer, endpoint = served.tokenizer, call.flavour.endpoint
     start = time.perf_counter()
     events = astream(
-        served.model, [call.prompt_ids] * call.count, tokenizer=tokenizer, seed=call.body.seed,
+        served.model, [call.prompt_ids] * call.count, tokenizer=tokenizer, seed=call.seed,
         logprobs=call.logprobs, **call.kwargs,
     )  # fmt: skip
     try:
@@ -277,11 +308,20 @@ async def stream_call(
     (`stream_pieces`), a finish_reason per choice, usage if asked, and ``[DONE]``. Nothing is sent
     before the first token is known, so a refused request is still a plain error."""
     flavour, pieces = call.flavour, stream_pieces(served, call, metrics, gone)
+    options = call.body.stream_options
+    continuous = options is not None and options.continuous_usage_stats
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        body = call.envelope([choice], chunk=True)
+        if continuous:  # vLLM's extra: every chunk carries the usage so far
+            body["usage"] = call.usage(call.generated)
+        return _sse(body)
+
     try:
         await anext(pieces)
         if flavour is ChatFlavour:
             for i in range(call.count):
-                yield _sse(call.envelope([flavour.delta(i, None, None, None)], chunk=True))
+                yield chunk(flavour.delta(i, None, None, None))
         echo = call.echo(served.tokenizer)
         items = None
         if echo and (k := call.prompt_logprobs()) is not None:  # one forward, off the event loop
@@ -289,14 +329,12 @@ async def stream_call(
             items = _prompt_items(served.tokenizer, call, prompt)
         offsets = [0] * call.count  # each choice's text so far, where its next chunk's offsets start
         for i in range(call.count if echo else 0):
-            yield _sse(call.envelope([_shifted(flavour.delta(i, echo, None, items), offsets)], chunk=True))
+            yield chunk(_shifted(flavour.delta(i, echo, None, items), offsets))
         async for piece in pieces:
             assert piece is not None
-            delta = flavour.delta(piece.index, piece.delta, piece.finish, piece.items)
-            yield _sse(call.envelope([_shifted(delta, offsets)], chunk=True))
+            yield chunk(_shifted(flavour.delta(piece.index, piece.delta, piece.finish, piece.items), offsets))
         if not call.streamed:
             return  # the client went: no closing chunks
-        options = call.body.stream_options
         if options is not None and options.include_usage:
             yield _sse({**call.envelope([], chunk=True), "usage": call.usage(call.generated)})
         yield format_sse_event(data_str="[DONE]")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class StreamOptions(BaseModel):
@@ -20,9 +20,10 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """What chat and text completions share: OpenAI's sampling fields and vLLM's extras."""
+    """What chat and text completions share: OpenAI's sampling fields and vLLM's extras. Types are strict,
+    as OpenAI's are: ``"max_tokens": "5"`` or ``true`` is refused, not read as 5 or 1."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -47,6 +48,12 @@ class SamplingFields(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
+        return self
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -69,7 +76,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] = Field(min_length=1)
+    # A list of prompts (strings or token lists) is OpenAI's batch: one prompt is served, more refused.
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 

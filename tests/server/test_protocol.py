@@ -1,0 +1,91 @@
+"""OpenAI's request rules at the edges (found by a probe, 2026-11-27): strict types, options that would be
+silently ignored, batched prompts, negative seeds, the error of a body that is not JSON, and the routes
+clients call besides completions."""
+
+from __future__ import annotations
+
+import http.client
+import json
+
+import pytest
+
+from tests.server.conftest import CHAT, MODEL, post
+
+pytest.importorskip("fastapi")
+
+
+def raw(server, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+    host, port = server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.request(method, path, body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    data = response.read()
+    connection.close()
+    return response.status, data
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"max_tokens": "5"}, "max_tokens"),  # pydantic's lax mode read these as 5 and 1
+        ({"max_tokens": True}, "max_tokens"),
+        ({"stream_options": {"include_usage": True}}, None),  # OpenAI: only with stream: true
+        ({"messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"tools": [{"type": "bogus"}]}, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+        # the tiny chat template never renders tools: the request would silently ignore them
+        ({"tools": [{"type": "function", "function": {"name": "lookup"}}]}, "tools"),
+    ],
+)
+def test_a_request_that_would_be_misread_or_ignored_is_refused(served, body, param):
+    code, _, answer = post(served[0], "/v1/chat/completions", {"model": MODEL, "messages": CHAT, **body})
+    assert code == 400, answer
+    assert answer["error"]["message"]
+    if param is not None:
+        assert answer["error"]["param"] == param, answer
+
+
+def test_a_body_that_is_not_json_names_no_field(served):
+    code, data = raw(served[0], "POST", "/v1/chat/completions", b"{not json")
+    answer = json.loads(data)
+    assert code == 400 and answer["error"]["param"] is None
+    assert "not valid JSON" in answer["error"]["message"]
+
+
+def test_a_negative_seed_is_served_and_reproduces(client):
+    ask = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=1.0, seed=-5)
+    first = client.chat.completions.create(**ask).choices[0].message.content
+    assert first and client.chat.completions.create(**ask).choices[0].message.content == first
+
+
+def test_a_list_of_one_prompt_is_that_prompt_and_more_are_refused(served, client):
+    ask = dict(model=MODEL, max_tokens=6, temperature=0)
+    text = client.completions.create(prompt="Hello", **ask).choices[0].text
+    assert client.completions.create(prompt=["Hello"], **ask).choices[0].text == text
+    ids = served[2]("Hello")["input_ids"]
+    assert client.completions.create(prompt=[ids], **ask).choices[0].text == text
+    code, _, answer = post(served[0], "/v1/completions", {"prompt": ["a", "b"], "model": MODEL})
+    assert code == 400 and answer["error"]["param"] == "prompt", answer
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    assert chunks and all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 5
+
+
+def test_health_answers_head_and_a_model_is_retrieved_by_its_id(served, client):
+    assert raw(served[0], "HEAD", "/health")[0] == 200
+    assert client.models.retrieve(MODEL).id == MODEL
+    code, data = raw(served[0], "GET", "/v1/models/other-model")
+    assert code == 404 and json.loads(data)["error"]["param"] == "model"
