@@ -15,6 +15,7 @@ for a later token in some other way would not join, as the whole-list decode's d
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import weakref
 from typing import Any
@@ -111,6 +112,34 @@ def byte_tokens(tokenizer: Any) -> frozenset[int]:
     with contextlib.suppress(TypeError):
         _BYTES[tokenizer] = found
     return found
+
+
+def token_bytes(tokenizer: Any, token: int) -> bytes:
+    """The bytes token `token` stands for, where decoding it alone gives U+FFFD for part of a character:
+    a byte-level BPE token's own bytes (GPT-2's byte alphabet, mapped back), a byte-fallback token's
+    one byte (``<0xE3>``); any other token (special ones included) as its decoded text's UTF-8."""
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str) and token not in special_tokens(tokenizer):
+        if _BYTE_TOKEN.fullmatch(piece):
+            return bytes([int(piece[3:5], 16)])
+        alphabet = _byte_alphabet()
+        if _byte_level(tokenizer) and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+    return tokenizer.decode([token]).encode()
+
+
+def _byte_level(tokenizer: Any) -> bool:
+    """Whether the tokenizer decodes with tokenizers' ByteLevel decoder (GPT-2-style BPE)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return type(decoder).__name__ == "ByteLevel"
+
+
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, each character to the byte it stands for."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {character: byte for byte, character in bytes_to_unicode().items()}
 
 
 def special_tokens(tokenizer: Any) -> frozenset[int]:

@@ -15,6 +15,7 @@ from typing import Any
 from fastapi.sse import format_sse_event
 
 from hfaccel.api import agenerate, astream, prompt_logprobs_of
+from hfaccel.api.detokenize import token_bytes
 from hfaccel.patches.params import stops_in_output_only
 from hfaccel.patches.patch_state import strict_calls
 from hfaccel.server.protocol import APIError, ChatMessage, message_text
@@ -74,7 +75,11 @@ class ChatFlavour:
 
     @staticmethod
     def delta(
-        index: int, text: str | None, finish: str | None, logprobs: list[dict[str, Any]] | None
+        index: int,
+        text: str | None,
+        finish: str | None,
+        logprobs: list[dict[str, Any]] | None,
+        before: bytes = b"",
     ) -> dict[str, Any]:
         delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
         lp = None if logprobs is None else {"content": logprobs}
@@ -122,15 +127,26 @@ class TextFlavour:
 
     @staticmethod
     def choice(
-        index: int, text: str, finish: str | None, logprobs: list[dict[str, Any]] | None
+        index: int,
+        text: str,
+        finish: str | None,
+        logprobs: list[dict[str, Any]] | None,
+        before: bytes = b"",
     ) -> dict[str, Any]:
-        return {"index": index, "text": text, "finish_reason": finish, "logprobs": _legacy_logprobs(logprobs)}
+        lp = _legacy_logprobs(logprobs, before)
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": lp}
 
     @staticmethod
     def delta(
-        index: int, text: str | None, finish: str | None, logprobs: list[dict[str, Any]] | None
+        index: int,
+        text: str | None,
+        finish: str | None,
+        logprobs: list[dict[str, Any]] | None,
+        before: bytes = b"",
     ) -> dict[str, Any]:
-        return TextFlavour.choice(index, text or "", finish, logprobs)
+        """A chunk; `before`: the bytes of the choice's text already streamed (its offsets count from the
+        start of that text, as OpenAI's and vLLM's streams do)."""
+        return TextFlavour.choice(index, text or "", finish, logprobs, before)
 
 
 @dataclass
@@ -327,12 +343,18 @@ async def stream_call(
         if echo and (k := call.prompt_logprobs()) is not None:  # one forward, off the event loop
             prompt = await asyncio.to_thread(prompt_logprobs_of, served.model, call.prompt_ids, k)
             items = _prompt_items(served.tokenizer, call, prompt)
-        offsets = [0] * call.count  # each choice's text so far, where its next chunk's offsets start
+        sent = [b""] * call.count  # the bytes of each choice's logprob tokens so far (echo's included)
+
+        def delta(index: int, text: str | None, finish: str | None, items: Any) -> dict[str, Any]:
+            part = flavour.delta(index, text, finish, items, sent[index])
+            sent[index] += b"".join(bytes(item["bytes"]) for item in items or ())
+            return part
+
         for i in range(call.count if echo else 0):
-            yield chunk(_shifted(flavour.delta(i, echo, None, items), offsets))
+            yield chunk(delta(i, echo, None, items))
         async for piece in pieces:
             assert piece is not None
-            yield chunk(_shifted(flavour.delta(piece.index, piece.delta, piece.finish, piece.items), offsets))
+            yield chunk(delta(piece.index, piece.delta, piece.finish, piece.items))
         if not call.streamed:
             return  # the client went: no closing chunks
         if options is not None and options.include_usage:
@@ -340,17 +362,6 @@ async def stream_call(
         yield format_sse_event(data_str="[DONE]")
     finally:
         await pieces.aclose()
-
-
-def _shifted(delta: dict[str, Any], offsets: list[int]) -> dict[str, Any]:
-    """A legacy completions chunk whose ``text_offset`` counts from the start of its choice's whole text
-    (as OpenAI's and vLLM's streams do), not from the chunk's; `offsets` moves on past its tokens."""
-    logprobs = delta.get("logprobs")
-    if logprobs and "text_offset" in logprobs:
-        start = offsets[delta["index"]]
-        logprobs["text_offset"] = [start + offset for offset in logprobs["text_offset"]]
-        offsets[delta["index"]] = start + sum(len(token) for token in logprobs["tokens"])
-    return delta
 
 
 CHECK_S = 0.25  # how often a stream asks whether its client is still there
@@ -434,18 +445,24 @@ def _prompt_items(
 
 
 def _token(tokenizer: Any, token: int, logprob: float | None) -> dict[str, Any]:
-    text = tokenizer.decode([token])
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    """One logprob entry: the token's text alone (U+FFFD for part of a character) and its own bytes, which
+    joined with the other tokens' make the text's UTF-8 (OpenAI's ``bytes``)."""
+    return {
+        "token": tokenizer.decode([token]),
+        "logprob": logprob,
+        "bytes": list(token_bytes(tokenizer, token)),
+    }
 
 
-def _legacy_logprobs(items: list[dict[str, Any]] | None) -> dict[str, Any] | None:
-    """The completions endpoint's logprobs layout, from the chat items."""
+def _legacy_logprobs(items: list[dict[str, Any]] | None, before: bytes = b"") -> dict[str, Any] | None:
+    """The completions endpoint's logprobs layout, from the chat items; ``text_offset`` counts characters
+    from the start of the choice's text, whose first `before` bytes came earlier."""
     if items is None:
         return None
-    offsets, at = [], 0
-    for item in items:
-        offsets.append(at)
-        at += len(item["token"])
+    offsets, text = [], before
+    for item in items:  # where each token's text starts: a token inside a character starts at that character
+        offsets.append(len(text.decode("utf-8", errors="ignore")))
+        text += bytes(item["bytes"])
     return {
         "tokens": [item["token"] for item in items],
         "token_logprobs": [item["logprob"] for item in items],

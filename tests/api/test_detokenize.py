@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hfaccel.api.detokenize import Detokenizer, decodes_locally
+from hfaccel.api.detokenize import Detokenizer, decodes_locally, token_bytes
 from tests.helpers import tiny_tokenizer
 
 TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=40)
@@ -172,3 +173,21 @@ def test_the_tiny_character_tokenizer_streams_character_by_character():
     tokenizer = tiny_tokenizer()
     tokens = tokenizer.encode("ab c", add_special_tokens=False)
     assert streamed(tokenizer, tokens) == ["a", "b", " ", "c"]
+
+
+@pytest.mark.parametrize("text", ["an emoji 🎉, and ☃ more", "français は nice", "plain words only"])
+def test_token_bytes_join_to_the_texts_utf8(smollm2, text):
+    """OpenAI's logprob ``bytes``: a token inside a character (decoding alone to U+FFFD) gives its own
+    bytes, so the tokens' bytes join to the text."""
+    _, tokenizer = smollm2
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert b"".join(token_bytes(tokenizer, i) for i in ids) == text.encode()
+
+
+def test_byte_fallback_tokens_give_their_byte():
+    tokenizer = metaspace_bpe()
+    ids = tokenizer("🎉", add_special_tokens=False)["input_ids"]
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    byte_ids = [i for i, piece in zip(ids, pieces) if piece.startswith("<0x")]
+    assert len(byte_ids) == 4, pieces
+    assert b"".join(token_bytes(tokenizer, i) for i in byte_ids) == "🎉".encode()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 
 import pytest
 
@@ -89,3 +90,22 @@ def test_health_answers_head_and_a_model_is_retrieved_by_its_id(served, client):
     assert client.models.retrieve(MODEL).id == MODEL
     code, data = raw(served[0], "GET", "/v1/models/other-model")
     assert code == 404 and json.loads(data)["error"]["param"] == "model"
+
+
+def test_logprob_bytes_and_offsets_follow_characters_split_over_tokens(smollm2):
+    """SmolLM2 splits '🎉' over three tokens, each decoding alone to U+FFFD: their ``bytes`` join to the
+    text's UTF-8, and ``text_offset`` counts the text's characters (a token inside a character starts
+    at that character), also when a stream sends the tokens over several chunks."""
+    from hfaccel.server.completions import _legacy_logprobs, _token
+
+    _, tokenizer = smollm2
+    text = "The emoji 🎉 means joy"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    items = [{**_token(tokenizer, i, -1.0), "top_logprobs": []} for i in ids]
+    assert b"".join(bytes(item["bytes"]) for item in items) == text.encode()
+    expected = [len(os.path.commonprefix([tokenizer.decode(ids[:j]), text])) for j in range(len(ids))]
+    assert _legacy_logprobs(items)["text_offset"] == expected
+    assert expected[-2:] == [text.index(" means"), text.index(" joy")]
+    for cut in range(1, len(items)):  # streamed: the chunks' offsets count from the choice's start
+        before = b"".join(bytes(item["bytes"]) for item in items[:cut])
+        assert _legacy_logprobs(items[cut:], before)["text_offset"] == expected[cut:]
