@@ -141,7 +141,10 @@ def patched_generate(
         imported.attach(loop.engine, requests, call.copies)
     warn_past_context(requests, loop.engine.max_model_len)
     if call.streamer is not None:
-        _stream_one(loop, requests[0], visible_ids, call.streamer)
+        assisted = (
+            call.config.prompt_lookup_num_tokens is not None or call.custom["assistant_model"] is not None
+        )
+        _stream_one(loop, requests[0], visible_ids, call.streamer, assisted)
     else:
         loop.run(requests, progress=state.progress)
     if columns is not None:
@@ -208,13 +211,19 @@ def warn_past_context(requests: list[Request], max_model_len: int, names: list[s
     )
 
 
-def _stream_one(loop: EngineLoop, request: Request, input_ids: torch.Tensor, streamer: Any) -> None:
-    """HF's streamer protocol for one sequence: the prompt, each new token, then `end()`. If the streamer
-    raises (or the wait is interrupted), the request is cancelled."""
+def _stream_one(
+    loop: EngineLoop, request: Request, input_ids: torch.Tensor, streamer: Any, assisted: bool = False
+) -> None:
+    """HF's streamer protocol for one sequence: the prompt, each new token (``[1]``), then `end()`; under
+    assisted decoding a step's tokens together (``[1, n]``), as HF's assisted loop puts them. If the
+    streamer raises (or the wait is interrupted), the request is cancelled."""
     streamer.put(input_ids.cpu())
     try:
         with closing(loop.submit([request], stream=True).updates()) as updates:  # closing cancels
             for update in updates:
+                if assisted and update.token_ids:
+                    streamer.put(torch.tensor([update.token_ids]))
+                    continue
                 for token in update.token_ids:
                     streamer.put(torch.tensor([token]))
     finally:

@@ -11,6 +11,7 @@ from tests.helpers import (
     FAMILIES,
     PAD,
     assert_same_or_near_tie,
+    hf,
     hf_greedy,
     left_padded,
     tiny_model,
@@ -175,3 +176,37 @@ def test_plain_forward_keeps_the_models_own_attention(patched):
         after = patched(input_ids=ids, attention_mask=mask).logits
     assert patched.config._attn_implementation != "hfaccel"
     torch.testing.assert_close(before, after)
+
+
+class ShapeRecorder:
+    """A streamer that keeps what each `put` got: its shape and its tokens."""
+
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append((tuple(value.shape), value.flatten().tolist()))
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("assisted", [False, True])
+def test_a_streamer_gets_the_shapes_hfs_loop_puts(assisted):
+    """HF's greedy loop puts each token as ``[1]``; its assisted loop (prompt lookup) a step's tokens as
+    ``[1, n]``. The same tokens, in the same shapes (not the same grouping: the engine picks its own
+    draft lengths)."""
+    model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6]])
+    kwargs = dict(max_new_tokens=8, do_sample=False)
+    if assisted:
+        kwargs["prompt_lookup_num_tokens"] = 3
+    theirs, ours = ShapeRecorder(), ShapeRecorder()
+    hf(model, input_ids=ids, streamer=theirs, **kwargs)
+    hfaccel.patch(model, kv_cache_memory=4_000_000, block_size=8)
+    model.generate(input_ids=ids, streamer=ours, **kwargs)
+    assert ours.ended and ours.puts[0] == theirs.puts[0]  # the prompt first
+    tokens = [t for _, values in ours.puts[1:] for t in values]
+    assert tokens == [t for _, values in theirs.puts[1:] for t in values]
+    dims = {len(shape) for shape, _ in ours.puts[1:]}
+    assert dims == {len(shape) for shape, _ in theirs.puts[1:]} == ({2} if assisted else {1})
