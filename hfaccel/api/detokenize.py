@@ -129,9 +129,18 @@ def token_bytes(tokenizer: Any, token: int) -> bytes:
 
 
 def _byte_level(tokenizer: Any) -> bool:
-    """Whether the tokenizer decodes with tokenizers' ByteLevel decoder (GPT-2-style BPE)."""
+    """Whether the tokenizer decodes with tokenizers' ByteLevel decoder (GPT-2-style BPE), alone or in a
+    sequence of decoders (transformers 5.17 builds one for a GGUF tokenizer)."""
+    with contextlib.suppress(KeyError, TypeError):
+        return _BYTE_LEVEL[tokenizer]
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    return type(decoder).__name__ == "ByteLevel"
+    try:
+        found = decoder is not None and '"type":"ByteLevel"' in decoder.__getstate__().decode()
+    except Exception:  # noqa: BLE001 - a decoder that does not serialise: judge by its type
+        found = type(decoder).__name__ == "ByteLevel"
+    with contextlib.suppress(TypeError):
+        _BYTE_LEVEL[tokenizer] = found
+    return found
 
 
 @functools.cache
@@ -152,3 +161,4 @@ def special_tokens(tokenizer: Any) -> frozenset[int]:
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _BYTES: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+_BYTE_LEVEL: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
