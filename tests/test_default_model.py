@@ -127,6 +127,7 @@ def test_stop_strings_fire_where_hfs_criteria_do_on_characters_split_over_tokens
     _, tokenizer = smollm2
     emoji = "an emoji 🎉, and more"
     cases = [("🎉", emoji), ("は", "Japan は nice"), ("ç", "français"), ("🎉,", emoji)]
+    cases += [("你好吗", "我说你好吗?"), ("😀😀", "x😀😀😀y"), ("𝒜b", "a𝒜𝒜b")]
     compared = 0
     for stop, text in cases:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -134,7 +135,7 @@ def test_stop_strings_fire_where_hfs_criteria_do_on_characters_split_over_tokens
             hf_criteria = StopStringCriteria(tokenizer, [stop])
         except ValueError:  # transformers 5.17 cannot map this tokenizer's byte tokens to text: it refuses
             continue
-        ours = stop_string_check(tokenizer, [stop])
+        ours = stop_string_check(tokenizer, [stop], in_prompt=True)
         hf_fires = [n for n in range(1, len(ids) + 1) if bool(hf_criteria(torch.tensor([ids[:n]]), None)[0])]
         our_fires = [n for n in range(1, len(ids) + 1) if ours([], ids[:n])]
         if not hf_fires:  # transformers 5.17 misses a stop string made of byte tokens it maps wrongly

@@ -21,6 +21,7 @@ HF's result: docs/generate.md.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import warnings
 from contextlib import closing
@@ -46,8 +47,9 @@ from hfaccel.patches.planner import GenerateCall, beam_requests, is_left_padding
 from hfaccel.patches.state_outputs import request_rows, state_fields
 
 logger = logging.getLogger("hfaccel")
-# Types of the user's own processors and criteria already warned about (once per type and process).
-_WARNED_ROW_CALLBACKS: set[type] = set()
+# The user's own processors and criteria already warned about, by module and qualified name (once per
+# process; names, not types, so a class made per call is not kept alive).
+_WARNED_ROW_CALLBACKS: set[tuple[str, str]] = set()
 
 
 def warn_row_callbacks(call: GenerateCall) -> None:
@@ -60,17 +62,18 @@ def warn_row_callbacks(call: GenerateCall) -> None:
         return
     for name in ("logits_processor", "stopping_criteria"):
         for item in call.custom[name] or ():
-            kind = type(item)
-            if kind.__module__.startswith("transformers.") or kind in _WARNED_ROW_CALLBACKS:
+            named = item if inspect.isfunction(item) else type(item)  # a plain function is its own kind
+            key = (str(named.__module__), named.__qualname__)
+            if key[0].startswith("transformers.") or key in _WARNED_ROW_CALLBACKS:
                 continue
-            _WARNED_ROW_CALLBACKS.add(kind)
+            _WARNED_ROW_CALLBACKS.add(key)
             logger.warning(
                 "hfaccel: %s %s runs once per row on the engine, with that row's [1, L] input_ids (HF calls "
                 "it once per step with the whole [B, L] batch): if it indexes batch rows, returns one value "
                 "for the whole batch or keeps per-step state, its tokens differ from HF's; run such a call "
                 "with hfaccel.unpatch(model) or type(model).generate(model, ...) (docs/generate.md)",
                 name,
-                kind.__name__,
+                named.__qualname__,
             )
 
 

@@ -403,8 +403,13 @@ def stop_string_check(
             if len(tail) < size and prompt and in_prompt:
                 tail = prompt[len(tail) - size :] + tail
             text = tokenizer.decode(tail)
-            before = len(os.path.commonprefix([tokenizer.decode(tail[:-1]), text])) if len(tail) > 1 else 0
-            if before >= longest - 1 or len(tail) >= available:
+            previous = tokenizer.decode(tail[:-1]) if len(tail) > 1 else ""
+            if previous == text:  # the newest token adds no text: no stop string ends in it
+                return False
+            before = len(os.path.commonprefix([previous, text]))
+            # A window that starts inside a character starts with U+FFFD: not text to match against.
+            broken = len(text) - len(text.lstrip("\ufffd"))
+            if before - broken >= longest - 1 or len(tail) >= available:
                 break
             size *= 2
         return any((pos := text.rfind(s)) != -1 and pos + len(s) > before for s in stop_strings)

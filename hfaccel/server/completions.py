@@ -5,6 +5,7 @@ differ only in how the prompt is made and how a choice is written."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import time
 import uuid
@@ -108,10 +109,11 @@ class TextFlavour:
             if len(prompt) != 1:
                 raise APIError(400, f"a list of {len(prompt)} prompts: send one request per prompt", "prompt")
             prompt = prompt[0]
-        if isinstance(prompt, str):
-            return tokenizer(prompt)["input_ids"]
-        if not prompt:
+        ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        if not ids:
             raise APIError(400, "the prompt has no tokens", "prompt")
+        if isinstance(prompt, str):
+            return ids
         bad = next((t for t in prompt if not 0 <= t < len(tokenizer)), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary", "prompt")
@@ -459,10 +461,13 @@ def _legacy_logprobs(items: list[dict[str, Any]] | None, before: bytes = b"") ->
     from the start of the choice's text, whose first `before` bytes came earlier."""
     if items is None:
         return None
-    offsets, text = [], before
-    for item in items:  # where each token's text starts: a token inside a character starts at that character
-        offsets.append(len(text.decode("utf-8", errors="ignore")))
-        text += bytes(item["bytes"])
+    # Characters counted as the tokenizer decodes: an invalid byte is one U+FFFD, and only a character
+    # still unfinished at the end waits (a token inside a character starts where that character does).
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    offsets, at = [], len(decoder.decode(before))
+    for item in items:
+        offsets.append(at)
+        at += len(decoder.decode(bytes(item["bytes"])))
     return {
         "tokens": [item["token"] for item in items],
         "token_logprobs": [item["logprob"] for item in items],

@@ -12,6 +12,7 @@ stored (``store`` is accepted, and every response says ``"store": false``), so
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
@@ -127,6 +128,8 @@ def prepare_response(served: Any, body: ResponsesRequest) -> CompletionCall:
         call = prepare_call(served, chat, ResponsesFlavour)
     except APIError as error:
         name = _FIELDS.get(error.param or "", error.param)
+        if name is not None:  # Responses' tools are flat: chat's tools[i].function.name is its tools[i].name
+            name = re.sub(r"^(tools\[\d+\])\.function\.", r"\1.", name)
         message = error.message.replace(error.param or "\0", name or "")
         raise APIError(error.status, message, name, error.kind, error.headers) from error
     return call

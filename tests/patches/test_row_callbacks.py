@@ -117,3 +117,20 @@ def test_output_logits_show_a_processors_in_place_edit_as_hfs_do():
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     for ours, theirs in zip(out.scores, reference.scores):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_plain_function_processors_warn_each_under_their_own_name(caplog):
+    def boost_ten(input_ids, scores):
+        return scores + 5.0 * (torch.arange(scores.shape[-1]) == 10)
+
+    def boost_twenty(input_ids, scores):
+        return scores + 5.0 * (torch.arange(scores.shape[-1]) == 20)
+
+    model = hfaccel.patch(tiny_model("llama"), kv_cache_memory=4_000_000, block_size=8)
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger="hfaccel"):
+        for function in (boost_ten, boost_twenty, boost_ten):
+            model.generate(logits_processor=LogitsProcessorList([function]), **kwargs)
+    messages = _row_warnings(caplog)
+    assert len(messages) == 2 and "boost_ten" in messages[0] and "boost_twenty" in messages[1], messages

@@ -38,6 +38,15 @@ def test_a_character_split_over_tokens_fires_at_its_last_byte():
     assert fired(stop_string_check(TOKENIZER, ["a 🎉"]), ids) == [5]
 
 
+def test_a_stop_string_of_several_split_characters_fires_at_each_of_its_ends():
+    """A window that begins inside a character decodes to U+FFFD there: that is no text to match against,
+    so the window widens until it holds the whole stop string."""
+    split = [EMOJI[:2], EMOJI[2:3], EMOJI[3:]]
+    ids = TOKENIZER.encode(b"a", *split, *split, *split, b"a")
+    assert fired(stop_string_check(TOKENIZER, ["🎉🎉"]), ids) == [7, 10]
+    assert fired(stop_string_check(TOKENIZER, ["a🎉🎉"]), ids) == [7]
+
+
 @pytest.mark.parametrize("empty", [1, 5, 40])
 def test_tokens_that_decode_to_nothing_inside_a_stop_string_do_not_hide_it(empty):
     ids = TOKENIZER.encode(b"a", b"c") + [0] * empty + TOKENIZER.encode(b"%", b"a")

@@ -109,3 +109,35 @@ def test_logprob_bytes_and_offsets_follow_characters_split_over_tokens(smollm2):
     for cut in range(1, len(items)):  # streamed: the chunks' offsets count from the choice's start
         before = b"".join(bytes(item["bytes"]) for item in items[:cut])
         assert _legacy_logprobs(items[cut:], before)["text_offset"] == expected[cut:]
+
+
+def test_an_invalid_byte_mid_text_counts_as_one_character(smollm2):
+    """A stray continuation byte decodes to one U+FFFD in the text, as the tokenizer decodes it; the
+    offsets after it count it once (they dropped it before)."""
+    from hfaccel.server.completions import _legacy_logprobs, _token
+
+    _, tokenizer = smollm2
+    ids = tokenizer.convert_tokens_to_ids(["a", "İ", "b", "b"])  # 'İ' is byte 0x8E alone
+    items = [{**_token(tokenizer, i, -1.0), "top_logprobs": []} for i in ids]
+    assert tokenizer.decode(ids) == "a\ufffdbb"
+    assert _legacy_logprobs(items)["text_offset"] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": [""]}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "stream": True, "stream_options": {"include_usage": 1}},
+            None,
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, None),
+        ("/v1/responses", {"input": "hi", "tools": [{"type": "function", "name": ""}]}, "tools[0].name"),
+    ],
+)
+def test_nested_fields_and_empty_prompts_are_refused_by_their_own_names(served, path, body, param):
+    code, _, answer = post(served[0], path, {"model": MODEL, **body})
+    assert code == 400, answer
+    if param is not None:
+        assert answer["error"]["param"] == param, answer
