@@ -388,8 +388,10 @@ def stop_string_check(
     The newest token's text is where the decoded tail stops agreeing with the tail decoded without it:
     a token may end inside a character (byte-level tokenizers split an emoji or a CJK character over
     several tokens, each alone decoding to U+FFFD), so the shorter text is not always a prefix of the
-    longer one. The tail starts a few tokens longer than the longest stop string and doubles while the
-    text before the newest token is shorter than that string (tokens that decode to nothing)."""
+    longer one. A newest token that adds no text ends no stop string. The tail starts a few tokens
+    longer than the longest stop string and doubles while the text before the newest token, less the
+    U+FFFD of a tail that starts inside a character, is shorter than that string (tokens that decode to
+    nothing, characters of several tokens)."""
     if not stop_strings or any(not isinstance(s, str) or not s for s in stop_strings):
         raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
     longest = max(map(len, stop_strings))
