@@ -101,29 +101,28 @@ _PROBED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 def byte_tokens(tokenizer: Any) -> frozenset[int]:
     """The ids of a byte-fallback vocabulary's byte tokens (``<0x00>`` ... ``<0xFF>``, SentencePiece's);
     empty for byte-level BPE, whose tokens are bytes already. Read once per tokenizer object."""
+    return _per_tokenizer(_BYTES, tokenizer, _read_byte_tokens)
+
+
+def _read_byte_tokens(tokenizer: Any) -> frozenset[int]:
     try:
-        return _BYTES[tokenizer]
-    except (KeyError, TypeError):
-        pass
-    try:
-        found = frozenset(i for token, i in tokenizer.get_vocab().items() if _BYTE_TOKEN.fullmatch(token))
+        return frozenset(i for token, i in tokenizer.get_vocab().items() if _BYTE_TOKEN.fullmatch(token))
     except Exception:  # noqa: BLE001 - no vocabulary to read: no run to hold
-        found = frozenset()
-    with contextlib.suppress(TypeError):
-        _BYTES[tokenizer] = found
-    return found
+        return frozenset()
 
 
 def token_bytes(tokenizer: Any, token: int) -> bytes:
     """The bytes token `token` stands for, where decoding it alone gives U+FFFD for part of a character:
     a byte-level BPE token's own bytes (GPT-2's byte alphabet, mapped back), a byte-fallback token's
-    one byte (``<0xE3>``); any other token (special ones included) as its decoded text's UTF-8."""
-    piece = tokenizer.convert_ids_to_tokens(token)
-    if isinstance(piece, str) and token not in special_tokens(tokenizer):
-        if _BYTE_TOKEN.fullmatch(piece):
-            return bytes([int(piece[3:5], 16)])
-        alphabet = _byte_alphabet()
-        if _byte_level(tokenizer) and all(c in alphabet for c in piece):
+    one byte (``<0xE3>``); any other token (added and special ones, whose text is stored as it is) as
+    its decoded text's UTF-8."""
+    if token in byte_tokens(tokenizer):
+        return bytes([int(tokenizer.convert_ids_to_tokens(token)[3:5], 16)])
+    if _per_tokenizer(_BYTE_LEVEL, tokenizer, _byte_level) and token not in _per_tokenizer(
+        _LITERAL, tokenizer, _literal_tokens
+    ):
+        piece, alphabet = tokenizer.convert_ids_to_tokens(token), _byte_alphabet()
+        if isinstance(piece, str) and all(c in alphabet for c in piece):
             return bytes(alphabet[c] for c in piece)
     return tokenizer.decode([token]).encode()
 
@@ -131,15 +130,26 @@ def token_bytes(tokenizer: Any, token: int) -> bytes:
 def _byte_level(tokenizer: Any) -> bool:
     """Whether the tokenizer decodes with tokenizers' ByteLevel decoder (GPT-2-style BPE), alone or in a
     sequence of decoders (transformers 5.17 builds one for a GGUF tokenizer)."""
-    with contextlib.suppress(KeyError, TypeError):
-        return _BYTE_LEVEL[tokenizer]
     decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
     try:
-        found = decoder is not None and '"type":"ByteLevel"' in decoder.__getstate__().decode()
+        return decoder is not None and '"type":"ByteLevel"' in decoder.__getstate__().decode()
     except Exception:  # noqa: BLE001 - a decoder that does not serialise: judge by its type
-        found = type(decoder).__name__ == "ByteLevel"
+        return type(decoder).__name__ == "ByteLevel"
+
+
+def _literal_tokens(tokenizer: Any) -> frozenset[int]:
+    """Added and special tokens: their text is stored as it is, not in the byte alphabet."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return special_tokens(tokenizer) | frozenset(added)
+
+
+def _per_tokenizer(cache: weakref.WeakKeyDictionary, tokenizer: Any, read: Any) -> Any:
+    """`read(tokenizer)`, kept in `cache` per tokenizer object (read every time for one that cannot be)."""
+    with contextlib.suppress(KeyError, TypeError):
+        return cache[tokenizer]
+    found = read(tokenizer)
     with contextlib.suppress(TypeError):
-        _BYTE_LEVEL[tokenizer] = found
+        cache[tokenizer] = found
     return found
 
 
@@ -162,3 +172,4 @@ def special_tokens(tokenizer: Any) -> frozenset[int]:
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 _BYTES: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
 _BYTE_LEVEL: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_LITERAL: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()

@@ -34,18 +34,18 @@ def client(served):
     return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)
 
 
-def post(server, path, body, headers=None):
-    """(status, headers, parsed JSON) of a plain POST."""
+def send(server, method, path, body: bytes | None = None, headers=None):
+    """(status, headers, body bytes) of a plain HTTP request with a JSON content type."""
     host, port = server.url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=30)
-    connection.request(
-        "POST", path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})}
-    )
+    connection.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
     response = connection.getresponse()
     data = response.read()
     connection.close()
-    return (
-        response.status,
-        {k.lower(): v for k, v in response.getheaders()},
-        json.loads(data) if data else None,
-    )
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, data
+
+
+def post(server, path, body, headers=None):
+    """(status, headers, parsed JSON) of a plain POST."""
+    status, answer_headers, data = send(server, "POST", path, json.dumps(body), headers)
+    return status, answer_headers, json.loads(data) if data else None

@@ -4,25 +4,14 @@ clients call besides completions."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 
 import pytest
 
-from tests.server.conftest import CHAT, MODEL, post
+from tests.server.conftest import CHAT, MODEL, post, send
 
 pytest.importorskip("fastapi")
-
-
-def raw(server, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-    host, port = server.url.removeprefix("http://").split(":")
-    connection = http.client.HTTPConnection(host, int(port), timeout=30)
-    connection.request(method, path, body, {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    data = response.read()
-    connection.close()
-    return response.status, data
 
 
 @pytest.mark.parametrize(
@@ -47,7 +36,7 @@ def test_a_request_that_would_be_misread_or_ignored_is_refused(served, body, par
 
 
 def test_a_body_that_is_not_json_names_no_field(served):
-    code, data = raw(served[0], "POST", "/v1/chat/completions", b"{not json")
+    code, _, data = send(served[0], "POST", "/v1/chat/completions", b"{not json")
     answer = json.loads(data)
     assert code == 400 and answer["error"]["param"] is None
     assert "not valid JSON" in answer["error"]["message"]
@@ -86,9 +75,9 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
 
 
 def test_health_answers_head_and_a_model_is_retrieved_by_its_id(served, client):
-    assert raw(served[0], "HEAD", "/health")[0] == 200
+    assert send(served[0], "HEAD", "/health")[0] == 200
     assert client.models.retrieve(MODEL).id == MODEL
-    code, data = raw(served[0], "GET", "/v1/models/other-model")
+    code, _, data = send(served[0], "GET", "/v1/models/other-model")
     assert code == 404 and json.loads(data)["error"]["param"] == "model"
 
 
