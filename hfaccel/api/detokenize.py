@@ -27,14 +27,16 @@ _INCOMPLETE = "\ufffd"  # a character whose UTF-8 bytes span tokens, until its l
 class Detokenizer:
     """The text each new token of one sequence adds (`add`), held back while it could still change: a
     partial character, a run of byte tokens not yet ended, and (cleanup tokenizers) the last 4
-    characters; the deltas join to the whole list's decode."""
+    characters; the deltas join to the whole list's decode (`skip_special_tokens` as given: a reply parser
+    reads the special tokens that mark a tool call or the end of a turn)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
+        self.skip_special_tokens = skip_special_tokens
         self.windowed = decodes_locally(tokenizer)
         self._bytes = byte_tokens(tokenizer)
-        self._skipped = special_tokens(tokenizer) if self._bytes else frozenset()
+        self._skipped = special_tokens(tokenizer) if self._bytes and skip_special_tokens else frozenset()
         self._in_run = False
         self._prefix = 0  # the window starts here: the token after the last one whose text was read...
         self._read = 0  # ...and its text up to here was sent
@@ -72,7 +74,7 @@ class Detokenizer:
         return after[len(before) :] if done else ""
 
     def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True) if tokens else ""
+        return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens) if tokens else ""
 
 
 def decodes_locally(tokenizer: Any) -> bool:

@@ -16,10 +16,12 @@ from typing import Any
 from fastapi.sse import format_sse_event
 
 from hfaccel.api import agenerate, astream, prompt_logprobs_of
-from hfaccel.api.detokenize import token_bytes
+from hfaccel.api.detokenize import Detokenizer, token_bytes
 from hfaccel.patches.params import stops_in_output_only
 from hfaccel.patches.patch_state import strict_calls
+from hfaccel.patches.reply_parsing import response_template
 from hfaccel.server.protocol import APIError, ChatMessage, message_text
+from hfaccel.server.replies import ReplyReading, read_piece, reply_choice
 from hfaccel.server.sampling import cut_at_stop, generate_kwargs, stop_strings
 
 
@@ -161,6 +163,7 @@ class CompletionCall:
     kwargs: dict[str, Any]
     logprobs: bool | int
     stops: list[str]
+    reading: ReplyReading | None = None  # chat: its reply read into content, reasoning and tool calls
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     generated: int = 0  # tokens streamed so far
     streamed: bool = False  # the stream ran to its end (not cut by a client that went)
@@ -204,7 +207,11 @@ class CompletionCall:
 def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
     ids = flavour.prompt(served.tokenizer, body)
     kwargs = generate_kwargs(body, flavour.max_tokens(body), len(ids), served.max_model_len(), served.limits)
-    return CompletionCall(flavour, body, ids, kwargs, flavour.logprobs(body), stop_strings(body))
+    call = CompletionCall(flavour, body, ids, kwargs, flavour.logprobs(body), stop_strings(body))
+    template = response_template(served.tokenizer, served.model) if flavour is ChatFlavour else None
+    if template is not None:
+        call.reading = ReplyReading(template, served.tokenizer.decode(ids), body.tools)
+    return call
 
 
 async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str, Any]:
@@ -230,14 +237,22 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
     choices, generated = [], 0
     for i, completion in enumerate(completions):
         text = completion.text or ""
-        if completion.finish_reason == "stop" and call.stops:
+        stopped = completion.finish_reason == "stop" and call.stops
+        if stopped:
             text = cut_at_stop(text, call.stops)
         items = _logprob_items(
             tokenizer, completion.token_ids, completion.logprobs, completion.top_logprobs, call
         )
         if prompt is not None and items is not None:
             items = prompt + items
-        choices.append(call.flavour.choice(i, call.echo(tokenizer) + text, completion.finish_reason, items))
+        if call.reading is not None:  # read with its special tokens, which mark tool calls and turn ends
+            raw = tokenizer.decode(completion.token_ids)
+            reply = call.reading.parse(tokenizer, cut_at_stop(raw, call.stops) if stopped else raw, text)
+            choices.append(reply_choice(i, reply, completion.finish_reason, items))
+        else:
+            choices.append(
+                call.flavour.choice(i, call.echo(tokenizer) + text, completion.finish_reason, items)
+            )
         generated += len(completion.token_ids)
     metrics.finished(endpoint, "ok", len(call.prompt_ids), generated, completions[0].metrics)
     return {**call.envelope(choices), "usage": call.usage(generated)}
@@ -287,6 +302,12 @@ async def stream_pieces(
         raise
     hold = max((len(s) for s in call.stops), default=1) - 1
     texts, sent = [""] * call.count, [0] * call.count
+    # A reply read by its template is streamed with its special tokens, which the reader needs.
+    raw = (
+        [Detokenizer(tokenizer, skip_special_tokens=False) for _ in range(call.count)]
+        if call.reading
+        else None
+    )
     first_token, outcome = time.perf_counter(), "cancelled"
     try:
         yield None
@@ -294,7 +315,7 @@ async def stream_pieces(
         async for event in _chain(pending, _while_connected(events, gone)):
             i = event.index
             call.generated += 1
-            texts[i] += event.text or ""
+            texts[i] += (event.text or "") if raw is None else raw[i].add(event.token_id, done=event.finished)
             if event.finished:
                 final = texts[i]
                 if event.finish_reason == "stop" and call.stops:
@@ -354,9 +375,15 @@ async def stream_call(
 
         for i in range(call.count if echo else 0):
             yield chunk(delta(i, echo, None, items))
+        readers = [call.reading.stream() for _ in range(call.count)] if call.reading else None
+        calls = [0] * call.count  # tool calls streamed per choice
         async for piece in pieces:
             assert piece is not None
-            yield chunk(delta(piece.index, piece.delta, piece.finish, piece.items))
+            if readers is None:
+                yield chunk(delta(piece.index, piece.delta, piece.finish, piece.items))
+                continue
+            for choice in read_piece(readers[piece.index], piece, calls):
+                yield chunk(choice)
         if not call.streamed:
             return  # the client went: no closing chunks
         if options is not None and options.include_usage:

@@ -191,3 +191,19 @@ def test_byte_fallback_tokens_give_their_byte():
     byte_ids = [i for i, piece in zip(ids, pieces) if piece.startswith("<0x")]
     assert len(byte_ids) == 4, pieces
     assert b"".join(token_bytes(tokenizer, i) for i in byte_ids) == "🎉".encode()
+
+
+@pytest.mark.parametrize(
+    "text", ["<|im_start|>assistant\nHi ☃<|im_end|>", "<tool_call>\n{}\n</tool_call><|im_end|>x"]
+)
+def test_with_special_tokens_kept_the_deltas_join_to_the_raw_decode(smollm2, text):
+    """A reply parser reads the special tokens that mark a turn's end: kept, the deltas join to the decode
+    with them, and a partial character still waits."""
+    _, tokenizer = smollm2
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    assert any(t in tokenizer.all_special_ids for t in tokens)
+    detokenizer = Detokenizer(tokenizer, skip_special_tokens=False)
+    deltas = [detokenizer.add(t, done=k == len(tokens) - 1) for k, t in enumerate(tokens)]
+    whole = tokenizer.decode(tokens, skip_special_tokens=False)
+    assert "".join(deltas) == whole == text
+    assert all("\ufffd" not in d for d in deltas)

@@ -1,0 +1,81 @@
+"""A chat reply as transformers serve writes it: content, ``reasoning_content`` and ``tool_calls``, read by
+the model's response template (`patches.reply_parsing`), whole or as stream chunks."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from hfaccel.patches.reply_parsing import Reply, ReplyPart, ReplyStream, parse_reply
+
+
+@dataclass
+class ReplyReading:
+    """How one request's reply is read: the response template, the prompt's text (it may open a field,
+    such as ``<think>``) and the request's tools (their schemas type the arguments)."""
+
+    template: dict[str, Any]
+    prompt: str
+    tools: list[dict[str, Any]] | None
+
+    def parse(self, tokenizer: Any, text: str, plain: str) -> Reply:
+        """The whole reply `text` (decoded with special tokens); `plain` if the template cannot read it."""
+        return parse_reply(tokenizer, self.template, self.prompt, text, plain, self.tools)
+
+    def stream(self) -> ReplyStream:
+        return ReplyStream(self.template, self.prompt, self.tools)
+
+
+def reply_choice(
+    index: int, reply: Reply, finish: str | None, logprobs: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """A chat choice of a read reply; finish_reason ``"tool_calls"`` when it calls any."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.reasoning is not None:
+        message["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        message["tool_calls"] = [_tool_call(None, call) for call in reply.tool_calls]
+        finish = "tool_calls"
+    lp = None if logprobs is None else {"content": logprobs}
+    return {"index": index, "message": message, "finish_reason": finish, "logprobs": lp}
+
+
+def read_piece(reader: ReplyStream, piece: Any, calls: list[int]) -> list[dict[str, Any]]:
+    """A streamed piece (`completions.Piece`) read by its reply's template: one chunk choice per part
+    (content, reasoning, a whole tool call), the piece's logprobs on the first, its finish on the last
+    (``"tool_calls"`` when the choice called any); one empty delta when the piece completes no part but
+    carries either. `calls` counts each choice's tool calls so far."""
+    i = piece.index
+    parts = reader.feed(piece.delta) + (reader.finish() if piece.finish else [])
+    deltas = []
+    for part in parts:
+        deltas.append(_part_delta(part, calls[i]))
+        calls[i] += part.tool_call is not None
+    if not deltas and (piece.items or piece.finish):
+        deltas.append({})
+    finish = "tool_calls" if piece.finish and calls[i] else piece.finish
+    lp = None if piece.items is None else {"content": piece.items}
+    last = len(deltas) - 1
+    return [
+        {
+            "index": i,
+            "delta": d,
+            "finish_reason": finish if k == last else None,
+            "logprobs": lp if k == 0 else None,
+        }
+        for k, d in enumerate(deltas)
+    ]
+
+
+def _part_delta(part: ReplyPart, calls_before: int) -> dict[str, Any]:
+    if part.tool_call is not None:
+        return {"tool_calls": [_tool_call(calls_before, part.tool_call)]}
+    return {"reasoning_content": part.reasoning} if part.reasoning else {"content": part.content}
+
+
+def _tool_call(index: int | None, call: Any) -> dict[str, Any]:
+    """OpenAI's tool call; a stream's calls are numbered within their choice (`index`), a message's not."""
+    function = {"name": call.name, "arguments": call.arguments}
+    numbered = {} if index is None else {"index": index}
+    return {**numbered, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}

@@ -1,0 +1,142 @@
+"""Chat replies read by the model's response template, as transformers serve reads them: reasoning apart
+from the content, tool calls as OpenAI's ``tool_calls`` (finish_reason ``"tool_calls"``), whole and
+streamed, through the `openai` client. A model without a template gets its text as generated (every other
+server test)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hfaccel.api.results import Completion, StreamEvent, no_metrics
+from tests.server.conftest import CHAT, MODEL
+
+pytest.importorskip("fastapi")
+
+# The tiny chat template's generation prompt is "<a>"; its EOS "</s>" is a special token.
+TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<a>",
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"},
+        "tool_calls": {
+            "open_pattern": r"\s*<tool_call>",
+            "close": "</tool_call>",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"\s*</s>", "content": "text"},
+    },
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
+        },
+    }
+]
+SCRIPT = (
+    "<think>sum it</think>On it."
+    '<tool_call>{"name": "add", "arguments": {"a": "2", "b": 3}}</tool_call>'
+    '<tool_call>{"name": "add", "arguments": {"a": 4, "b": 5}}</tool_call>'
+)
+
+
+@pytest.fixture
+def reading(served, monkeypatch):
+    """The served tokenizer given `TEMPLATE`, and a chat template that shows tools to the model."""
+    _, _, tokenizer = served
+    monkeypatch.setattr(tokenizer, "response_template", TEMPLATE, raising=False)
+    shown = "{% if tools %}<t>{{ tools | tojson }}{% endif %}" + tokenizer.chat_template
+    monkeypatch.setattr(tokenizer, "chat_template", shown)
+    return tokenizer
+
+
+@pytest.fixture
+def scripted(reading, monkeypatch):
+    """The engine's output replaced by `SCRIPT` and EOS, to test how the server writes a tool call."""
+    import hfaccel.server.completions as completions
+
+    ids = reading.encode(SCRIPT, add_special_tokens=False) + [reading.eos_token_id]
+    text = reading.decode(ids, skip_special_tokens=True)
+
+    async def agenerate(model, prompts, **kwargs):
+        return [Completion(prompts[0], ids, text, "stop", no_metrics()) for _ in prompts]
+
+    async def astream(model, prompts, **kwargs):
+        for k, token in enumerate(ids):
+            done = k == len(ids) - 1
+            yield StreamEvent(0, token, None, done, "stop" if done else None)
+
+    monkeypatch.setattr(completions, "agenerate", agenerate)
+    monkeypatch.setattr(completions, "astream", astream)
+
+
+def test_a_reply_with_tool_calls_gives_openais_tool_calls(client, scripted):
+    answer = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "On it."
+    assert choice.message.model_extra["reasoning_content"] == "sum it"
+    calls = choice.message.tool_calls
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("function", "add", {"a": 2, "b": 3}),  # "2" typed by the tool's schema
+        ("function", "add", {"a": 4, "b": 5}),
+    ]
+    assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
+
+
+def test_a_streamed_reply_with_tool_calls_gives_them_whole_and_numbered(client, scripted):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "On it."
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "sum it"
+    calls = [call for d in deltas for call in d.tool_calls or ()]
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        (0, "add", {"a": 2, "b": 3}),
+        (1, "add", {"a": 4, "b": 5}),
+    ]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_the_engines_own_reply_is_split_where_the_template_says(client, served, monkeypatch):
+    """The real engine: the tiny model's greedy reply (its tokens' raw text, special tokens kept, as the
+    reader sees it), with a template whose reasoning opens and closes at two-character literals taken
+    from that text; reasoning and content come apart there, whole and streamed."""
+    _, _, tokenizer = served
+    ask = {
+        "model": MODEL,
+        "messages": CHAT,
+        "max_tokens": 40,
+        "temperature": 0,
+        "extra_body": {"min_tokens": 40},
+    }
+    items = client.chat.completions.create(**ask, logprobs=True).choices[0].logprobs.content
+    raw = "".join(item.token for item in items)
+    opening = raw[:2]
+    j = next(
+        j
+        for j in range(4, len(raw) - 2)
+        if raw[j : j + 2] not in raw[: j + 1] and opening not in raw[j + 2 :] and raw[j + 2 :].strip()
+    )
+    template = {
+        "start_anchor": "<a>",
+        "fields": {
+            "reasoning_content": {"open": opening, "close": raw[j : j + 2], "content": "text"},
+            "content": {"close_pattern": r"</s>", "content": "text"},
+        },
+    }
+    monkeypatch.setattr(tokenizer, "response_template", template, raising=False)
+    message = client.chat.completions.create(**ask).choices[0].message
+    assert (message.model_extra["reasoning_content"], message.content) == (raw[2:j], raw[j + 2 :].strip())
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == raw[2:j]
+    assert "".join(d.content or "" for d in deltas) == raw[j + 2 :]
