@@ -55,8 +55,8 @@ class ChatFlavour:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     @staticmethod
-    def prompt(tokenizer: Any, body: Any) -> list[int]:
-        return ChatFlavour.prompt_ids(tokenizer, body.messages, body.tools)
+    def prompts(tokenizer: Any, body: Any) -> list[list[int]]:
+        return [ChatFlavour.prompt_ids(tokenizer, body.messages, body.tools)]
 
     @staticmethod
     def max_tokens(body: Any) -> int | None:
@@ -105,20 +105,24 @@ class TextFlavour:
     endpoint, object, chunk_object, id_prefix = "completions", "text_completion", "text_completion", "cmpl"
 
     @staticmethod
-    def prompt(tokenizer: Any, body: Any) -> list[int]:
+    def prompts(tokenizer: Any, body: Any) -> list[list[int]]:
+        """One prompt (text or token ids), or OpenAI's batch: a list of them, each prompt's `n` choices in
+        turn (choice ``i * n + j`` is prompt i's j-th)."""
         prompt = body.prompt
-        if not isinstance(prompt, str) and not isinstance(prompt[0], int):  # OpenAI's batch of prompts
-            if len(prompt) != 1:
-                raise APIError(400, f"a list of {len(prompt)} prompts: send one request per prompt", "prompt")
-            prompt = prompt[0]
+        if isinstance(prompt, str) or isinstance(prompt[0], int):
+            return [TextFlavour._ids(tokenizer, prompt, "prompt")]
+        return [TextFlavour._ids(tokenizer, p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+
+    @staticmethod
+    def _ids(tokenizer: Any, prompt: str | list[int], param: str) -> list[int]:
         ids = tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
         if not ids:
-            raise APIError(400, "the prompt has no tokens", "prompt")
+            raise APIError(400, "the prompt has no tokens", param)
         if isinstance(prompt, str):
             return ids
         bad = next((t for t in prompt if not 0 <= t < len(tokenizer)), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the vocabulary", "prompt")
+            raise APIError(400, f"token id {bad} is outside the vocabulary", param)
         return list(prompt)
 
     @staticmethod
@@ -155,11 +159,11 @@ class TextFlavour:
 
 @dataclass
 class CompletionCall:
-    """One HTTP request made ready: its prompt ids, `generate` arguments, n and stop strings."""
+    """One HTTP request made ready: its prompts' ids, `generate` arguments, n and stop strings."""
 
     flavour: Any
     body: Any
-    prompt_ids: list[int]
+    prompts: list[list[int]]  # one, or a completions batch
     kwargs: dict[str, Any]
     logprobs: bool | int
     stops: list[str]
@@ -171,7 +175,22 @@ class CompletionCall:
 
     @property
     def count(self) -> int:
-        return self.body.n
+        """The choices: `n` per prompt."""
+        return self.body.n * len(self.prompts)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt of a one-prompt call (chat, Responses)."""
+        (prompt,) = self.prompts
+        return prompt
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def choice_prompts(self) -> list[list[int]]:
+        """Each choice's prompt, in choice order: prompt i's n copies, then prompt i + 1's."""
+        return [p for p in self.prompts for _ in range(self.body.n)]
 
     @property
     def seed(self) -> int | None:
@@ -190,11 +209,14 @@ class CompletionCall:
         }
 
     def usage(self, generated: int) -> dict[str, int]:
-        prompt = len(self.prompt_ids)
+        prompt = self.prompt_tokens  # each prompt once, however many choices it has (vLLM's count)
         return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
-    def echo(self, tokenizer: Any) -> str:
-        return tokenizer.decode(self.prompt_ids) if getattr(self.body, "echo", False) else ""
+    def echo(self, tokenizer: Any, choice: int) -> str:
+        """The text a choice starts with: its prompt's, with ``echo``."""
+        if not getattr(self.body, "echo", False):
+            return ""
+        return tokenizer.decode(self.prompts[choice // self.body.n])
 
     def prompt_logprobs(self) -> int | None:
         """With ``echo`` and ``logprobs``, the prompt's tokens get logprobs too, as in OpenAI's legacy
@@ -205,12 +227,20 @@ class CompletionCall:
 
 
 def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
-    ids = flavour.prompt(served.tokenizer, body)
-    kwargs = generate_kwargs(body, flavour.max_tokens(body), len(ids), served.max_model_len(), served.limits)
-    call = CompletionCall(flavour, body, ids, kwargs, flavour.logprobs(body), stop_strings(body))
+    prompts = flavour.prompts(served.tokenizer, body)
+    longest = max(len(p) for p in prompts)
+    kwargs = generate_kwargs(body, flavour.max_tokens(body), longest, served.max_model_len(), served.limits)
+    call = CompletionCall(flavour, body, prompts, kwargs, flavour.logprobs(body), stop_strings(body))
+    if call.count > served.limits.max_pending:  # it could never be admitted: not a 429 to retry
+        raise APIError(
+            400,
+            f"{len(prompts)} prompts x n={body.n} are {call.count} choices, above this server's limit of "
+            f"{served.limits.max_pending} in flight",
+            "prompt" if len(prompts) > 1 else "n",
+        )
     template = response_template(served.tokenizer, served.model) if flavour is ChatFlavour else None
     if template is not None:
-        call.reading = ReplyReading(template, served.tokenizer.decode(ids), body.tools)
+        call.reading = ReplyReading(template, served.tokenizer.decode(call.prompt_ids), body.tools)
     return call
 
 
@@ -220,19 +250,15 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
     try:
         with strict_calls(), stops_in_output_only():  # a call the engine does not serve: 400, never HF's
             completions = await agenerate(
-                served.model, [call.prompt_ids] * call.count, tokenizer=tokenizer, seed=call.seed,
+                served.model, call.choice_prompts(), tokenizer=tokenizer, seed=call.seed,
                 logprobs=call.logprobs, **call.kwargs,
             )  # fmt: skip
-        prompt = None
-        if (k := call.prompt_logprobs()) is not None:  # one forward for the n copies, off the event loop
-            prompt = _prompt_items(
-                tokenizer, call, await asyncio.to_thread(prompt_logprobs_of, served.model, call.prompt_ids, k)
-            )
+        prompts = await _echoed_prompt_items(served, call)
     except ValueError as error:
-        metrics.finished(endpoint, "error", len(call.prompt_ids), 0, {})
+        metrics.finished(endpoint, "error", call.prompt_tokens, 0, {})
         raise APIError(400, str(error)) from error
     except BaseException as error:
-        metrics.finished(endpoint, _outcome(error), len(call.prompt_ids), 0, {})
+        metrics.finished(endpoint, _outcome(error), call.prompt_tokens, 0, {})
         raise
     choices, generated = [], 0
     for i, completion in enumerate(completions):
@@ -243,18 +269,18 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
         items = _logprob_items(
             tokenizer, completion.token_ids, completion.logprobs, completion.top_logprobs, call
         )
-        if prompt is not None and items is not None:
-            items = prompt + items
+        if prompts is not None and items is not None:
+            items = prompts[i // call.body.n] + items
         if call.reading is not None:  # read with its special tokens, which mark tool calls and turn ends
             raw = tokenizer.decode(completion.token_ids)
             reply = call.reading.parse(tokenizer, cut_at_stop(raw, call.stops) if stopped else raw, text)
             choices.append(reply_choice(i, reply, completion.finish_reason, items))
         else:
             choices.append(
-                call.flavour.choice(i, call.echo(tokenizer) + text, completion.finish_reason, items)
+                call.flavour.choice(i, call.echo(tokenizer, i) + text, completion.finish_reason, items)
             )
         generated += len(completion.token_ids)
-    metrics.finished(endpoint, "ok", len(call.prompt_ids), generated, completions[0].metrics)
+    metrics.finished(endpoint, "ok", call.prompt_tokens, generated, completions[0].metrics)
     return {**call.envelope(choices), "usage": call.usage(generated)}
 
 
@@ -286,7 +312,7 @@ async def stream_pieces(
     tokenizer, endpoint = served.tokenizer, call.flavour.endpoint
     start = time.perf_counter()
     events = astream(
-        served.model, [call.prompt_ids] * call.count, tokenizer=tokenizer, seed=call.seed,
+        served.model, call.choice_prompts(), tokenizer=tokenizer, seed=call.seed,
         logprobs=call.logprobs, **call.kwargs,
     )  # fmt: skip
     try:
@@ -294,11 +320,11 @@ async def stream_pieces(
             first = await anext(events, None)
     except ValueError as error:
         await events.aclose()
-        metrics.finished(endpoint, "error", len(call.prompt_ids), 0, {})
+        metrics.finished(endpoint, "error", call.prompt_tokens, 0, {})
         raise APIError(400, str(error)) from error
     except BaseException as error:  # the client left while the request waited (`_until_disconnected`)
         await events.aclose()
-        metrics.finished(endpoint, _outcome(error), len(call.prompt_ids), 0, {})
+        metrics.finished(endpoint, _outcome(error), call.prompt_tokens, 0, {})
         raise
     hold = max((len(s) for s in call.stops), default=1) - 1
     texts, sent = [""] * call.count, [0] * call.count
@@ -337,7 +363,7 @@ async def stream_pieces(
         times: dict[str, Any] = {"e2e_s": time.perf_counter() - start, "ttft_s": first_token - start}
         if call.generated > call.count:
             times["tpot_s"] = (time.perf_counter() - first_token) / (call.generated - call.count)
-        metrics.finished(endpoint, outcome, len(call.prompt_ids), call.generated, times)
+        metrics.finished(endpoint, outcome, call.prompt_tokens, call.generated, times)
 
 
 async def stream_call(
@@ -361,11 +387,7 @@ async def stream_call(
         if flavour is ChatFlavour:
             for i in range(call.count):
                 yield chunk(flavour.delta(i, None, None, None))
-        echo = call.echo(served.tokenizer)
-        items = None
-        if echo and (k := call.prompt_logprobs()) is not None:  # one forward, off the event loop
-            prompt = await asyncio.to_thread(prompt_logprobs_of, served.model, call.prompt_ids, k)
-            items = _prompt_items(served.tokenizer, call, prompt)
+        prompts = await _echoed_prompt_items(served, call)
         sent = [b""] * call.count  # the bytes of each choice's logprob tokens so far (echo's included)
 
         def delta(index: int, text: str | None, finish: str | None, items: Any) -> dict[str, Any]:
@@ -373,8 +395,9 @@ async def stream_call(
             sent[index] += b"".join(bytes(item["bytes"]) for item in items or ())
             return part
 
-        for i in range(call.count if echo else 0):
-            yield chunk(delta(i, echo, None, items))
+        for i in range(call.count if getattr(call.body, "echo", False) else 0):
+            items = None if prompts is None else prompts[i // call.body.n]
+            yield chunk(delta(i, call.echo(served.tokenizer, i), None, items))
         readers = [call.reading.stream() for _ in range(call.count)] if call.reading else None
         calls = [0] * call.count  # tool calls streamed per choice
         async for piece in pieces:
@@ -463,14 +486,20 @@ def _logprob_items(
     return items
 
 
-def _prompt_items(
-    tokenizer: Any, call: CompletionCall, prompt: list[dict[int, float] | None]
-) -> list[dict[str, Any]]:
-    """The echoed prompt's logprob items (`api.results.prompt_logprobs_of`: the model's own distribution;
-    the first token has none, OpenAI's null)."""
-    ids = call.prompt_ids
-    logprobs = [None if top is None else top[token] for token, top in zip(ids, prompt)]
-    return _logprob_items(tokenizer, ids, logprobs, [top or {} for top in prompt], call) or []
+async def _echoed_prompt_items(served: Any, call: CompletionCall) -> list[list[dict[str, Any]]] | None:
+    """Each prompt's logprob items when ``echo`` and ``logprobs`` ask for them, else None: one forward per
+    prompt for its n choices, off the event loop (`api.results.prompt_logprobs_of`: the model's own
+    distribution; the first token has none, OpenAI's null)."""
+    if (k := call.prompt_logprobs()) is None:
+        return None
+    items = []
+    for ids in call.prompts:
+        prompt = await asyncio.to_thread(prompt_logprobs_of, served.model, ids, k)
+        logprobs = [None if top is None else top[token] for token, top in zip(ids, prompt)]
+        items.append(
+            _logprob_items(served.tokenizer, ids, logprobs, [top or {} for top in prompt], call) or []
+        )
+    return items
 
 
 def _token(tokenizer: Any, token: int, logprob: float | None) -> dict[str, Any]:

@@ -76,7 +76,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    # A list of prompts (strings or token lists) is OpenAI's batch: one prompt is served, more refused.
+    # A list of prompts (strings or token lists) is OpenAI's batch: n choices for each, in turn.
     prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False

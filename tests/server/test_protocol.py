@@ -48,14 +48,49 @@ def test_a_negative_seed_is_served_and_reproduces(client):
     assert first and client.chat.completions.create(**ask).choices[0].message.content == first
 
 
-def test_a_list_of_one_prompt_is_that_prompt_and_more_are_refused(served, client):
+def test_a_list_of_one_prompt_is_that_prompt(served, client):
     ask = dict(model=MODEL, max_tokens=6, temperature=0)
     text = client.completions.create(prompt="Hello", **ask).choices[0].text
     assert client.completions.create(prompt=["Hello"], **ask).choices[0].text == text
     ids = served[2]("Hello")["input_ids"]
     assert client.completions.create(prompt=[ids], **ask).choices[0].text == text
-    code, _, answer = post(served[0], "/v1/completions", {"prompt": ["a", "b"], "model": MODEL})
+
+
+def test_a_batch_of_prompts_gives_each_its_n_choices_in_turn(served, client):
+    """OpenAI's batch: choice i * n + j is prompt i's j-th, each as that prompt alone would give it; the
+    usage counts each prompt once; echo and prompt logprobs are each choice's own prompt's."""
+    tokenizer = served[2]
+    prompts = ["Hello", "Good day to you"]
+    ask = dict(model=MODEL, max_tokens=6, temperature=0)
+    alone = [client.completions.create(prompt=p, **ask).choices[0].text for p in prompts]
+    answer = client.completions.create(prompt=prompts, n=2, **ask)
+    assert [(c.index, c.text) for c in answer.choices] == [
+        (0, alone[0]),
+        (1, alone[0]),
+        (2, alone[1]),
+        (3, alone[1]),
+    ]
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    assert answer.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    assert [c.text for c in client.completions.create(prompt=ids, **ask).choices] == alone
+    echoed = client.completions.create(prompt=prompts, echo=True, logprobs=1, **ask).choices
+    for choice, prompt, own, text in zip(echoed, prompts, ids, alone):
+        assert choice.text == prompt + text
+        assert choice.logprobs.tokens[: len(own)] == [tokenizer.decode([t]) for t in own]
+        assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.tokens) == len(own) + 6
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(prompt=prompts, n=2, stream=True, **ask):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [alone[0], alone[0], alone[1], alone[1]]
+
+
+def test_a_batch_that_could_never_be_admitted_is_a_400_naming_prompt(served):
+    body = {"model": MODEL, "prompt": ["a"] * 41, "n": 2, "max_tokens": 2}  # 82 choices, 80 in flight at most
+    code, _, answer = post(served[0], "/v1/completions", body)
     assert code == 400 and answer["error"]["param"] == "prompt", answer
+    code, _, answer = post(served[0], "/v1/completions", {**body, "prompt": ["a", ""]})
+    assert code == 400 and answer["error"]["param"] == "prompt[1]", answer
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
@@ -115,7 +150,7 @@ def test_an_invalid_byte_mid_text_counts_as_one_character(smollm2):
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/completions", {"prompt": [""]}, "prompt"),
+        ("/v1/completions", {"prompt": [""]}, "prompt[0]"),
         (
             "/v1/chat/completions",
             {"messages": CHAT, "stream": True, "stream_options": {"include_usage": 1}},

@@ -393,20 +393,24 @@ def test_a_full_queue_answers_429_with_retry_after():
     with hfaccel.serve(
         model, tokenizer, port=0, model_id=MODEL, limits=limits, kv_cache_memory=4_000_000
     ) as server:
-        code, headers, answer = post(
-            server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "n": 3}
+        local = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        stream = local.chat.completions.create(
+            model=MODEL, messages=CHAT, n=2, max_tokens=40, stream=True, extra_body={"min_tokens": 40}
         )
+        chunks = iter(stream)
+        next(chunks)  # its two choices are in flight
+        code, headers, answer = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT})
         assert (
             code == 429
             and headers.get("retry-after") == "1"
             and answer["error"]["type"] == "rate_limit_error"
         )
-        assert (
-            post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "n": 2, "max_tokens": 2})[
-                0
-            ]
-            == 200
-        )
+        list(chunks)
+        ok = {"model": MODEL, "messages": CHAT, "n": 2, "max_tokens": 2}
+        assert post(server, "/v1/chat/completions", ok)[0] == 200
+        # More choices than may ever be in flight: no retry would help, so not a 429.
+        code, _, answer = post(server, "/v1/chat/completions", {**ok, "n": 3})
+        assert code == 400 and answer["error"]["param"] == "n", answer
 
 
 def test_stop_lets_a_stream_in_flight_end_and_unpatches():
