@@ -32,7 +32,10 @@ class ChatFlavour:
 
     @staticmethod
     def prompt_ids(
-        tokenizer: Any, messages: list[ChatMessage], tools: list[dict[str, Any]] | None
+        tokenizer: Any,
+        messages: list[ChatMessage],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         if getattr(tokenizer, "chat_template", None) is None:
             raise APIError(400, "the model's tokenizer has no chat template: use /v1/completions", "messages")
@@ -45,18 +48,26 @@ class ChatFlavour:
             conversation.append(entry)
         if tools:
             _check_tools(tools)
+        extra = dict(template_kwargs or {})
+        taken = next((k for k in extra if k in _TEMPLATE_ARGUMENTS), None)
+        if taken is not None:
+            raise APIError(400, f"{taken!r} is set by the request itself", f"chat_template_kwargs.{taken}")
         text = tokenizer.apply_chat_template(
-            conversation, tools=tools, add_generation_prompt=True, tokenize=False
+            conversation, tools=tools, add_generation_prompt=True, tokenize=False, **extra
         )
         if tools:
-            plain = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            plain = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=False, **extra
+            )
             if plain == text:  # the template never shows them: the request would silently ignore them
                 raise APIError(400, "this model's chat template does not show tools to the model", "tools")
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     @staticmethod
     def prompts(tokenizer: Any, body: Any) -> list[list[int]]:
-        return [ChatFlavour.prompt_ids(tokenizer, body.messages, body.tools)]
+        # tool_choice "none": the model is not shown the tools (vLLM's default), so it does not call them.
+        tools = None if body.tool_choice == "none" else body.tools
+        return [ChatFlavour.prompt_ids(tokenizer, body.messages, tools, body.chat_template_kwargs)]
 
     @staticmethod
     def max_tokens(body: Any) -> int | None:
@@ -87,6 +98,20 @@ class ChatFlavour:
         delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
         lp = None if logprobs is None else {"content": logprobs}
         return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
+
+
+# apply_chat_template's arguments that the request's own fields set.
+_TEMPLATE_ARGUMENTS = frozenset(
+    {"conversation", "tools", "documents", "add_generation_prompt", "tokenize", "continue_final_message"}
+    | {
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "chat_template",
+        "padding",
+        "truncation",
+    }
+)
 
 
 def _check_tools(tools: list[dict[str, Any]]) -> None:

@@ -165,3 +165,38 @@ def test_nested_fields_and_empty_prompts_are_refused_by_their_own_names(served, 
     assert code == 400, answer
     if param is not None:
         assert answer["error"]["param"] == param, answer
+
+
+def test_chat_template_kwargs_reach_the_template(served, monkeypatch):
+    """vLLM's and transformers serve's extra (Qwen 3's `enable_thinking`); the request's own arguments
+    cannot be overridden through it."""
+    tokenizer = served[2]
+    template = "{% if greeting is defined %}{{ greeting }}{% endif %}" + tokenizer.chat_template
+    monkeypatch.setattr(tokenizer, "chat_template", template)
+    ask = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
+    plain = post(served[0], "/v1/chat/completions", ask)[2]["usage"]["prompt_tokens"]
+    code, _, answer = post(
+        served[0], "/v1/chat/completions", {**ask, "chat_template_kwargs": {"greeting": "Hey"}}
+    )
+    assert code == 200 and answer["usage"]["prompt_tokens"] == plain + 3  # a character a token
+    code, _, answer = post(
+        served[0], "/v1/chat/completions", {**ask, "chat_template_kwargs": {"tokenize": True}}
+    )
+    assert code == 400 and answer["error"]["param"] == "chat_template_kwargs.tokenize", answer
+
+
+def test_tool_choice_none_does_not_show_the_tools_to_the_model(served, monkeypatch):
+    tokenizer = served[2]
+    tools = [{"type": "function", "function": {"name": "lookup"}}]
+    ask = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
+    plain = post(served[0], "/v1/chat/completions", ask)[2]["usage"]["prompt_tokens"]
+    # The tiny template never shows tools: refused with "auto", served with "none" (nothing to hide).
+    assert post(served[0], "/v1/chat/completions", {**ask, "tools": tools})[0] == 400
+    code, _, answer = post(served[0], "/v1/chat/completions", {**ask, "tools": tools, "tool_choice": "none"})
+    assert code == 200 and answer["usage"]["prompt_tokens"] == plain
+    shown = "{% if tools %}<t>{{ tools | tojson }}{% endif %}" + tokenizer.chat_template
+    monkeypatch.setattr(tokenizer, "chat_template", shown)
+    code, _, answer = post(served[0], "/v1/chat/completions", {**ask, "tools": tools})
+    assert code == 200 and answer["usage"]["prompt_tokens"] > plain
+    code, _, answer = post(served[0], "/v1/chat/completions", {**ask, "tools": tools, "tool_choice": "none"})
+    assert code == 200 and answer["usage"]["prompt_tokens"] == plain
