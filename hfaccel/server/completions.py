@@ -45,6 +45,8 @@ class ChatFlavour:
                 raise APIError(400, f"a {message.role} message needs content", f"messages[{i}].content")
             entry = message.model_dump(exclude_none=True)
             entry["content"] = message_text(message, i) or ""
+            if message.tool_calls:
+                entry["tool_calls"] = _template_tool_calls(message.tool_calls, f"messages[{i}].tool_calls")
             conversation.append(entry)
         if tools:
             _check_tools(tools)
@@ -98,6 +100,26 @@ class ChatFlavour:
         delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
         lp = None if logprobs is None else {"content": logprobs}
         return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
+
+
+def _template_tool_calls(calls: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool calls as chat templates read them: OpenAI's ``function.arguments`` JSON
+    text parsed into the mapping templates iterate (as transformers serve does)."""
+    converted = []
+    for j, call in enumerate(calls):
+        function = call.get("function")
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(400, "a tool call needs a function with a name", f"{where}[{j}].function")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError as error:
+                raise APIError(
+                    400, f"the arguments are not JSON ({error})", f"{where}[{j}].function.arguments"
+                ) from error
+        converted.append({**call, "function": {**function, "arguments": arguments}})
+    return converted
 
 
 # apply_chat_template's arguments that the request's own fields set.

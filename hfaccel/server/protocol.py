@@ -63,6 +63,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None  # an earlier reply's, as this server answered it
 
 
 class ChatCompletionRequest(SamplingFields):

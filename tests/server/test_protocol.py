@@ -200,3 +200,29 @@ def test_tool_choice_none_does_not_show_the_tools_to_the_model(served, monkeypat
     assert code == 200 and answer["usage"]["prompt_tokens"] > plain
     code, _, answer = post(served[0], "/v1/chat/completions", {**ask, "tools": tools, "tool_choice": "none"})
     assert code == 200 and answer["usage"]["prompt_tokens"] == plain
+
+
+def test_a_tool_calling_conversation_goes_back_to_the_template_as_templates_read_it(served, monkeypatch):
+    """An assistant's tool calls come back with OpenAI's arguments as JSON text: the template iterates
+    them as a mapping (as transformers serve passes them); its reasoning_content is accepted too."""
+    tokenizer = served[2]
+    template = (
+        "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}"
+        "{% for c in m.get('tool_calls', []) %}[{{ c.function.name }}:"
+        "{% for k, v in c.function.arguments.items() %}{{ k }}={{ v }};{% endfor %}]{% endfor %}"
+        "{% if m.get('reasoning_content') %}({{ m['reasoning_content'] }}){% endif %}{% endfor %}<a>"
+    )
+    monkeypatch.setattr(tokenizer, "chat_template", template)
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+    messages = [
+        {"role": "user", "content": "2+3?"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "add them"},
+        {"role": "tool", "content": "5", "tool_call_id": "call_1"},
+    ]
+    code, _, answer = post(served[0], "/tokenize", {"model": MODEL, "messages": messages})
+    assert code == 200, answer
+    assert tokenizer.decode(answer["tokens"]) == "<u>2+3?<a>[add:a=2;b=3;](add them)<t>5<a>"
+    bad = {**call, "function": {"name": "add", "arguments": "{not json"}}
+    messages[1]["tool_calls"] = [bad]
+    code, _, answer = post(served[0], "/v1/chat/completions", {"model": MODEL, "messages": messages})
+    assert code == 400 and answer["error"]["param"] == "messages[1].tool_calls[0].function.arguments", answer
