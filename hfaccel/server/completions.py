@@ -285,7 +285,8 @@ def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
             f"{served.limits.max_pending} in flight",
             "prompt" if len(prompts) > 1 else "n",
         )
-    template = response_template(served.tokenizer, served.model) if flavour is ChatFlavour else None
+    chat = isinstance(flavour, type) and issubclass(flavour, ChatFlavour)  # chat and the Responses API
+    template = response_template(served.tokenizer, served.model) if chat else None
     if template is not None:
         call.reading = ReplyReading(template, served.tokenizer.decode(call.prompt_ids), body.tools)
     return call

@@ -74,8 +74,13 @@ def _part_delta(part: ReplyPart, calls_before: int) -> dict[str, Any]:
     return {"reasoning_content": part.reasoning} if part.reasoning else {"content": part.content}
 
 
+def call_id() -> str:
+    """A new tool call's id, as OpenAI's look."""
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _tool_call(index: int | None, call: Any) -> dict[str, Any]:
     """OpenAI's tool call; a stream's calls are numbered within their choice (`index`), a message's not."""
     function = {"name": call.name, "arguments": call.arguments}
     numbered = {} if index is None else {"index": index}
-    return {**numbered, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+    return {**numbered, "id": call_id(), "type": "function", "function": function}

@@ -19,8 +19,10 @@ from typing import Any, Literal
 from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field
 
+from hfaccel.patches.reply_parsing import ToolCall
 from hfaccel.server.completions import ChatFlavour, CompletionCall, prepare_call, stream_pieces
 from hfaccel.server.protocol import APIError, ChatCompletionRequest, ChatMessage
+from hfaccel.server.response_items import OutputStream, function_call_item, message_item, reasoning_item
 
 # Chat's field names in errors, as this endpoint's.
 _FIELDS = {
@@ -73,31 +75,90 @@ class ResponsesFlavour(ChatFlavour):
 
 
 def _messages(body: ResponsesRequest) -> list[ChatMessage]:
+    """The chat messages of `instructions` and `input`: message items, and a tool conversation's items as
+    transformers serve reads them (a ``function_call`` joins the assistant message before it as a tool
+    call, a ``function_call_output`` is a ``tool`` message, a ``reasoning`` item goes to the next
+    assistant message)."""
     messages = [] if body.instructions is None else [ChatMessage(role="system", content=body.instructions)]
     if isinstance(body.input, str):
         return [*messages, ChatMessage(role="user", content=body.input)]
+    reasoning = None
     for i, item in enumerate(body.input):
-        where = f"input[{i}]"
-        if item.get("type", "message") != "message" or "role" not in item:
-            raise APIError(400, f"only message items are served, got {item.get('type')!r}", where)
-        extra = set(item) - {"type", "role", "content", "id", "status"}
-        if extra:
-            raise APIError(400, f"message fields {sorted(extra)} are not served", where)
-        content = item.get("content")
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                if kind not in ("input_text", "output_text") or not isinstance(part.get("text"), str):
-                    raise APIError(
-                        400, f"only text content parts are served, got {kind!r}", f"{where}.content[{j}]"
-                    )
-                parts.append(part["text"])
-            content = "".join(parts)
-        if item["role"] not in ("system", "developer", "user", "assistant") or not isinstance(content, str):
-            raise APIError(400, "a message needs a role (system, developer, user, assistant) and text", where)
-        messages.append(ChatMessage(role=item["role"], content=content))
+        where, kind = f"input[{i}]", item.get("type", "message")
+        if kind in _TOOL_ITEMS:
+            _fields(item, where, _TOOL_ITEMS[kind])
+        if kind == "reasoning":
+            reasoning = "".join(_texts(item.get("content") or item.get("summary") or [], f"{where}.content"))
+        elif kind == "function_call":
+            call = {
+                "id": item["call_id"],
+                "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]},
+            }
+            if not messages or messages[-1].role != "assistant":
+                messages.append(ChatMessage(role="assistant", tool_calls=[], reasoning_content=reasoning))
+                reasoning = None
+            messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
+        elif kind == "function_call_output":
+            messages.append(ChatMessage(role="tool", content=item["output"], tool_call_id=item["call_id"]))
+        elif kind == "message" and "role" in item:
+            _fields(item, where, ({"role"}, {"type", "content", "id", "status"}))
+            content = item.get("content")
+            if isinstance(content, list):
+                content = "".join(_texts(content, f"{where}.content"))
+            if item["role"] not in ("system", "developer", "user", "assistant") or not isinstance(
+                content, str
+            ):
+                raise APIError(
+                    400, "a message needs a role (system, developer, user, assistant) and text", where
+                )
+            assistant = item["role"] == "assistant"
+            messages.append(
+                ChatMessage(
+                    role=item["role"], content=content, reasoning_content=reasoning if assistant else None
+                )
+            )
+            reasoning = None if assistant else reasoning
+        else:
+            raise APIError(
+                400,
+                f"only message, function_call, function_call_output and reasoning items are served, got {kind!r}",
+                where,
+            )
     return messages
+
+
+# Each tool-conversation item's fields: those it needs, and those it may have.
+_TOOL_ITEMS = {
+    "function_call": ({"call_id", "name", "arguments"}, {"type", "id", "status"}),
+    "function_call_output": ({"call_id", "output"}, {"type", "id", "status"}),
+    "reasoning": (set(), {"type", "id", "status", "content", "summary", "encrypted_content"}),
+}
+
+
+def _fields(item: dict[str, Any], where: str, fields: tuple[set[str], set[str]]) -> None:
+    needed, allowed = fields
+    missing, extra = needed - set(item), set(item) - needed - allowed
+    if missing or extra:
+        what = f"needs {sorted(missing)}" if missing else f"fields {sorted(extra)} are not served"
+        raise APIError(400, f"a {item.get('type', 'message')} item {what}", where)
+    for name in needed:
+        if not isinstance(item[name], str):
+            raise APIError(400, f"{name} must be a string", f"{where}.{name}")
+
+
+def _texts(parts: list[Any], where: str) -> list[str]:
+    """The text of content parts (``input_text``, ``output_text``, ``reasoning_text``, ``summary_text``)."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise APIError(400, f"only text content parts are served, got {kind!r}", f"{where}[{j}]")
+        texts.append(part["text"])
+    return texts
+
+
+_TEXT_PARTS = ("input_text", "output_text", "reasoning_text", "summary_text")
 
 
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -136,11 +197,13 @@ def prepare_response(served: Any, body: ResponsesRequest) -> CompletionCall:
 
 
 def response_object(
-    body: ResponsesRequest, call: CompletionCall, text: str | None, finish: str | None, generated: int
+    body: ResponsesRequest,
+    call: CompletionCall,
+    output: list[dict[str, Any]] | None,
+    status: str,
+    generated: int,
 ) -> dict[str, Any]:
-    """OpenAI's ``response`` object: in progress (``text`` None), completed, or incomplete at the length."""
-    status = "in_progress" if text is None else ("incomplete" if finish == "length" else "completed")
-    output = [] if text is None else [_message(call, text, status)]
+    """OpenAI's ``response`` object: in progress (``output`` None), completed, or incomplete at the length."""
     prompt = len(call.prompt_ids)
     return {
         "id": f"resp_{call.id}",
@@ -148,7 +211,7 @@ def response_object(
         "created_at": call.created,
         "status": status,
         "model": body.model,
-        "output": output,
+        "output": output or [],
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "error": None,
         "instructions": body.instructions,
@@ -163,7 +226,7 @@ def response_object(
         "store": False,
         "metadata": body.metadata or {},
         "usage": None
-        if text is None
+        if output is None
         else {
             "input_tokens": prompt,
             "input_tokens_details": {"cached_tokens": 0},
@@ -174,23 +237,22 @@ def response_object(
     }
 
 
-def _message(call: CompletionCall, text: str | None, status: str) -> dict[str, Any]:
-    """The output message; no content part while it is only announced (``text`` None)."""
-    parts = [] if text is None else [{"type": "output_text", "text": text, "annotations": []}]
-    return {
-        "id": f"msg_{call.id}",
-        "type": "message",
-        "status": status,
-        "role": "assistant",
-        "content": parts,
-    }
+def _status(finish: str | None) -> str:
+    return "incomplete" if finish == "length" else "completed"
 
 
 def from_chat(body: ResponsesRequest, call: CompletionCall, chat: dict[str, Any]) -> dict[str, Any]:
-    """The ``response`` object of a finished chat body (`completions.run_call`'s)."""
+    """The ``response`` object of a finished chat body (`completions.run_call`'s): reasoning (when the
+    reply was read into any), the message, then its function calls."""
     choice = chat["choices"][0]
-    text, generated = choice["message"]["content"], chat["usage"]["completion_tokens"]
-    return response_object(body, call, text, choice["finish_reason"], generated)
+    message, status = choice["message"], _status(choice["finish_reason"])
+    reasoning = message.get("reasoning_content")
+    output = [reasoning_item(f"rs_{call.id}", reasoning)] if reasoning else []
+    output.append(message_item(f"msg_{call.id}", message["content"], status))
+    for tool_call in message.get("tool_calls", ()):
+        function = tool_call["function"]
+        output.append(function_call_item(tool_call["id"], ToolCall(function["name"], function["arguments"])))
+    return response_object(body, call, output, status, chat["usage"]["completion_tokens"])
 
 
 async def stream_response(
@@ -200,8 +262,9 @@ async def stream_response(
     metrics: Any,
     gone: Callable[[], Awaitable[bool]],
 ) -> AsyncIterator[bytes]:
-    """The Responses API's typed events around `completions.stream_pieces`; nothing is sent before the
-    first token is known (a refused request stays a plain error); a client that goes gets no more."""
+    """The Responses API's typed events around `completions.stream_pieces`, each output item announced
+    when its first part comes (`response_items.OutputStream`); nothing is sent before the first token
+    is known (a refused request stays a plain error); a client that goes gets no more."""
     pieces = stream_pieces(served, call, metrics, gone)
     number = 0
 
@@ -211,29 +274,27 @@ async def stream_response(
         data = json.dumps({"type": kind, "sequence_number": number - 1, **fields}, separators=(",", ":"))
         return format_sse_event(data_str=data, event=kind)
 
-    item = {"item_id": f"msg_{call.id}", "output_index": 0}
+    out, reader = OutputStream(call.id, event), call.reading.stream() if call.reading else None
     try:
         await anext(pieces)
-        yield event("response.created", response=response_object(body, call, None, None, 0))
-        yield event("response.in_progress", response=response_object(body, call, None, None, 0))
-        yield event("response.output_item.added", output_index=0, item=_message(call, None, "in_progress"))
-        empty = {"type": "output_text", "text": "", "annotations": []}
-        yield event("response.content_part.added", **item, content_index=0, part=empty)
-        text, finish = "", None
+        yield event("response.created", response=response_object(body, call, None, "in_progress", 0))
+        yield event("response.in_progress", response=response_object(body, call, None, "in_progress", 0))
+        finish = None
         async for piece in pieces:
             assert piece is not None
-            text, finish = text + piece.delta, piece.finish or finish
-            if piece.delta:
-                yield event(
-                    "response.output_text.delta", **item, content_index=0, delta=piece.delta, logprobs=[]
-                )
+            finish = piece.finish or finish
+            if reader is None:
+                events = out.text_delta(piece.delta) if piece.delta else []
+            else:
+                parts = reader.feed(piece.delta) + (reader.finish() if piece.finish else [])
+                events = [e for part in parts for e in out.part(part)]
+            for chunk in events:
+                yield chunk
         if not call.streamed:
             return  # the client went
-        final = response_object(body, call, text, finish, call.generated)
-        yield event("response.output_text.done", **item, content_index=0, text=text, logprobs=[])
-        part = {"type": "output_text", "text": text, "annotations": []}
-        yield event("response.content_part.done", **item, content_index=0, part=part)
-        yield event("response.output_item.done", output_index=0, item=final["output"][0])
+        for chunk in out.finish(_status(finish)):
+            yield chunk
+        final = response_object(body, call, out.items, _status(finish), call.generated)
         yield event(f"response.{final['status']}", response=final)
     finally:
         await pieces.aclose()

@@ -1,5 +1,6 @@
 """The server tests' shared pieces: a tiny Llama served on 127.0.0.1 (one per test module), the `openai`
-client over it, and a plain POST for what the client hides."""
+client over it, a plain POST for what the client hides, and a response template with a scripted reply
+(reasoning, two tool calls) for the tests of how replies are read."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import pytest
 
 import hfaccel
+from hfaccel.api.results import Completion, StreamEvent, no_metrics
 from tests.helpers import tiny_model, tiny_tokenizer
 
 MODEL = "tiny-llama"
@@ -49,3 +51,68 @@ def post(server, path, body, headers=None):
     """(status, headers, parsed JSON) of a plain POST."""
     status, answer_headers, data = send(server, "POST", path, json.dumps(body), headers)
     return status, answer_headers, json.loads(data) if data else None
+
+
+# The tiny chat template's generation prompt is "<a>"; its EOS "</s>" is a special token.
+TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<a>",
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text"},
+        "tool_calls": {
+            "open_pattern": r"\s*<tool_call>",
+            "close": "</tool_call>",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
+        "content": {"close_pattern": r"\s*</s>", "content": "text"},
+    },
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            },
+        },
+    }
+]
+SCRIPT = (
+    "<think>sum it</think>On it."
+    '<tool_call>{"name": "add", "arguments": {"a": "2", "b": 3}}</tool_call>'
+    '<tool_call>{"name": "add", "arguments": {"a": 4, "b": 5}}</tool_call>'
+)
+
+
+@pytest.fixture
+def reading(served, monkeypatch):
+    """The served tokenizer given `TEMPLATE`, and a chat template that shows tools to the model."""
+    _, _, tokenizer = served
+    monkeypatch.setattr(tokenizer, "response_template", TEMPLATE, raising=False)
+    shown = "{% if tools %}<t>{{ tools | tojson }}{% endif %}" + tokenizer.chat_template
+    monkeypatch.setattr(tokenizer, "chat_template", shown)
+    return tokenizer
+
+
+@pytest.fixture
+def scripted(reading, monkeypatch):
+    """The engine's output replaced by `SCRIPT` and EOS, to test how the server writes a tool call."""
+    import hfaccel.server.completions as completions
+
+    ids = reading.encode(SCRIPT, add_special_tokens=False) + [reading.eos_token_id]
+    text = reading.decode(ids, skip_special_tokens=True)
+
+    async def agenerate(model, prompts, **kwargs):
+        return [Completion(prompts[0], ids, text, "stop", no_metrics()) for _ in prompts]
+
+    async def astream(model, prompts, **kwargs):
+        for k, token in enumerate(ids):
+            done = k == len(ids) - 1
+            yield StreamEvent(0, token, None, done, "stop" if done else None)
+
+    monkeypatch.setattr(completions, "agenerate", agenerate)
+    monkeypatch.setattr(completions, "astream", astream)

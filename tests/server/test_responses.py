@@ -4,13 +4,18 @@ what is not served is a 400 naming its field."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 import hfaccel  # noqa: E402
+from hfaccel.server.protocol import ChatMessage  # noqa: E402
+from hfaccel.server.responses import ResponsesRequest, _messages  # noqa: E402
 from tests.helpers import tiny_model, tiny_tokenizer  # noqa: E402
+from tests.server.conftest import TOOLS  # noqa: E402
 from tests.server.test_server import post  # noqa: E402
 
 MODEL = "tiny-llama"
@@ -79,7 +84,9 @@ def test_the_event_stream_joins_to_the_whole_response(served, client):
     [
         ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
-        ({"input": [{"type": "function_call_output", "call_id": "1", "output": "x"}]}, "input[0]"),
+        ({"input": [{"type": "web_search_call", "id": "1"}]}, "input[0]"),
+        ({"input": [{"type": "function_call", "call_id": "1", "arguments": "{}"}]}, "input[0]"),  # no name
+        ({"input": [{"type": "function_call_output", "call_id": 1, "output": "x"}]}, "input[0].call_id"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content[0]",
@@ -94,3 +101,69 @@ def test_the_event_stream_joins_to_the_whole_response(served, client):
 def test_what_is_not_served_is_a_400_naming_its_field(served, body, param):
     status, _, error = post(served[0], "/v1/responses", {"model": MODEL, **body})
     assert status == 400 and error["error"]["param"] == param, error
+
+
+FLAT_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
+
+
+def test_a_reply_with_reasoning_and_tool_calls_gives_those_output_items(client, scripted):
+    answer = client.responses.create(model=MODEL, input="2+3 and 4+5?", tools=FLAT_TOOLS)
+    assert [item.type for item in answer.output] == ["reasoning", "message", "function_call", "function_call"]
+    assert answer.output[0].content[0].text == "sum it" and answer.output_text == "On it."
+    calls = answer.output[2:]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("add", {"a": 2, "b": 3}),
+        ("add", {"a": 4, "b": 5}),
+    ]
+    assert calls[0].call_id.startswith("call_") and calls[0].call_id != calls[1].call_id
+    assert answer.status == "completed"
+
+
+def test_the_event_stream_announces_each_item_and_ends_with_the_whole_response(client, scripted):
+    events = list(client.responses.create(model=MODEL, input="2+3 and 4+5?", tools=FLAT_TOOLS, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
+    done = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.done"]
+    assert added == [(0, "reasoning"), (1, "message"), (2, "function_call"), (3, "function_call")]
+    assert sorted(done) == added
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "sum it"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "On it."
+    calls = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("add", {"a": 2, "b": 3}),
+        ("add", {"a": 4, "b": 5}),
+    ]
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and final.output_text == "On it."
+    assert [item.type for item in final.output] == ["reasoning", "message", "function_call", "function_call"]
+
+
+def test_a_tool_conversations_items_become_the_chat_messages_transformers_serve_makes():
+    body = ResponsesRequest(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "2+3?"},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "add"}],
+            },
+            {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 3}'},
+            {"type": "function_call", "call_id": "call_2", "name": "add", "arguments": '{"a": 0, "b": 0}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "5"},
+            {"type": "function_call_output", "call_id": "call_2", "output": "0"},
+        ],
+    )
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}, "id": "call_1"}
+    second = {
+        "type": "function",
+        "function": {"name": "add", "arguments": '{"a": 0, "b": 0}'},
+        "id": "call_2",
+    }
+    assert _messages(body) == [
+        ChatMessage(role="user", content="2+3?"),
+        ChatMessage(role="assistant", tool_calls=[call, second], reasoning_content="add"),
+        ChatMessage(role="tool", content="5", tool_call_id="call_1"),
+        ChatMessage(role="tool", content="0", tool_call_id="call_2"),
+    ]
