@@ -67,69 +67,130 @@ def _fallbacks() -> dict[tuple[str, ...], dict[str, Any]]:
 
 
 def parse_reply(
-    tokenizer: Any,
     template: dict[str, Any],
     prompt: str,
     text: str,
-    plain: str,
     tools: list[dict[str, Any]] | None,
+    special: tuple[str, ...] = (),
 ) -> Reply:
-    """`text` (the reply decoded with special tokens) read after `prompt` (the prompt's text, which may
-    open a field such as ``<think>``). A reply the template cannot read (a tool call cut by the token
-    limit, JSON that does not parse) is served as `plain` (its text without special tokens), with a
-    warning."""
-    try:
-        parsed = tokenizer.parse_response(text, template, prefix=prompt, tools=tools)
-    except (ValueError, RuntimeError, KeyError) as error:
-        logger.warning(
-            "the reply could not be read as its response template says (%s): served as text", error
-        )
-        return Reply(plain)
-    reasoning = next((parsed[f] for f in REASONING_FIELDS if parsed.get(f) is not None), None)
-    calls = [_tool_call(value) for value in parsed.get("tool_calls") or []]
-    return Reply(parsed.get("content") or "", reasoning, [c for c in calls if c is not None])
+    """The whole reply `text` (decoded with special tokens), read after `prompt` (the prompt's text, which
+    may open a field such as ``<think>``) exactly as a stream of it is read (`ReplyStream`), so a streamed
+    answer and a whole one agree; content and reasoning stripped of surrounding whitespace, as
+    transformers' `parse_response` strips them."""
+    stream = ReplyStream(template, prompt, tools, special)
+    parts = stream.feed(text) + stream.finish()
+    reasoning = [p.reasoning for p in parts if p.reasoning]
+    return Reply(
+        "".join(p.content for p in parts).strip(),
+        "".join(reasoning).strip() if reasoning else None,
+        [p.tool_call for p in parts if p.tool_call is not None],
+    )
 
 
 class ReplyStream:
-    """One streamed reply read as it comes: `feed` the text each token adds, then `finish`."""
+    """One reply read as it comes: `feed` the text each token adds, then `finish`; each returns the parts
+    read. A reply that stops being readable (a tool call's JSON that does not parse, a call cut by the
+    token limit, a parser error) is served as text from the start of the field that failed on, with a
+    warning: nothing of it is lost but the `special` tokens' texts (an end of turn), as a plain decode
+    leaves them out. A template the parser refuses raises here, before any text."""
 
-    def __init__(self, template: dict[str, Any], prompt: str, tools: list[dict[str, Any]] | None) -> None:
+    def __init__(
+        self,
+        template: dict[str, Any],
+        prompt: str,
+        tools: list[dict[str, Any]] | None,
+        special: tuple[str, ...] = (),
+    ) -> None:
         from transformers.utils.chat_parsing import ResponseParser
 
+        self._special = special
         self._parser = ResponseParser(template, prefix=prompt, tools=tools)
-        self._pending = _parts(self._parser.initial_events)  # fields the prompt opened and wrote
+        self._closes = {
+            name: field.get("close")
+            for name, field in template.get("fields", {}).items()
+            if isinstance(field, dict)
+        }
+        self._raw = ""  # the reply's text fed so far
+        self._cursor = 0  # where the text read into parts ends, in `_raw`
+        self._field_start = 0  # where the open field begins (its marker included)
+        self._failed = False
+        self._pending = self._parts(self._parser.initial_events, in_reply=False)  # fields the prompt opened
 
     def feed(self, text: str) -> list[ReplyPart]:
         parts, self._pending = self._pending, []
-        return parts + (_parts(self._parser.feed(text)) if text else [])
+        if not text:
+            return parts
+        self._raw += text
+        if self._failed:
+            return [*parts, *self._text(text)]
+        try:
+            events = self._parser.feed(text)
+        except Exception as error:  # a third-party parser on a model's text: any failure falls back
+            return parts + self._fail(error)
+        return parts + self._parts(events)
 
     def finish(self) -> list[ReplyPart]:
         """What is left at the reply's end (a field closed by the end of the text)."""
+        parts, self._pending = self._pending, []
+        if self._failed:
+            return parts + self._text("", end=True)
         try:
             _, events = self._parser.finalize()
-        except (ValueError, RuntimeError) as error:  # ended inside a field: a tool call cut by the limit
-            logger.warning("a streamed reply ended inside a field of its response template (%s)", error)
-            events = []
-        parts, self._pending = self._pending, []
-        return parts + _parts(events)
+        except Exception as error:
+            return parts + self._fail(error)
+        return parts + self._parts(events)
 
+    def _fail(self, error: Exception) -> list[ReplyPart]:
+        logger.warning(
+            "a reply stopped being readable as its response template says (%s): served as text from "
+            "the field that failed on",
+            error,
+        )
+        self._failed, self._held = True, ""
+        return self._text(self._raw[self._field_start :])
 
-def _parts(events: list[dict[str, Any]]) -> list[ReplyPart]:
-    """transformers' parser events as reply parts (as transformers serve's `response_events_to_chunks`):
-    a structured field's raw text ("dirty" chunks) shows only once it closes, parsed."""
-    parts = []
-    for event in events:
-        name = event.get("field")
-        if event["type"] == "region_chunk" and not event.get("dirty") and event.get("text"):
-            if name in REASONING_FIELDS:
-                parts.append(ReplyPart(reasoning=event["text"]))
-            elif name == "content":
-                parts.append(ReplyPart(content=event["text"]))
-        elif event["type"] == "region_close" and name == "tool_calls":
-            call = _tool_call(event.get("value"))
-            if call is not None:
-                parts.append(ReplyPart(tool_call=call))
-    return parts
+    def _text(self, text: str, end: bool = False) -> list[ReplyPart]:
+        """Text served as it is, but for the special tokens' texts (the start of one at the end waits for
+        the next text)."""
+        text, self._held = self._held + text, ""
+        for token in self._special:
+            text = text.replace(token, "")
+        if not end:
+            cut = max((k for t in self._special for k in range(1, len(t)) if text.endswith(t[:k])), default=0)
+            text, self._held = text[: len(text) - cut], text[len(text) - cut :]
+        return [ReplyPart(content=text)] if text else []
+
+    def _parts(self, events: list[dict[str, Any]], in_reply: bool = True) -> list[ReplyPart]:
+        """transformers' parser events as reply parts (as transformers serve's `response_events_to_chunks`:
+        a structured field's raw text, its "dirty" chunks, shows only once it closes, parsed), keeping
+        track of where in the reply each field begins."""
+        parts = []
+        for event in events:
+            kind, name, text = event["type"], event.get("field"), event.get("text") or ""
+            if kind == "region_open" and in_reply:
+                self._field_start = self._cursor
+            elif kind == "region_chunk" and text:
+                if in_reply and (at := self._raw.find(text, self._cursor)) >= 0:
+                    self._cursor = at + len(text)
+                if event.get("dirty"):
+                    continue
+                if name in REASONING_FIELDS:
+                    parts.append(ReplyPart(reasoning=text))
+                elif name == "content":
+                    parts.append(ReplyPart(content=text))
+            elif kind == "region_close":
+                close = self._closes.get(name)
+                if in_reply and isinstance(close, str) and self._raw.startswith(close, self._cursor):
+                    self._cursor += len(close)
+                if name == "tool_calls":
+                    call = _tool_call(event.get("value"))
+                    if call is None:  # no function name: served as its text, not dropped
+                        logger.warning("a tool call without a function name is served as text")
+                        text = self._raw[self._field_start : self._cursor] if in_reply else ""
+                        parts.append(ReplyPart(content=text or json.dumps(event.get("value"))))
+                    else:
+                        parts.append(ReplyPart(tool_call=call))
+        return parts
 
 
 def _tool_call(value: Any) -> ToolCall | None:

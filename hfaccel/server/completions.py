@@ -288,7 +288,8 @@ def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
     chat = isinstance(flavour, type) and issubclass(flavour, ChatFlavour)  # chat and the Responses API
     template = response_template(served.tokenizer, served.model) if chat else None
     if template is not None:
-        call.reading = ReplyReading(template, served.tokenizer.decode(call.prompt_ids), body.tools)
+        prompt = served.tokenizer.decode(call.prompt_ids)
+        call.reading = ReplyReading.check(served.tokenizer, template, prompt, body.tools)
     return call
 
 
@@ -321,7 +322,7 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
             items = prompts[i // call.body.n] + items
         if call.reading is not None:  # read with its special tokens, which mark tool calls and turn ends
             raw = tokenizer.decode(completion.token_ids)
-            reply = call.reading.parse(tokenizer, cut_at_stop(raw, call.stops) if stopped else raw, text)
+            reply = call.reading.parse(cut_at_stop(raw, call.stops) if stopped else raw)
             choices.append(reply_choice(i, reply, completion.finish_reason, items))
         else:
             choices.append(

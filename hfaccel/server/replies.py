@@ -3,11 +3,14 @@ the model's response template (`patches.reply_parsing`), whole or as stream chun
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from hfaccel.patches.reply_parsing import Reply, ReplyPart, ReplyStream, parse_reply
+
+logger = logging.getLogger("hfaccel")
 
 
 @dataclass
@@ -18,13 +21,26 @@ class ReplyReading:
     template: dict[str, Any]
     prompt: str
     tools: list[dict[str, Any]] | None
+    special: tuple[str, ...] = ()  # the special tokens' texts, left out of a reply served as text
 
-    def parse(self, tokenizer: Any, text: str, plain: str) -> Reply:
-        """The whole reply `text` (decoded with special tokens); `plain` if the template cannot read it."""
-        return parse_reply(tokenizer, self.template, self.prompt, text, plain, self.tools)
+    @classmethod
+    def check(cls, tokenizer: Any, template: dict[str, Any], prompt: str, tools: Any) -> ReplyReading | None:
+        """The reading of a request, or None (its reply served as text, with a warning) when the parser
+        refuses the template: found before anything is generated or sent, whole or streamed alike."""
+        special = tuple(t for t in getattr(tokenizer, "all_special_tokens", ()) if t)
+        try:
+            ReplyStream(template, prompt, tools, special)
+        except Exception as error:  # transformers' template loader: ValueError, KeyError, re.error...
+            logger.warning("the response template cannot be read (%s): replies are served as text", error)
+            return None
+        return cls(template, prompt, tools, special)
+
+    def parse(self, text: str) -> Reply:
+        """The whole reply `text`, decoded with special tokens."""
+        return parse_reply(self.template, self.prompt, text, self.tools, self.special)
 
     def stream(self) -> ReplyStream:
-        return ReplyStream(self.template, self.prompt, self.tools)
+        return ReplyStream(self.template, self.prompt, self.tools, self.special)
 
 
 def reply_choice(

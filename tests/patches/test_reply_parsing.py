@@ -1,6 +1,7 @@
 """A reply read into content, reasoning and tool calls with transformers' parser, as transformers serve
-reads it: the template chosen, the whole reply and the streamed one agreeing, and a reply the template
-cannot read served as text with a warning."""
+reads it: the template chosen, the whole reply and the streamed one agreeing (also where the reply stops
+being readable), and a reply the template cannot read served as text from the field that failed on, with
+a warning, nothing of it lost."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_the_template_is_the_tokenizers_own_else_transformers_serves_fallback_fo
 
 def test_a_whole_reply_gives_content_reasoning_and_typed_tool_calls():
     model, tokenizer = qwen()
-    reply = parse_reply(tokenizer, response_template(tokenizer, model), PROMPT, REPLY, "plain", TOOLS)
+    reply = parse_reply(response_template(tokenizer, model), PROMPT, REPLY, TOOLS)
     assert reply.content == "Let me look."
     assert reply.reasoning.strip() == "Paris, so a lookup."
     assert reply.tool_calls == CALLS
@@ -73,22 +74,79 @@ def test_a_streamed_reply_gives_the_same_calls_and_reasoning_whatever_the_pieces
 
 def test_plain_text_stays_content():
     model, tokenizer = qwen()
-    reply = parse_reply(
-        tokenizer, response_template(tokenizer, model), PROMPT, "Sunny.<|im_end|>", "x", TOOLS
-    )
+    reply = parse_reply(response_template(tokenizer, model), PROMPT, "Sunny.<|im_end|>", TOOLS)
     assert (reply.content, reply.reasoning, reply.tool_calls) == ("Sunny.", None, [])
 
 
-def test_a_tool_call_cut_by_the_token_limit_is_served_as_plain_text_with_a_warning(caplog):
+SPECIAL = ("<|im_end|>",)
+
+
+def streamed(template, text, piece=1, tools=TOOLS):
+    stream = ReplyStream(template, PROMPT, tools, SPECIAL)
+    parts = []
+    for start in range(0, len(text), piece):
+        parts += stream.feed(text[start : start + piece])
+    return parts + stream.finish()
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        # a tool call cut by the token limit
+        (
+            'Let me see. <tool_call>\n{"name": "get_weather", "argu',
+            'Let me see. <tool_call>\n{"name": "get_weather", "argu',
+        ),
+        # JSON that does not parse, closed, and text after it
+        (
+            "Hello <tool_call>{not json}</tool_call> bye<|im_end|>",
+            "Hello <tool_call>{not json}</tool_call> bye",
+        ),
+        # a call without a function name: its JSON as text
+        (
+            'Hi<tool_call>{"arguments": {}}</tool_call><|im_end|>',
+            'Hi<tool_call>{"arguments": {}}</tool_call>',
+        ),
+    ],
+)
+@pytest.mark.parametrize("piece", [1, 4, 1000])
+def test_a_reply_that_stops_being_readable_is_text_from_the_failed_field_on_whole_and_streamed(
+    caplog, text, content, piece
+):
     model, tokenizer = qwen()
     template = response_template(tokenizer, model)
-    cut = '<tool_call>\n{"name": "get_weather", "argu'
     with caplog.at_level(logging.WARNING, logger="hfaccel"):
-        reply = parse_reply(tokenizer, template, PROMPT, cut, "the plain text", TOOLS)
-    assert (reply.content, reply.tool_calls) == ("the plain text", [])
-    assert "could not be read" in caplog.text
-    stream = ReplyStream(template, PROMPT, TOOLS)
-    assert stream.feed(cut) == []
+        parts = streamed(template, text, piece)
+        reply = parse_reply(template, PROMPT, text, TOOLS, SPECIAL)
+    assert "".join(p.content for p in parts) == content and not any(p.tool_call for p in parts)
+    assert (reply.content, reply.tool_calls) == (content.strip(), [])
+    assert "served as text" in caplog.text
+
+
+def test_a_field_that_opens_twice_keeps_both_whole_and_streamed():
+    """transformers' parse_response keeps a field's last region; read as a stream, nothing is dropped."""
+    model, tokenizer = qwen()
+    template = response_template(tokenizer, model)
+    text = 'Let me add.<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>Done.<|im_end|>'
+    reply = parse_reply(template, PROMPT, text, TOOLS)
+    assert reply.content == "Let me add.Done." and len(reply.tool_calls) == 1
+    assert "".join(p.content for p in streamed(template, text, 3)) == reply.content
+
+
+def test_a_tool_schema_the_parser_cannot_use_falls_back_to_text(caplog):
+    model, tokenizer = qwen()
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "parameters": {"properties": {"city": {"anyOf": 5}}}},
+        }
+    ]
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     with caplog.at_level(logging.WARNING, logger="hfaccel"):
-        assert stream.finish() == []
-    assert "ended inside a field" in caplog.text
+        reply = parse_reply(response_template(tokenizer, model), PROMPT, text, tools)
+    assert reply.content == text.strip() and reply.tool_calls == []
+
+
+def test_a_template_the_parser_refuses_raises_before_any_text():
+    with pytest.raises(Exception, match="start_anchor"):
+        ReplyStream({"fields": {"content": {"content": "text"}}}, PROMPT, None)

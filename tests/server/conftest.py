@@ -100,19 +100,24 @@ def reading(served, monkeypatch):
 
 @pytest.fixture
 def scripted(reading, monkeypatch):
-    """The engine's output replaced by `SCRIPT` and EOS, to test how the server writes a tool call."""
+    """The engine's output replaced by `SCRIPT` and EOS, to test how the server writes a tool call;
+    ``scripted(text)`` replaces it by another text."""
     import hfaccel.server.completions as completions
 
-    ids = reading.encode(SCRIPT, add_special_tokens=False) + [reading.eos_token_id]
-    text = reading.decode(ids, skip_special_tokens=True)
+    def use(script: str) -> None:
+        ids = reading.encode(script, add_special_tokens=False) + [reading.eos_token_id]
+        text = reading.decode(ids, skip_special_tokens=True)
 
-    async def agenerate(model, prompts, **kwargs):
-        return [Completion(prompts[0], ids, text, "stop", no_metrics()) for _ in prompts]
+        async def agenerate(model, prompts, **kwargs):
+            return [Completion(prompts[0], ids, text, "stop", no_metrics()) for _ in prompts]
 
-    async def astream(model, prompts, **kwargs):
-        for k, token in enumerate(ids):
-            done = k == len(ids) - 1
-            yield StreamEvent(0, token, None, done, "stop" if done else None)
+        async def astream(model, prompts, **kwargs):
+            for k, token in enumerate(ids):
+                done = k == len(ids) - 1
+                yield StreamEvent(0, token, None, done, "stop" if done else None)
 
-    monkeypatch.setattr(completions, "agenerate", agenerate)
-    monkeypatch.setattr(completions, "astream", astream)
+        monkeypatch.setattr(completions, "agenerate", agenerate)
+        monkeypatch.setattr(completions, "astream", astream)
+
+    use(SCRIPT)
+    return use

@@ -41,6 +41,34 @@ def test_a_streamed_reply_with_tool_calls_gives_them_whole_and_numbered(client, 
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
+def test_a_reply_that_stops_being_readable_is_the_same_text_whole_and_streamed(client, scripted, caplog):
+    """Bad JSON in a tool call: the stream goes on to its end as text from that call on (it was cut off
+    there), and the whole answer gives the same text."""
+    scripted("Hello <tool_call>{not json}</tool_call> bye")
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS).choices[0]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, stream=True))
+    assert (
+        whole.message.content == "Hello <tool_call>{not json}</tool_call> bye"
+        and not whole.message.tool_calls
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.message.content
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason == "stop"
+    assert "served as text" in caplog.text
+
+
+def test_a_template_the_parser_refuses_serves_replies_as_text_whole_and_streamed(client, served, monkeypatch):
+    _, _, tokenizer = served
+    ask = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0}
+    monkeypatch.setattr(tokenizer, "response_template", None, raising=False)
+    plain = client.chat.completions.create(**ask).choices[0].message.content
+    monkeypatch.setattr(
+        tokenizer, "response_template", {"fields": {"content": {"content": "text"}}}, raising=False
+    )
+    assert client.chat.completions.create(**ask).choices[0].message.content == plain
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain
+
+
 def test_the_engines_own_reply_is_split_where_the_template_says(client, served, monkeypatch):
     """The real engine: the tiny model's greedy reply (its tokens' raw text, special tokens kept, as the
     reader sees it), with a template whose reasoning opens and closes at two-character literals taken
