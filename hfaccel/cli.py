@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import os
 import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -142,6 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("--max-n", type=_positive_int, default=16, help="most choices (n) a request asks")
     srv.add_argument("--max-pending", type=_positive_int, default=256, help="requests in flight before 429")
+    srv.add_argument(
+        "--chat-template",
+        default=None,
+        help="a chat template (a file, or the template itself) for the tokenizer",
+    )
+    srv.add_argument(
+        "--response-template",
+        default=None,
+        help="how replies are read into reasoning and tool calls: a JSON file (or JSON) in transformers' "
+        "response_template format (default: the tokenizer's, else transformers serve's for the model type)",
+    )
     srv.add_argument(
         "--max-prompt-tokens", type=_positive_int, default=None, help="longest prompt (default: context)"
     )
@@ -363,7 +377,12 @@ def run_serve(args: argparse.Namespace) -> None:
         raise _CleanError(
             f"hfaccel serve needs the serve extra: pip install 'hfaccel[serve]' ({error})"
         ) from error
+    chat_template, response_template = _read_templates(args.chat_template, args.response_template)
     model, tokenizer = _load(args.model, _DTYPES[args.dtype], args.weights, args.device)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    if response_template is not None:
+        tokenizer.response_template = response_template
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else None)
     engine = {
         key: value
@@ -386,6 +405,25 @@ def run_serve(args: argparse.Namespace) -> None:
         model, tokenizer, host=args.host, port=args.port, api_key=args.api_key,
         model_id=name or "SmolLM2-135M-Instruct", limits=limits, **engine,
     )  # fmt: skip
+
+
+def _read_templates(chat: str | None, response: str | None) -> tuple[str | None, dict[str, Any] | None]:
+    """`--chat-template` and `--response-template`, each a file or the template itself; the response
+    template checked by transformers' parser before the model loads."""
+    from hfaccel.patches.reply_parsing import check_template
+
+    template = None
+    if response is not None:
+        try:
+            template = json.loads(_file_or_text(response))
+            check_template(template)
+        except ValueError as error:  # JSONDecodeError included
+            raise _CleanError(f"--response-template: {error}") from error
+    return (None if chat is None else _file_or_text(chat)), template
+
+
+def _file_or_text(value: str) -> str:
+    return Path(value).read_text() if os.path.isfile(value) else value
 
 
 def run_generate(args: argparse.Namespace) -> None:

@@ -2,6 +2,7 @@
 
 import argparse
 import io
+import json
 import subprocess
 import sys
 
@@ -116,6 +117,8 @@ def test_generate_reads_stdin_one_prompt_per_line(model_folder, capsys, monkeypa
         (["serve", "--device", "cuda:64"], "--device cuda:64: this machine has"),
         (["serve", "--weights", "int8", "--device", "meta"], "--device meta: hfaccel runs on cpu or cuda"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["serve", "--response-template", "{not json"], "--response-template: Expecting property name"),
+        (["serve", "--response-template", '{"fields": {}}'], "--response-template: not a response template"),
     ],
 )
 def test_bad_arguments_give_one_line_errors(argv, message, capsys):
@@ -239,3 +242,17 @@ def test_quantized_weights_stay_on_the_cpu_under_auto_and_refuse_a_gpu(model_fol
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     model, _ = cli_loading.load_model(str(model_folder), torch.float32, "int8", "auto")
     assert next(model.parameters()).device.type == "cpu"
+
+
+def test_serve_reads_its_templates_from_files_or_as_given(tmp_path):
+    from hfaccel.cli import _read_templates
+    from tests.server.conftest import TEMPLATE
+
+    (tmp_path / "reply.json").write_text(json.dumps(TEMPLATE))
+    (tmp_path / "chat.jinja").write_text("{{ messages[0]['content'] }}")
+    assert _read_templates(str(tmp_path / "chat.jinja"), str(tmp_path / "reply.json")) == (
+        "{{ messages[0]['content'] }}",
+        TEMPLATE,
+    )
+    assert _read_templates("{{ 1 }}", json.dumps(TEMPLATE)) == ("{{ 1 }}", TEMPLATE)
+    assert _read_templates(None, None) == (None, None)

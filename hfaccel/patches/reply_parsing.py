@@ -56,6 +56,16 @@ def response_template(tokenizer: Any, model: Any) -> dict[str, Any] | None:
     return next((t for types, t in _fallbacks().items() if model_type in types), None)
 
 
+def check_template(template: Any) -> None:
+    """Raise ValueError, saying why, when transformers' parser refuses `template`."""
+    from transformers.utils.chat_parsing import ResponseParser
+
+    try:
+        ResponseParser(template, prefix="")
+    except Exception as error:  # its loader raises ValueError, KeyError, TypeError, re.error...
+        raise ValueError(f"not a response template transformers can read: {error}") from error
+
+
 @functools.cache
 def _fallbacks() -> dict[tuple[str, ...], dict[str, Any]]:
     """transformers serve's own templates by model type (a table of its CLI, absent before 5.17)."""
