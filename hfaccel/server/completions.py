@@ -276,7 +276,10 @@ class CompletionCall:
 def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
     prompts = flavour.prompts(served.tokenizer, body)
     longest = max(len(p) for p in prompts)
-    kwargs = generate_kwargs(body, flavour.max_tokens(body), longest, served.max_model_len(), served.limits)
+    vocab = len(served.tokenizer)
+    kwargs = generate_kwargs(
+        body, flavour.max_tokens(body), longest, served.max_model_len(), served.limits, vocab
+    )
     call = CompletionCall(flavour, body, prompts, kwargs, flavour.logprobs(body), stop_strings(body))
     if call.count > served.limits.max_pending:  # it could never be admitted: not a 429 to retry
         raise APIError(

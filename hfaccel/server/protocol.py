@@ -1,7 +1,7 @@
 """The OpenAI request bodies the server takes, as pydantic models, and OpenAI's error JSON.
 
 A field a request sets that is not here is refused (400, naming it), not ignored: a client that asks for
-`logit_bias` or `response_format` must not get output that silently ignored it. Fields that change
+`response_format` must not get output that silently ignored it. Fields that change
 nothing about the output (`user`, `metadata`, ...) are accepted.
 """
 
@@ -36,6 +36,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)

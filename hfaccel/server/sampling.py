@@ -26,9 +26,11 @@ def generate_kwargs(
     prompt_tokens: int,
     max_model_len: int,
     limits: Limits,
+    vocab_size: int,
 ) -> dict[str, Any]:
-    """The `generate` arguments of a request whose prompt has `prompt_tokens` tokens. Omitted fields
-    keep the model's generation config, as transformers' `generate` does; ``temperature=0`` is greedy."""
+    """The `generate` arguments of a request whose prompt has `prompt_tokens` tokens (`vocab_size`: the
+    tokenizer's, for `logit_bias`). Omitted fields keep the model's generation config, as transformers'
+    `generate` does; ``temperature=0`` is greedy."""
     longest = min(max_model_len, limits.max_prompt_tokens or max_model_len)
     if prompt_tokens >= longest:
         raise APIError(
@@ -78,7 +80,23 @@ def generate_kwargs(
     stops = stop_strings(request)
     if stops:
         kwargs["stop_strings"] = stops
+    if request.logit_bias:
+        kwargs["sequence_bias"] = _sequence_bias(request.logit_bias, vocab_size)
     return kwargs
+
+
+def _sequence_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[tuple[int, ...], float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON keys, each bias added to that token's logit before
+    sampling, in [-100, 100]) as transformers' `sequence_bias` of one-token sequences, which does so."""
+    bias = {}
+    for key, value in logit_bias.items():
+        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        if token is None or not 0 <= token < vocab_size:
+            raise APIError(400, f"logit_bias key {key!r} is not a token id of this model", "logit_bias")
+        if not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias {key!r}: {value} is outside [-100, 100]", "logit_bias")
+        bias[(token,)] = float(value)
+    return bias
 
 
 def stop_strings(request: SamplingFields) -> list[str]:

@@ -175,7 +175,9 @@ def test_a_stop_string_ends_the_answer_and_is_left_out(served, client):
     ("body", "status", "param"),
     [
         ({"temperature": 5}, 400, "temperature"),
-        ({"logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+        ({"logit_bias": {"five": 1.0}}, 400, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, 400, "logit_bias"),
+        ({"logit_bias": {"100000": 1}}, 400, "logit_bias"),
         ({"presence_penalty": 0.5}, 400, "presence_penalty"),
         ({"max_tokens": 513}, 400, "max_tokens"),
         ({"n": 5}, 400, "n"),
@@ -461,3 +463,16 @@ def test_a_malformed_request_gets_a_4xx_and_the_server_keeps_serving(served, cli
     connection.close()
     assert 400 <= response.status < 500 and answer["error"]["message"], answer
     assert client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0).choices
+
+
+def test_logit_bias_is_added_to_the_tokens_logits(served, client):
+    """OpenAI's logit_bias as transformers' sequence_bias: +100 makes a token the greedy choice every
+    step; -100 on the greedy first token makes the answer start otherwise."""
+    tokenizer = served[2]
+    ask = dict(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    forced = client.completions.create(**ask, logit_bias={"10": 100}).choices[0].text
+    assert forced == tokenizer.decode([10]) * 4
+    plain = client.completions.create(**ask, logprobs=0).choices[0]
+    first = tokenizer.convert_tokens_to_ids(plain.logprobs.tokens[0])
+    other = client.completions.create(**ask, logit_bias={str(first): -100}).choices[0].text
+    assert other[:1] != plain.text[:1]
