@@ -37,7 +37,7 @@ def generate(
     logprobs: bool | int = False,
     prompt_logprobs: int | None = None,
     errors: str = "raise",
-    seed: int | None = None,
+    seed: int | Sequence[int] | None = None,
     tpot_target_ms: float | None = None,
     ttft_target_ms: float | None = None,
     priority: int = 0,
@@ -66,7 +66,9 @@ def generate(
             ``finish_reason="error"`` (``num_return_sequences`` of them, in the prompt's place).
         seed: the random stream of sampled requests: request ``i`` (in result order) draws from its own
             generator seeded with ``seed + i``, so its samples are the same whatever else runs beside it.
-            ``None``: seeds are drawn from torch's global generator (``torch.manual_seed`` reproduces them).
+            A list, one seed per prompt: prompt p's r-th request draws from ``seed[p] + r`` (each prompt
+            samples as it would alone). ``None``: seeds are drawn from torch's global generator
+            (``torch.manual_seed`` reproduces them).
         **generate_kwargs: generation arguments for every prompt (``max_new_tokens=64``, ``do_sample=True``...):
             the names transformers' generate takes; any other name raises ValueError listing it.
         tpot_target_ms, ttft_target_ms: latency targets of these requests (default: the engine's
@@ -129,7 +131,7 @@ async def agenerate(
     logprobs: bool | int = False,
     prompt_logprobs: int | None = None,
     errors: str = "raise",
-    seed: int | None = None,
+    seed: int | Sequence[int] | None = None,
     tpot_target_ms: float | None = None,
     ttft_target_ms: float | None = None,
     priority: int = 0,
@@ -175,7 +177,7 @@ def planned_call(
     logprobs: bool | int,
     prompt_logprobs: int | None,
     errors: str,
-    seed: int | None,
+    seed: int | Sequence[int] | None,
     targets: dict[str, Any],
     adapter: Any,
 ) -> Iterator[tuple[PatchState, Call]]:

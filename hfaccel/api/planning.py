@@ -65,14 +65,15 @@ def plan_call(
     kwargs: dict[str, Any],
     where: str,
     logprobs: bool | int = False,
-    seed: int | None = None,
+    seed: int | Sequence[int] | None = None,
     targets: dict[str, Any] | None = None,
     adapter: str | Sequence[str | None] | None = None,
     beams: bool = True,
 ) -> Call:
     """Every prompt turned into engine requests (n per prompt for num_return_sequences) or `Done`s (a
     refused prompt gives n error results, in its place); with `seed`, the i-th request's random stream
-    is seeded with ``seed + i``. A beam-search prompt is one request whose hypotheses are its results
+    is seeded with ``seed + i`` (a list of seeds, one per prompt: prompt p's r-th request's with
+    ``seed[p] + r``). A beam-search prompt is one request whose hypotheses are its results
     (`beams`; False, for the streams: it falls back). Call-level mistakes (unknown arguments, prompts
     of the wrong shape) raise ValueError before anything is planned."""
     prompts = prompt_list(prompts)
@@ -83,10 +84,7 @@ def plan_call(
     for name, hint in GENERATE_ONLY.items():  # (a stream's call: generate's own parameters arrive as kwargs)
         if name in kwargs:
             raise ValueError(f"{where} does not take {name}= (hfaccel.generate's parameter): {hint}")
-    if seed is not None:  # row i draws from seed + i: an int (numpy's too), never a float rounded down
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= int(seed) < 2**63:
-            raise ValueError(f"seed must be an int in [0, 2**63), got {seed!r}")
-        seed = int(seed)
+    seeds = _seeds(seed, len(prompts))
     kwargs = normalize_cache_argument(kwargs, where)  # past_key_values: a model input, refused as such
     check_generate_kwargs(model, kwargs, where, configs, model_inputs=False, own=OWN_PARAMETERS)
     check_top_k("logprobs", logprobs)
@@ -97,7 +95,9 @@ def plan_call(
     indexes: list[int] = []
     for index, (prompt, config, name) in enumerate(zip(prompts, configs, adapters)):
         try:
-            first = None if seed is None else seed + len(plans)
+            first = (
+                None if seeds is None else (seeds[index] if isinstance(seeds, list) else seeds + len(plans))
+            )
             check = checks.get(name) if name is not None else None
             if isinstance(check, ValueError):
                 raise check
@@ -125,6 +125,24 @@ def refused_copies(model: Any, config: GenerationConfig | None, kwargs: dict[str
         if n is not None:
             return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
     return 1
+
+
+def _seeds(seed: Any, count: int) -> int | list[int] | None:
+    """`seed` checked: an int (numpy's too, never a float rounded down) in [0, 2**63), or a list of one
+    such int per prompt."""
+
+    def check(value: Any, name: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= int(value) < 2**63:
+            raise ValueError(f"{name} must be an int in [0, 2**63), got {value!r}")
+        return int(value)
+
+    if seed is None:
+        return None
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != count:
+            raise ValueError(f"seed: a list of {len(seed)} seeds for {count} prompts (one per prompt)")
+        return [check(s, f"seed[{i}]") for i, s in enumerate(seed)]
+    return check(seed, "seed")
 
 
 def plan_prompt(

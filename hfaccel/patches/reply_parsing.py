@@ -31,11 +31,13 @@ class ToolCall:
 
 @dataclass
 class Reply:
-    """A whole reply: its content (without reasoning or tool calls), reasoning, and tool calls."""
+    """A whole reply: its content (without reasoning or tool calls), reasoning, and tool calls; `parts`,
+    the stream of it, in order."""
 
     content: str
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
+    parts: list[ReplyPart] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -79,30 +81,38 @@ def _fallbacks() -> dict[tuple[str, ...], dict[str, Any]]:
 def parse_reply(
     template: dict[str, Any],
     prompt: str,
-    text: str,
+    pieces: list[str],
     tools: list[dict[str, Any]] | None,
     special: tuple[str, ...] = (),
 ) -> Reply:
-    """The whole reply `text` (decoded with special tokens), read after `prompt` (the prompt's text, which
-    may open a field such as ``<think>``) exactly as a stream of it is read (`ReplyStream`), so a streamed
-    answer and a whole one agree; content and reasoning stripped of surrounding whitespace, as
-    transformers' `parse_response` strips them."""
+    """The whole reply, as the text each of its tokens adds (decoded with special tokens), read after
+    `prompt` (the prompt's text, which may open a field such as ``<think>``) exactly as its stream is
+    read (`ReplyStream`, fed the same pieces), so a streamed answer and a whole one agree."""
     stream = ReplyStream(template, prompt, tools, special)
-    parts = stream.feed(text) + stream.finish()
+    parts = [part for piece in pieces for part in stream.feed(piece)] + stream.finish()
     reasoning = [p.reasoning for p in parts if p.reasoning]
     return Reply(
-        "".join(p.content for p in parts).strip(),
-        "".join(reasoning).strip() if reasoning else None,
+        "".join(p.content for p in parts),
+        "".join(reasoning) if reasoning else None,
         [p.tool_call for p in parts if p.tool_call is not None],
+        parts,
     )
 
 
 class ReplyStream:
     """One reply read as it comes: `feed` the text each token adds, then `finish`; each returns the parts
-    read. A reply that stops being readable (a tool call's JSON that does not parse, a call cut by the
-    token limit, a parser error) is served as text from the start of the field that failed on, with a
-    warning: nothing of it is lost but the `special` tokens' texts (an end of turn), as a plain decode
-    leaves them out. A template the parser refuses raises here, before any text."""
+    read.
+
+    - Content and reasoning come without the whitespace around them (leading whitespace dropped, trailing
+      whitespace held until more text follows), as transformers' `parse_response` strips them.
+    - Tool calls are read only when the request offered tools: otherwise their markup stays content, as
+      OpenAI never answers with a call it did not offer.
+    - A reply that stops being readable (a tool call's JSON that does not parse, a call cut by the token
+      limit, a parser error) is served as text from the start of the field that failed on, with a
+      warning: nothing of it is lost but the `special` tokens' texts (an end of turn), as a plain decode
+      leaves them out.
+    - A template the parser refuses raises here, before any text.
+    """
 
     def __init__(
         self,
@@ -113,7 +123,13 @@ class ReplyStream:
     ) -> None:
         from transformers.utils.chat_parsing import ResponseParser
 
+        if not tools:
+            template = {
+                **template,
+                "fields": {k: v for k, v in template.get("fields", {}).items() if k != "tool_calls"},
+            }
         self._special = special
+        self._trims = {"content": _Trim(), "reasoning": _Trim()}
         self._parser = ResponseParser(template, prefix=prompt, tools=tools)
         self._closes = {
             name: field.get("close")
@@ -127,6 +143,24 @@ class ReplyStream:
         self._pending = self._parts(self._parser.initial_events, in_reply=False)  # fields the prompt opened
 
     def feed(self, text: str) -> list[ReplyPart]:
+        return self._trimmed(self._feed(text))
+
+    def finish(self) -> list[ReplyPart]:
+        """What is left at the reply's end (a field closed by the end of the text)."""
+        return self._trimmed(self._finish())
+
+    def _trimmed(self, parts: list[ReplyPart]) -> list[ReplyPart]:
+        out = []
+        for part in parts:
+            if part.tool_call is not None:
+                out.append(part)
+            elif part.reasoning and (text := self._trims["reasoning"].add(part.reasoning)):
+                out.append(ReplyPart(reasoning=text))
+            elif part.content and (text := self._trims["content"].add(part.content)):
+                out.append(ReplyPart(content=text))
+        return out
+
+    def _feed(self, text: str) -> list[ReplyPart]:
         parts, self._pending = self._pending, []
         if not text:
             return parts
@@ -139,8 +173,7 @@ class ReplyStream:
             return parts + self._fail(error)
         return parts + self._parts(events)
 
-    def finish(self) -> list[ReplyPart]:
-        """What is left at the reply's end (a field closed by the end of the text)."""
+    def _finish(self) -> list[ReplyPart]:
         parts, self._pending = self._pending, []
         if self._failed:
             return parts + self._text("", end=True)
@@ -201,6 +234,21 @@ class ReplyStream:
                     else:
                         parts.append(ReplyPart(tool_call=call))
         return parts
+
+
+class _Trim:
+    """One kind of streamed text without the whitespace around it: leading whitespace dropped, trailing
+    whitespace held until more text follows it (and so dropped at the end)."""
+
+    def __init__(self) -> None:
+        self.started, self.held = False, ""
+
+    def add(self, text: str) -> str:
+        text = self.held + (text if self.started else text.lstrip())
+        body = text.rstrip()
+        self.held = text[len(body) :]
+        self.started = self.started or bool(body)
+        return body
 
 
 def _tool_call(value: Any) -> ToolCall | None:

@@ -5,7 +5,6 @@ differ only in how the prompt is made and how a choice is written."""
 from __future__ import annotations
 
 import asyncio
-import codecs
 import json
 import time
 import uuid
@@ -15,13 +14,15 @@ from typing import Any
 
 from fastapi.sse import format_sse_event
 
-from hfaccel.api import agenerate, astream, prompt_logprobs_of
-from hfaccel.api.detokenize import Detokenizer, token_bytes
+from hfaccel.api import agenerate, astream
+from hfaccel.api.detokenize import Detokenizer
 from hfaccel.patches.params import stops_in_output_only
 from hfaccel.patches.patch_state import strict_calls
 from hfaccel.patches.reply_parsing import response_template
-from hfaccel.server.protocol import APIError, ChatMessage, message_text
-from hfaccel.server.replies import ReplyReading, read_piece, reply_choice
+from hfaccel.server.chat_prompt import chat_prompt_ids
+from hfaccel.server.logprob_items import echoed_prompt_items, legacy_logprobs, logprob_items
+from hfaccel.server.protocol import APIError, ChatMessage
+from hfaccel.server.replies import ReplyReading, cut_raw, raw_pieces, read_piece, reply_choice
 from hfaccel.server.sampling import cut_at_stop, generate_kwargs, stop_strings
 
 
@@ -37,33 +38,7 @@ class ChatFlavour:
         tools: list[dict[str, Any]] | None,
         template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise APIError(400, "the model's tokenizer has no chat template: use /v1/completions", "messages")
-        conversation = []
-        for i, message in enumerate(messages):
-            if message.content is None and message.role != "assistant":  # an assistant's may be tool calls
-                raise APIError(400, f"a {message.role} message needs content", f"messages[{i}].content")
-            entry = message.model_dump(exclude_none=True)
-            entry["content"] = message_text(message, i) or ""
-            if message.tool_calls:
-                entry["tool_calls"] = _template_tool_calls(message.tool_calls, f"messages[{i}].tool_calls")
-            conversation.append(entry)
-        if tools:
-            _check_tools(tools)
-        extra = dict(template_kwargs or {})
-        taken = next((k for k in extra if k in _TEMPLATE_ARGUMENTS), None)
-        if taken is not None:
-            raise APIError(400, f"{taken!r} is set by the request itself", f"chat_template_kwargs.{taken}")
-        text = tokenizer.apply_chat_template(
-            conversation, tools=tools, add_generation_prompt=True, tokenize=False, **extra
-        )
-        if tools:
-            plain = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False, **extra
-            )
-            if plain == text:  # the template never shows them: the request would silently ignore them
-                raise APIError(400, "this model's chat template does not show tools to the model", "tools")
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return chat_prompt_ids(tokenizer, messages, tools, template_kwargs)
 
     @staticmethod
     def prompts(tokenizer: Any, body: Any) -> list[list[int]]:
@@ -100,50 +75,6 @@ class ChatFlavour:
         delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
         lp = None if logprobs is None else {"content": logprobs}
         return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": lp}
-
-
-def _template_tool_calls(calls: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
-    """An assistant message's tool calls as chat templates read them: OpenAI's ``function.arguments`` JSON
-    text parsed into the mapping templates iterate (as transformers serve does)."""
-    converted = []
-    for j, call in enumerate(calls):
-        function = call.get("function")
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise APIError(400, "a tool call needs a function with a name", f"{where}[{j}].function")
-        arguments = function.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments or "{}")
-            except json.JSONDecodeError as error:
-                raise APIError(
-                    400, f"the arguments are not JSON ({error})", f"{where}[{j}].function.arguments"
-                ) from error
-        converted.append({**call, "function": {**function, "arguments": arguments}})
-    return converted
-
-
-# apply_chat_template's arguments that the request's own fields set.
-_TEMPLATE_ARGUMENTS = frozenset(
-    {"conversation", "tools", "documents", "add_generation_prompt", "tokenize", "continue_final_message"}
-    | {
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "chat_template",
-        "padding",
-        "truncation",
-    }
-)
-
-
-def _check_tools(tools: list[dict[str, Any]]) -> None:
-    """Each tool is OpenAI's ``{"type": "function", "function": {"name": ..., ...}}``."""
-    for i, tool in enumerate(tools):
-        function = tool.get("function")
-        if tool.get("type") != "function" or not isinstance(function, dict):
-            raise APIError(400, f"only function tools are served, got {tool.get('type')!r}", f"tools[{i}]")
-        if not isinstance(function.get("name"), str) or not function["name"]:
-            raise APIError(400, "a function tool needs a name", f"tools[{i}].function.name")
 
 
 class TextFlavour:
@@ -188,7 +119,7 @@ class TextFlavour:
         logprobs: list[dict[str, Any]] | None,
         before: bytes = b"",
     ) -> dict[str, Any]:
-        lp = _legacy_logprobs(logprobs, before)
+        lp = legacy_logprobs(logprobs, before)
         return {"index": index, "text": text, "finish_reason": finish, "logprobs": lp}
 
     @staticmethod
@@ -215,6 +146,7 @@ class CompletionCall:
     logprobs: bool | int
     stops: list[str]
     reading: ReplyReading | None = None  # chat: its reply read into content, reasoning and tool calls
+    replies: list[Any] = field(default_factory=list)  # each choice's reply read whole (`run_call`)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     generated: int = 0  # tokens streamed so far
     streamed: bool = False  # the stream ran to its end (not cut by a client that went)
@@ -240,10 +172,15 @@ class CompletionCall:
         return [p for p in self.prompts for _ in range(self.body.n)]
 
     @property
-    def seed(self) -> int | None:
-        """The request's seed in the engine's range: OpenAI's seed is any int64, negative ones included."""
-        seed = self.body.seed
-        return None if seed is None else seed % 2**63
+    def seed(self) -> int | list[int] | None:
+        """The request's seed in the engine's range (OpenAI's seed is any int64, negative ones included);
+        in a batch, one per choice, so that each prompt's choices sample as that prompt's alone do."""
+        if self.body.seed is None:
+            return None
+        seed = self.body.seed % 2**63
+        if len(self.prompts) == 1:
+            return seed  # choice j draws from seed + j
+        return [(seed + j) % 2**63 for _ in self.prompts for j in range(self.body.n)]
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool = False) -> dict[str, Any]:
         kind = self.flavour.chunk_object if chunk else self.flavour.object
@@ -292,7 +229,8 @@ def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
     template = response_template(served.tokenizer, served.model) if chat else None
     if template is not None:
         prompt = served.tokenizer.decode(call.prompt_ids)
-        call.reading = ReplyReading.check(served.tokenizer, template, prompt, body.tools)
+        offered = None if body.tool_choice == "none" else body.tools  # calls are read only when offered
+        call.reading = ReplyReading.check(served.tokenizer, template, prompt, offered)
     return call
 
 
@@ -305,7 +243,7 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
                 served.model, call.choice_prompts(), tokenizer=tokenizer, seed=call.seed,
                 logprobs=call.logprobs, **call.kwargs,
             )  # fmt: skip
-        prompts = await _echoed_prompt_items(served, call)
+        prompts = await echoed_prompt_items(served, call)
     except ValueError as error:
         metrics.finished(endpoint, "error", call.prompt_tokens, 0, {})
         raise APIError(400, str(error)) from error
@@ -318,14 +256,16 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
         stopped = completion.finish_reason == "stop" and call.stops
         if stopped:
             text = cut_at_stop(text, call.stops)
-        items = _logprob_items(
+        items = logprob_items(
             tokenizer, completion.token_ids, completion.logprobs, completion.top_logprobs, call
         )
         if prompts is not None and items is not None:
             items = prompts[i // call.body.n] + items
         if call.reading is not None:  # read with its special tokens, which mark tool calls and turn ends
-            raw = tokenizer.decode(completion.token_ids)
-            reply = call.reading.parse(cut_at_stop(raw, call.stops) if stopped else raw)
+            reply = call.reading.parse(
+                raw_pieces(tokenizer, completion.token_ids, call.stops if stopped else None)
+            )
+            call.replies.append(reply)
             choices.append(reply_choice(i, reply, completion.finish_reason, items))
         else:
             choices.append(
@@ -380,12 +320,14 @@ async def stream_pieces(
         raise
     hold = max((len(s) for s in call.stops), default=1) - 1
     texts, sent = [""] * call.count, [0] * call.count
-    # A reply read by its template is streamed with its special tokens, which the reader needs.
+    # A reply read by its template is streamed with its special tokens, which the reader needs; each
+    # token's raw and plain texts are kept to cut the raw text where a stop string begins in the plain.
     raw = (
         [Detokenizer(tokenizer, skip_special_tokens=False) for _ in range(call.count)]
         if call.reading
         else None
     )
+    pairs: list[list[tuple[str, str]]] = [[] for _ in range(call.count)]
     first_token, outcome = time.perf_counter(), "cancelled"
     try:
         yield None
@@ -393,18 +335,26 @@ async def stream_pieces(
         async for event in _chain(pending, _while_connected(events, gone)):
             i = event.index
             call.generated += 1
-            texts[i] += (event.text or "") if raw is None else raw[i].add(event.token_id, done=event.finished)
+            if raw is None:
+                texts[i] += event.text or ""
+            else:
+                pairs[i].append((raw[i].add(event.token_id, done=event.finished), event.text or ""))
+                texts[i] += pairs[i][-1][0]
             if event.finished:
                 final = texts[i]
                 if event.finish_reason == "stop" and call.stops:
-                    final = cut_at_stop(final, call.stops)
+                    if raw is None:
+                        final = cut_at_stop(final, call.stops)
+                    else:
+                        plain = "".join(p for _, p in pairs[i])
+                        final = "".join(cut_raw(pairs[i], len(cut_at_stop(plain, call.stops))))
                 delta, sent[i] = final[sent[i] :], len(final)
             else:
                 safe = max(sent[i], len(texts[i]) - hold)
                 delta, sent[i] = texts[i][sent[i] : safe], safe
             logprob = None if event.logprob is None else [event.logprob]
             top = None if event.top_logprobs is None else [event.top_logprobs]
-            items = _logprob_items(tokenizer, [event.token_id], logprob, top, call)
+            items = logprob_items(tokenizer, [event.token_id], logprob, top, call)
             if delta or event.finished or items:
                 yield Piece(i, delta, event.finish_reason if event.finished else None, items)
         outcome, call.streamed = "ok", True
@@ -439,7 +389,7 @@ async def stream_call(
         if flavour is ChatFlavour:
             for i in range(call.count):
                 yield chunk(flavour.delta(i, None, None, None))
-        prompts = await _echoed_prompt_items(served, call)
+        prompts = await echoed_prompt_items(served, call)
         sent = [b""] * call.count  # the bytes of each choice's logprob tokens so far (echo's included)
 
         def delta(index: int, text: str | None, finish: str | None, items: Any) -> dict[str, Any]:
@@ -513,75 +463,3 @@ async def _chain(head: list[Any], rest: AsyncIterator[Any]) -> AsyncIterator[Any
 
 def _sse(payload: dict[str, Any]) -> bytes:
     return format_sse_event(data_str=json.dumps(payload, separators=(",", ":")))
-
-
-def _logprob_items(
-    tokenizer: Any,
-    token_ids: list[int],
-    logprobs: list[float] | None,
-    top: list[dict[int, float]] | None,
-    call: CompletionCall,
-) -> list[dict[str, Any]] | None:
-    """OpenAI's per-token logprobs (chat's ``content`` items), or None when not asked for."""
-    if call.logprobs is False or logprobs is None:
-        return None
-    k = 0 if call.logprobs is True else int(call.logprobs)
-    items = []
-    for j, (token, logprob) in enumerate(zip(token_ids, logprobs)):
-        ranked = sorted((top[j] if top else {}).items(), key=lambda kv: -kv[1])[:k]
-        items.append(
-            {
-                **_token(tokenizer, token, logprob),
-                "top_logprobs": [_token(tokenizer, t, lp) for t, lp in ranked],
-            }
-        )
-    return items
-
-
-async def _echoed_prompt_items(served: Any, call: CompletionCall) -> list[list[dict[str, Any]]] | None:
-    """Each prompt's logprob items when ``echo`` and ``logprobs`` ask for them, else None: one forward per
-    prompt for its n choices, off the event loop (`api.results.prompt_logprobs_of`: the model's own
-    distribution; the first token has none, OpenAI's null)."""
-    if (k := call.prompt_logprobs()) is None:
-        return None
-    items = []
-    for ids in call.prompts:
-        prompt = await asyncio.to_thread(prompt_logprobs_of, served.model, ids, k)
-        logprobs = [None if top is None else top[token] for token, top in zip(ids, prompt)]
-        items.append(
-            _logprob_items(served.tokenizer, ids, logprobs, [top or {} for top in prompt], call) or []
-        )
-    return items
-
-
-def _token(tokenizer: Any, token: int, logprob: float | None) -> dict[str, Any]:
-    """One logprob entry: the token's text alone (U+FFFD for part of a character) and its own bytes, which
-    joined with the other tokens' make the text's UTF-8 (OpenAI's ``bytes``)."""
-    return {
-        "token": tokenizer.decode([token]),
-        "logprob": logprob,
-        "bytes": list(token_bytes(tokenizer, token)),
-    }
-
-
-def _legacy_logprobs(items: list[dict[str, Any]] | None, before: bytes = b"") -> dict[str, Any] | None:
-    """The completions endpoint's logprobs layout, from the chat items; ``text_offset`` counts characters
-    from the start of the choice's text, whose first `before` bytes came earlier."""
-    if items is None:
-        return None
-    # Characters counted as the tokenizer decodes: an invalid byte is one U+FFFD, and only a character
-    # still unfinished at the end waits (a token inside a character starts where that character does).
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    offsets, at = [], len(decoder.decode(before))
-    for item in items:
-        offsets.append(at)
-        at += len(decoder.decode(bytes(item["bytes"])))
-    return {
-        "tokens": [item["token"] for item in items],
-        "token_logprobs": [item["logprob"] for item in items],
-        "top_logprobs": [
-            None if item["logprob"] is None else {t["token"]: t["logprob"] for t in item["top_logprobs"]}
-            for item in items
-        ],
-        "text_offset": offsets,
-    }

@@ -65,6 +65,13 @@ class ChatMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None  # an earlier reply's, as this server answered it
+    # What clients send back of an earlier answer (the openai client sets them to null; its stream
+    # helper's message also has parsed).
+    refusal: str | None = None
+    annotations: list[dict[str, Any]] | None = None
+    audio: None = None
+    function_call: None = None
+    parsed: None = None
 
 
 class ChatCompletionRequest(SamplingFields):

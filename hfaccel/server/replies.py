@@ -8,7 +8,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from hfaccel.api.detokenize import Detokenizer
 from hfaccel.patches.reply_parsing import Reply, ReplyPart, ReplyStream, parse_reply
+from hfaccel.server.sampling import cut_at_stop
 
 logger = logging.getLogger("hfaccel")
 
@@ -35,12 +37,42 @@ class ReplyReading:
             return None
         return cls(template, prompt, tools, special)
 
-    def parse(self, text: str) -> Reply:
-        """The whole reply `text`, decoded with special tokens."""
-        return parse_reply(self.template, self.prompt, text, self.tools, self.special)
+    def parse(self, pieces: list[str]) -> Reply:
+        """The whole reply, as the text each token adds decoded with special tokens (`raw_pieces`)."""
+        return parse_reply(self.template, self.prompt, pieces, self.tools, self.special)
 
     def stream(self) -> ReplyStream:
         return ReplyStream(self.template, self.prompt, self.tools, self.special)
+
+
+def raw_pieces(tokenizer: Any, token_ids: list[int], stops: list[str] | None = None) -> list[str]:
+    """The text each token adds, decoded with special tokens, as a stream reads it; with `stops` (a stop
+    string ended the reply), cut where the plain text's first stop string begins (`cut_raw`)."""
+    raw, plain = Detokenizer(tokenizer, skip_special_tokens=False), Detokenizer(tokenizer)
+    last = len(token_ids) - 1
+    pieces = [(raw.add(t, done=k == last), plain.add(t, done=k == last)) for k, t in enumerate(token_ids)]
+    if not stops:
+        return [r for r, _ in pieces]
+    text = "".join(p for _, p in pieces)
+    return cut_raw(pieces, len(cut_at_stop(text, stops)))
+
+
+def cut_raw(pieces: list[tuple[str, str]], keep: int) -> list[str]:
+    """The raw pieces of `pieces` (each token's (raw text, plain text)) up to where the plain text's first
+    `keep` characters end: a stop string is found in the plain text (the engine's, special tokens left
+    out), and the raw text is cut there, never inside a special token's text."""
+    out, seen = [], 0
+    for raw, plain in pieces:
+        if seen + len(plain) > keep:
+            # the cut falls in this token's text: a text token, whose raw text ends with its plain text
+            cut = keep - seen
+            out.append(raw[: len(raw) - len(plain) + cut] if raw.endswith(plain) else plain[:cut])
+            break
+        out.append(raw)
+        seen += len(plain)
+        if seen == keep and plain:
+            break
+    return out
 
 
 def reply_choice(
@@ -52,7 +84,7 @@ def reply_choice(
         message["reasoning_content"] = reply.reasoning
     if reply.tool_calls:
         message["tool_calls"] = [_tool_call(None, call) for call in reply.tool_calls]
-        finish = "tool_calls"
+        finish = "tool_calls" if finish == "stop" else finish  # "length": the reply was cut
     lp = None if logprobs is None else {"content": logprobs}
     return {"index": index, "message": message, "finish_reason": finish, "logprobs": lp}
 
@@ -70,7 +102,7 @@ def read_piece(reader: ReplyStream, piece: Any, calls: list[int]) -> list[dict[s
         calls[i] += part.tool_call is not None
     if not deltas and (piece.items or piece.finish):
         deltas.append({})
-    finish = "tool_calls" if piece.finish and calls[i] else piece.finish
+    finish = "tool_calls" if piece.finish == "stop" and calls[i] else piece.finish
     lp = None if piece.items is None else {"content": piece.items}
     last = len(deltas) - 1
     return [

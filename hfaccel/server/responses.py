@@ -19,10 +19,9 @@ from typing import Any, Literal
 from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field
 
-from hfaccel.patches.reply_parsing import ToolCall
 from hfaccel.server.completions import ChatFlavour, CompletionCall, prepare_call, stream_pieces
 from hfaccel.server.protocol import APIError, ChatCompletionRequest, ChatMessage
-from hfaccel.server.response_items import OutputStream, function_call_item, message_item, reasoning_item
+from hfaccel.server.response_items import OutputStream, message_item
 
 # Chat's field names in errors, as this endpoint's.
 _FIELDS = {
@@ -85,6 +84,8 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
     reasoning = None
     for i, item in enumerate(body.input):
         where, kind = f"input[{i}]", item.get("type", "message")
+        if not isinstance(kind, str):
+            raise APIError(400, f"an item's type is a string, got {kind!r}", f"{where}.type")
         if kind in _TOOL_ITEMS:
             _fields(item, where, _TOOL_ITEMS[kind])
         if kind == "reasoning":
@@ -125,6 +126,8 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
                 f"only message, function_call, function_call_output and reasoning items are served, got {kind!r}",
                 where,
             )
+    if not messages:
+        raise APIError(400, "the input holds no message", "input")
     return messages
 
 
@@ -242,16 +245,19 @@ def _status(finish: str | None) -> str:
 
 
 def from_chat(body: ResponsesRequest, call: CompletionCall, chat: dict[str, Any]) -> dict[str, Any]:
-    """The ``response`` object of a finished chat body (`completions.run_call`'s): reasoning (when the
-    reply was read into any), the message, then its function calls."""
+    """The ``response`` object of a finished chat body (`completions.run_call`'s). A reply read by its
+    template gives the items a stream of it gives (`OutputStream` over the same parts): reasoning, the
+    message, function calls."""
     choice = chat["choices"][0]
-    message, status = choice["message"], _status(choice["finish_reason"])
-    reasoning = message.get("reasoning_content")
-    output = [reasoning_item(f"rs_{call.id}", reasoning)] if reasoning else []
-    output.append(message_item(f"msg_{call.id}", message["content"], status))
-    for tool_call in message.get("tool_calls", ()):
-        function = tool_call["function"]
-        output.append(function_call_item(tool_call["id"], ToolCall(function["name"], function["arguments"])))
+    status = _status(choice["finish_reason"])
+    if call.replies:
+        out = OutputStream(call.id, lambda kind, **fields: b"")
+        for part in call.replies[0].parts:
+            out.part(part)
+        out.finish(status)
+        output = out.items
+    else:
+        output = [message_item(f"msg_{call.id}", choice["message"]["content"], status)]
     return response_object(body, call, output, status, chat["usage"]["completion_tokens"])
 
 

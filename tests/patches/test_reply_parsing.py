@@ -53,7 +53,7 @@ def test_the_template_is_the_tokenizers_own_else_transformers_serves_fallback_fo
 
 def test_a_whole_reply_gives_content_reasoning_and_typed_tool_calls():
     model, tokenizer = qwen()
-    reply = parse_reply(response_template(tokenizer, model), PROMPT, REPLY, TOOLS)
+    reply = parse_reply(response_template(tokenizer, model), PROMPT, [REPLY], TOOLS)
     assert reply.content == "Let me look."
     assert reply.reasoning.strip() == "Paris, so a lookup."
     assert reply.tool_calls == CALLS
@@ -74,7 +74,7 @@ def test_a_streamed_reply_gives_the_same_calls_and_reasoning_whatever_the_pieces
 
 def test_plain_text_stays_content():
     model, tokenizer = qwen()
-    reply = parse_reply(response_template(tokenizer, model), PROMPT, "Sunny.<|im_end|>", TOOLS)
+    reply = parse_reply(response_template(tokenizer, model), PROMPT, ["Sunny.", "<|im_end|>"], TOOLS)
     assert (reply.content, reply.reasoning, reply.tool_calls) == ("Sunny.", None, [])
 
 
@@ -117,7 +117,7 @@ def test_a_reply_that_stops_being_readable_is_text_from_the_failed_field_on_whol
     template = response_template(tokenizer, model)
     with caplog.at_level(logging.WARNING, logger="hfaccel"):
         parts = streamed(template, text, piece)
-        reply = parse_reply(template, PROMPT, text, TOOLS, SPECIAL)
+        reply = parse_reply(template, PROMPT, list(text), TOOLS, SPECIAL)
     assert "".join(p.content for p in parts) == content and not any(p.tool_call for p in parts)
     assert (reply.content, reply.tool_calls) == (content.strip(), [])
     assert "served as text" in caplog.text
@@ -128,7 +128,7 @@ def test_a_field_that_opens_twice_keeps_both_whole_and_streamed():
     model, tokenizer = qwen()
     template = response_template(tokenizer, model)
     text = 'Let me add.<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>Done.<|im_end|>'
-    reply = parse_reply(template, PROMPT, text, TOOLS)
+    reply = parse_reply(template, PROMPT, list(text), TOOLS)
     assert reply.content == "Let me add.Done." and len(reply.tool_calls) == 1
     assert "".join(p.content for p in streamed(template, text, 3)) == reply.content
 
@@ -143,7 +143,7 @@ def test_a_tool_schema_the_parser_cannot_use_falls_back_to_text(caplog):
     ]
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     with caplog.at_level(logging.WARNING, logger="hfaccel"):
-        reply = parse_reply(response_template(tokenizer, model), PROMPT, text, tools)
+        reply = parse_reply(response_template(tokenizer, model), PROMPT, list(text), tools)
     assert reply.content == text.strip() and reply.tool_calls == []
 
 

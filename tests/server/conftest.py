@@ -104,17 +104,21 @@ def scripted(reading, monkeypatch):
     ``scripted(text)`` replaces it by another text."""
     import hfaccel.server.completions as completions
 
-    def use(script: str) -> None:
-        ids = reading.encode(script, add_special_tokens=False) + [reading.eos_token_id]
+    def use(script: str, finish: str = "stop") -> None:
+        """`script`, then EOS (finish "stop"), or cut there by the length (finish "length")."""
+        ids = reading.encode(script, add_special_tokens=False) + (
+            [reading.eos_token_id] if finish == "stop" else []
+        )
         text = reading.decode(ids, skip_special_tokens=True)
 
         async def agenerate(model, prompts, **kwargs):
-            return [Completion(prompts[0], ids, text, "stop", no_metrics()) for _ in prompts]
+            return [Completion(prompts[0], ids, text, finish, no_metrics()) for _ in prompts]
 
         async def astream(model, prompts, **kwargs):
             for k, token in enumerate(ids):
                 done = k == len(ids) - 1
-                yield StreamEvent(0, token, None, done, "stop" if done else None)
+                text = reading.decode([token], skip_special_tokens=True)
+                yield StreamEvent(0, token, text, done, finish if done else None)
 
         monkeypatch.setattr(completions, "agenerate", agenerate)
         monkeypatch.setattr(completions, "astream", astream)

@@ -120,31 +120,31 @@ def test_logprob_bytes_and_offsets_follow_characters_split_over_tokens(smollm2):
     """SmolLM2 splits '🎉' over three tokens, each decoding alone to U+FFFD: their ``bytes`` join to the
     text's UTF-8, and ``text_offset`` counts the text's characters (a token inside a character starts
     at that character), also when a stream sends the tokens over several chunks."""
-    from hfaccel.server.completions import _legacy_logprobs, _token
+    from hfaccel.server.logprob_items import legacy_logprobs, token_item
 
     _, tokenizer = smollm2
     text = "The emoji 🎉 means joy"
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    items = [{**_token(tokenizer, i, -1.0), "top_logprobs": []} for i in ids]
+    items = [{**token_item(tokenizer, i, -1.0), "top_logprobs": []} for i in ids]
     assert b"".join(bytes(item["bytes"]) for item in items) == text.encode()
     expected = [len(os.path.commonprefix([tokenizer.decode(ids[:j]), text])) for j in range(len(ids))]
-    assert _legacy_logprobs(items)["text_offset"] == expected
+    assert legacy_logprobs(items)["text_offset"] == expected
     assert expected[-2:] == [text.index(" means"), text.index(" joy")]
     for cut in range(1, len(items)):  # streamed: the chunks' offsets count from the choice's start
         before = b"".join(bytes(item["bytes"]) for item in items[:cut])
-        assert _legacy_logprobs(items[cut:], before)["text_offset"] == expected[cut:]
+        assert legacy_logprobs(items[cut:], before)["text_offset"] == expected[cut:]
 
 
 def test_an_invalid_byte_mid_text_counts_as_one_character(smollm2):
     """A stray continuation byte decodes to one U+FFFD in the text, as the tokenizer decodes it; the
     offsets after it count it once (they dropped it before)."""
-    from hfaccel.server.completions import _legacy_logprobs, _token
+    from hfaccel.server.logprob_items import legacy_logprobs, token_item
 
     _, tokenizer = smollm2
     ids = tokenizer.convert_tokens_to_ids(["a", "İ", "b", "b"])  # 'İ' is byte 0x8E alone
-    items = [{**_token(tokenizer, i, -1.0), "top_logprobs": []} for i in ids]
+    items = [{**token_item(tokenizer, i, -1.0), "top_logprobs": []} for i in ids]
     assert tokenizer.decode(ids) == "a\ufffdbb"
-    assert _legacy_logprobs(items)["text_offset"] == [0, 1, 2, 3]
+    assert legacy_logprobs(items)["text_offset"] == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize(
@@ -226,3 +226,46 @@ def test_a_tool_calling_conversation_goes_back_to_the_template_as_templates_read
     messages[1]["tool_calls"] = [bad]
     code, _, answer = post(served[0], "/v1/chat/completions", {"model": MODEL, "messages": messages})
     assert code == 400 and answer["error"]["param"] == "messages[1].tool_calls[0].function.arguments", answer
+
+
+def test_each_prompt_of_a_seeded_batch_samples_as_it_does_alone(client):
+    ask = dict(model=MODEL, max_tokens=6, temperature=1.0, seed=1234, n=2)
+    prompts = ["Hello", "World wide"]
+    alone = [[c.text for c in client.completions.create(prompt=p, **ask).choices] for p in prompts]
+    batch = [c.text for c in client.completions.create(prompt=prompts, **ask).choices]
+    assert batch == alone[0] + alone[1]
+
+
+@pytest.mark.parametrize(
+    ("template", "extra", "param"),
+    [
+        (None, {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+        (None, {"chat_template_kwargs": {"conversations": []}}, "chat_template_kwargs.conversations"),
+        ("{{ raise_exception('roles must alternate') }}", {}, "messages"),
+    ],
+)
+def test_a_template_that_refuses_the_request_is_a_400(served, monkeypatch, template, extra, param):
+    if template is not None:
+        monkeypatch.setattr(served[2], "chat_template", template)
+    code, _, answer = post(served[0], "/v1/chat/completions", {"model": MODEL, "messages": CHAT, **extra})
+    assert code == 400 and answer["error"]["param"] == param, answer
+
+
+def test_tool_call_arguments_must_be_a_json_object(served):
+    call = {"id": "c", "type": "function", "function": {"name": "add", "arguments": "[1, 2]"}}
+    messages = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    code, _, answer = post(served[0], "/v1/chat/completions", {"model": MODEL, "messages": messages})
+    assert code == 400 and answer["error"]["param"] == "messages[1].tool_calls[0].function.arguments", answer
+
+
+def test_an_answer_sent_back_as_the_openai_client_gives_it_is_taken(served, client):
+    """The client's message sets refusal, annotations, audio and function_call to null (its stream
+    helper's also parsed): the usual agent loop sends it back as it is."""
+    message = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4).choices[0].message
+    sent_back = {**message.model_dump(), "parsed": None}
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(sent_back)
+    messages = [*CHAT, sent_back, {"role": "user", "content": "And?"}]
+    code, _, answer = post(
+        served[0], "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2}
+    )
+    assert code == 200, answer

@@ -69,6 +69,82 @@ def test_a_template_the_parser_refuses_serves_replies_as_text_whole_and_streamed
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain
 
 
+def read_both(client, **ask):
+    """The whole answer's choice and the stream's joined (content, reasoning, calls, finish)."""
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, **ask).choices[0]
+    chunks = [
+        c for c in client.chat.completions.create(model=MODEL, messages=CHAT, stream=True, **ask) if c.choices
+    ]
+    deltas = [c.choices[0].delta for c in chunks]
+    streamed = (
+        "".join(d.content or "" for d in deltas),
+        "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) or None,
+        [(c.function.name, c.function.arguments) for d in deltas for c in d.tool_calls or ()],
+        chunks[-1].choices[0].finish_reason,
+    )
+    message = whole.message
+    calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+    return (
+        message.content,
+        message.model_extra.get("reasoning_content"),
+        calls,
+        whole.finish_reason,
+    ), streamed
+
+
+@pytest.mark.parametrize(
+    ("script", "content", "reasoning", "calls"),
+    [
+        # reasoning kept, the failed call and what follows it as text
+        (
+            "<think>sum it</think>On it.<tool_call>{bad json</tool_call>",
+            "On it.<tool_call>{bad json</tool_call>",
+            "sum it",
+            0,
+        ),
+        # a good call kept before a bad one
+        (
+            '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call><tool_call>{bad</tool_call>',
+            "<tool_call>{bad</tool_call>",
+            None,
+            1,
+        ),
+        # a thinking block left empty (Qwen 3 with thinking off): no reasoning, no whitespace
+        ("<think>  </think>  Hi there", "Hi there", None, 0),
+    ],
+)
+def test_whole_and_streamed_answers_agree_where_the_reply_stops_being_readable(
+    client, scripted, script, content, reasoning, calls
+):
+    scripted(script)
+    whole, streamed = read_both(client, tools=TOOLS)
+    assert whole == streamed
+    assert (whole[0], whole[1], len(whole[2])) == (content, reasoning, calls)
+    assert whole[3] == ("tool_calls" if calls else "stop")
+
+
+def test_a_reply_cut_by_the_length_after_a_call_says_length(client, scripted):
+    scripted('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>More', finish="length")
+    whole, streamed = read_both(client, tools=TOOLS)
+    assert whole == streamed and whole[3] == "length" and len(whole[2]) == 1
+
+
+def test_tool_calls_are_read_only_when_the_request_offers_tools(client, scripted):
+    markup = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    scripted("<think>hm</think>" + markup)
+    for ask in ({}, {"tools": TOOLS, "tool_choice": "none"}):
+        whole, streamed = read_both(client, **ask)
+        assert whole == streamed == (markup, "hm", [], "stop")
+
+
+def test_a_stop_string_never_cuts_into_a_special_tokens_text(client, scripted):
+    """The stop string is found in the plain text (the engine's); the raw text is cut there, not at a
+    match inside the EOS's "</s>"."""
+    scripted("On it.")
+    whole, streamed = read_both(client, stop=["s>"])
+    assert whole == streamed == ("On it.", None, [], "stop")
+
+
 def test_the_engines_own_reply_is_split_where_the_template_says(client, served, monkeypatch):
     """The real engine: the tiny model's greedy reply (its tokens' raw text, special tokens kept, as the
     reader sees it), with a template whose reasoning opens and closes at two-character literals taken

@@ -167,3 +167,55 @@ def test_a_tool_conversations_items_become_the_chat_messages_transformers_serve_
         ChatMessage(role="tool", content="5", tool_call_id="call_1"),
         ChatMessage(role="tool", content="0", tool_call_id="call_2"),
     ]
+
+
+def response_both(client, **ask):
+    whole = client.responses.create(model=MODEL, input="2+3?", tools=FLAT_TOOLS, **ask)
+    events = list(client.responses.create(model=MODEL, input="2+3?", tools=FLAT_TOOLS, stream=True, **ask))
+    return whole, events[-1].response
+
+
+def shape(response):
+    items = []
+    for item in response.output:
+        if item.type == "reasoning":
+            items.append(("reasoning", item.content[0].text))
+        elif item.type == "message":
+            items.append(("message", item.content[0].text if item.content else ""))
+        else:
+            items.append((item.type, item.name, item.arguments))
+    return response.status, items
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        '<think>first</think><tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+        '<think>second</think><tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>',
+        "<think>  </think>  Hi",
+        "<think>r</think>On it.<tool_call>{bad json</tool_call>",
+    ],
+)
+def test_whole_and_streamed_responses_have_the_same_items(client, scripted, script):
+    scripted(script)
+    whole, streamed = response_both(client)
+    assert shape(whole) == shape(streamed)
+
+
+def test_a_response_cut_by_the_length_after_a_call_is_incomplete(client, scripted):
+    scripted('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>More', finish="length")
+    whole, streamed = response_both(client)
+    assert whole.status == streamed.status == "incomplete"
+    assert whole.incomplete_details.reason == "max_output_tokens"
+
+
+@pytest.mark.parametrize(
+    ("input_", "param"),
+    [
+        ([{"type": "reasoning", "summary": [{"type": "summary_text", "text": "x"}]}], "input"),
+        ([{"type": ["message"], "role": "user", "content": "hi"}], "input[0].type"),
+    ],
+)
+def test_inputs_without_a_message_or_with_odd_types_are_400s(served, input_, param):
+    status, _, error = post(served[0], "/v1/responses", {"model": MODEL, "input": input_})
+    assert status == 400 and error["error"]["param"] == param, error

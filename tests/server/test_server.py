@@ -120,11 +120,11 @@ def test_text_completions_with_echo_and_logprobs(served, client):
 
 
 def test_echoed_logprobs_of_n_choices_take_one_forward(served, client, monkeypatch):
-    import hfaccel.server.completions as completions
+    import hfaccel.server.logprob_items as logprob_items
 
     forwards = []
-    original = completions.prompt_logprobs_of
-    monkeypatch.setattr(completions, "prompt_logprobs_of", lambda *a: forwards.append(1) or original(*a))
+    original = logprob_items.prompt_logprobs_of
+    monkeypatch.setattr(logprob_items, "prompt_logprobs_of", lambda *a: forwards.append(1) or original(*a))
     answer = client.completions.create(
         model=MODEL, prompt="abc", max_tokens=2, temperature=1.0, n=3, logprobs=1, echo=True, seed=1
     )

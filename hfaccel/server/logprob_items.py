@@ -1,0 +1,84 @@
+"""OpenAI's log-probability items: chat's ``content`` items per token (its text, bytes and the k most
+likely alternatives), the completions endpoint's legacy layout with ``text_offset``, and the echoed
+prompt's items."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+from typing import Any
+
+from hfaccel.api import prompt_logprobs_of
+from hfaccel.api.detokenize import token_bytes
+
+
+def logprob_items(
+    tokenizer: Any,
+    token_ids: list[int],
+    logprobs: list[float] | None,
+    top: list[dict[int, float]] | None,
+    call: Any,
+) -> list[dict[str, Any]] | None:
+    """OpenAI's per-token logprobs (chat's ``content`` items), or None when not asked for."""
+    if call.logprobs is False or logprobs is None:
+        return None
+    k = 0 if call.logprobs is True else int(call.logprobs)
+    items = []
+    for j, (token, logprob) in enumerate(zip(token_ids, logprobs)):
+        ranked = sorted((top[j] if top else {}).items(), key=lambda kv: -kv[1])[:k]
+        items.append(
+            {
+                **token_item(tokenizer, token, logprob),
+                "top_logprobs": [token_item(tokenizer, t, lp) for t, lp in ranked],
+            }
+        )
+    return items
+
+
+async def echoed_prompt_items(served: Any, call: Any) -> list[list[dict[str, Any]]] | None:
+    """Each prompt's logprob items when ``echo`` and ``logprobs`` ask for them, else None: one forward per
+    prompt for its n choices, off the event loop (`api.results.prompt_logprobs_of`: the model's own
+    distribution; the first token has none, OpenAI's null)."""
+    if (k := call.prompt_logprobs()) is None:
+        return None
+    items = []
+    for ids in call.prompts:
+        prompt = await asyncio.to_thread(prompt_logprobs_of, served.model, ids, k)
+        logprobs = [None if top is None else top[token] for token, top in zip(ids, prompt)]
+        items.append(
+            logprob_items(served.tokenizer, ids, logprobs, [top or {} for top in prompt], call) or []
+        )
+    return items
+
+
+def token_item(tokenizer: Any, token: int, logprob: float | None) -> dict[str, Any]:
+    """One logprob entry: the token's text alone (U+FFFD for part of a character) and its own bytes, which
+    joined with the other tokens' make the text's UTF-8 (OpenAI's ``bytes``)."""
+    return {
+        "token": tokenizer.decode([token]),
+        "logprob": logprob,
+        "bytes": list(token_bytes(tokenizer, token)),
+    }
+
+
+def legacy_logprobs(items: list[dict[str, Any]] | None, before: bytes = b"") -> dict[str, Any] | None:
+    """The completions endpoint's logprobs layout, from the chat items; ``text_offset`` counts characters
+    from the start of the choice's text, whose first `before` bytes came earlier."""
+    if items is None:
+        return None
+    # Characters counted as the tokenizer decodes: an invalid byte is one U+FFFD, and only a character
+    # still unfinished at the end waits (a token inside a character starts where that character does).
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    offsets, at = [], len(decoder.decode(before))
+    for item in items:
+        offsets.append(at)
+        at += len(decoder.decode(bytes(item["bytes"])))
+    return {
+        "tokens": [item["token"] for item in items],
+        "token_logprobs": [item["logprob"] for item in items],
+        "top_logprobs": [
+            None if item["logprob"] is None else {t["token"]: t["logprob"] for t in item["top_logprobs"]}
+            for item in items
+        ],
+        "text_offset": offsets,
+    }
