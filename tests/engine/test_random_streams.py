@@ -1,6 +1,7 @@
 """Per-request random streams: a seeded request samples the same tokens whatever runs beside it, whether
 its prefix came from the cache, and whether it was preempted."""
 
+import pytest
 import torch
 
 import hfaccel
@@ -65,3 +66,26 @@ def test_torch_manual_seed_reproduces_model_generate_with_a_warm_cache():
         runs.append(model.generate(ids, do_sample=True, max_new_tokens=10, min_new_tokens=10)[0].tolist())
     assert model._hfaccel.engine.stats()["prefix_cache_hit_tokens"] > 0
     assert runs[0] == runs[1]
+
+
+def test_one_seed_per_prompt_samples_each_prompt_as_it_does_alone():
+    """`seed=[s0, s1]`: prompt p's r-th request draws from seed[p] + r (a server's batch of prompts, each
+    sampling as that prompt alone)."""
+    model = tiny_model("llama")
+    prompts = varied_prompts(4, seed=3)[:2]
+    hfaccel.patch(model)
+    try:
+        both = hfaccel.generate(
+            model, prompts, seed=[11, 11], num_return_sequences=2, progress=False, **SAMPLING
+        )
+        alone = [
+            hfaccel.generate(model, [p], seed=11, num_return_sequences=2, progress=False, **SAMPLING)
+            for p in prompts
+        ]
+        assert [c.token_ids for c in both] == [c.token_ids for group in alone for c in group]
+        with pytest.raises(ValueError, match=r"seed: a list of 1 seeds for 2 prompts"):
+            hfaccel.generate(model, prompts, seed=[1], progress=False, **SAMPLING)
+        with pytest.raises(ValueError, match=r"seed\[1\] must be an int"):
+            hfaccel.generate(model, prompts, seed=[1, -1], progress=False, **SAMPLING)
+    finally:
+        hfaccel.unpatch(model)
