@@ -212,11 +212,23 @@ class CompletionCall:
 
 def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
     prompts = flavour.prompts(served.tokenizer, body)
-    longest = max(len(p) for p in prompts)
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
     vocab = len(served.tokenizer)
-    kwargs = generate_kwargs(
-        body, flavour.max_tokens(body), longest, served.max_model_len(), served.limits, vocab
-    )
+    try:
+        kwargs = generate_kwargs(
+            body,
+            flavour.max_tokens(body),
+            len(prompts[longest]),
+            served.max_model_len(),
+            served.limits,
+            vocab,
+        )
+    except APIError as error:
+        if len(prompts) > 1 and error.param == "prompt":  # a batch: name the prompt
+            raise APIError(
+                error.status, f"prompt {longest}: {error.message}", f"prompt[{longest}]"
+            ) from error
+        raise
     call = CompletionCall(flavour, body, prompts, kwargs, flavour.logprobs(body), stop_strings(body))
     if call.count > served.limits.max_pending:  # it could never be admitted: not a 429 to retry
         raise APIError(

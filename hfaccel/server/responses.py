@@ -232,7 +232,7 @@ def response_object(
         if output is None
         else {
             "input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": generated,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": prompt + generated,

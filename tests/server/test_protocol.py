@@ -91,6 +91,8 @@ def test_a_batch_that_could_never_be_admitted_is_a_400_naming_prompt(served):
     assert code == 400 and answer["error"]["param"] == "prompt", answer
     code, _, answer = post(served[0], "/v1/completions", {**body, "prompt": ["a", ""]})
     assert code == 400 and answer["error"]["param"] == "prompt[1]", answer
+    code, _, answer = post(served[0], "/v1/completions", {**body, "n": 1, "prompt": ["a", "b" * 300, "c"]})
+    assert code == 413 and answer["error"]["param"] == "prompt[1]", answer
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
