@@ -53,3 +53,21 @@ def test_demo_runs_and_outputs_match_hf():
     assert "identical outputs: 6 of 6 requests" in out, out
     assert "speed-up:" in out and "ISA" in out and "dtype: float32" in out
     assert "prefix cache:" in out
+
+
+def test_the_hermes_response_template_reads_hermes_tool_calls():
+    """`hfaccel serve MODEL --response-template examples/response_templates/hermes.json` for a model that
+    writes Hermes-style calls (ChatML, `<tool_call>` JSON) without a template of its own (Hermes 2 Pro/3)."""
+    from hfaccel.cli import _read_templates
+    from hfaccel.patches.reply_parsing import ToolCall, parse_reply
+
+    _, template = _read_templates(None, str(EXAMPLES / "response_templates" / "hermes.json"))
+    reply = 'Checking.\n<tool_call>\n{"arguments": {"city": "Paris"}, "name": "get_weather"}\n</tool_call><|im_end|>'
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    parsed = parse_reply(
+        template, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", list(reply), tools
+    )
+    assert (parsed.content, parsed.tool_calls) == (
+        "Checking.",
+        [ToolCall("get_weather", '{"city": "Paris"}')],
+    )
