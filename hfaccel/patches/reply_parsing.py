@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import regex
+
 logger = logging.getLogger("hfaccel")
 
 # The names templates give the reasoning field (transformers 5.17's fallbacks say "thinking").
@@ -131,14 +133,11 @@ class ReplyStream:
         self._special = special
         self._trims = {"content": _Trim(), "reasoning": _Trim()}
         self._parser = ResponseParser(template, prefix=prompt, tools=tools)
-        self._closes = {
-            name: field.get("close")
-            for name, field in template.get("fields", {}).items()
-            if isinstance(field, dict)
-        }
+        self._fields = {k: v for k, v in template.get("fields", {}).items() if isinstance(v, dict)}
         self._raw = ""  # the reply's text fed so far
-        self._cursor = 0  # where the text read into parts ends, in `_raw`
+        self._floor = 0  # where the last field closed, in `_raw`: a later field's marker starts past it
         self._field_start = 0  # where the open field begins (its marker included)
+        self._open: str | None = None  # the field open now, in the reply
         self._failed = False
         self._pending = self._parts(self._parser.initial_events, in_reply=False)  # fields the prompt opened
 
@@ -150,28 +149,45 @@ class ReplyStream:
         return self._trimmed(self._finish())
 
     def _trimmed(self, parts: list[ReplyPart]) -> list[ReplyPart]:
-        out = []
+        """The parts trimmed, and those of one kind that follow each other joined (one a token)."""
+        out: list[ReplyPart] = []
         for part in parts:
             if part.tool_call is not None:
                 out.append(part)
             elif part.reasoning and (text := self._trims["reasoning"].add(part.reasoning)):
-                out.append(ReplyPart(reasoning=text))
+                joined = out and out[-1].reasoning
+                out[-1:] = (
+                    [ReplyPart(reasoning=out[-1].reasoning + text)]
+                    if joined
+                    else [*out[-1:], ReplyPart(reasoning=text)]
+                )
             elif part.content and (text := self._trims["content"].add(part.content)):
-                out.append(ReplyPart(content=text))
+                joined = out and out[-1].content
+                out[-1:] = (
+                    [ReplyPart(content=out[-1].content + text)]
+                    if joined
+                    else [*out[-1:], ReplyPart(content=text)]
+                )
         return out
 
     def _feed(self, text: str) -> list[ReplyPart]:
+        """A token's text goes to the parser whole; a longer text (a stream's held-back text) a character
+        at a time, so that an error loses no event that came before it in the text (a field's opening)."""
         parts, self._pending = self._pending, []
-        if not text:
-            return parts
-        self._raw += text
-        if self._failed:
-            return [*parts, *self._text(text)]
-        try:
-            events = self._parser.feed(text)
-        except Exception as error:  # a third-party parser on a model's text: any failure falls back
-            return parts + self._fail(error)
-        return parts + self._parts(events)
+        chunks = [text] if len(text) <= _WHOLE else list(text)
+        for k, chunk in enumerate(chunks):
+            if self._failed:
+                rest = "".join(chunks[k:])
+                self._raw += rest
+                return [*parts, *self._text(rest)]
+            self._raw += chunk
+            try:
+                events = self._parser.feed(chunk)
+            except Exception as error:  # a third-party parser on a model's text: any failure falls back
+                parts += self._fail(error)
+                continue
+            parts += self._parts(events)
+        return parts
 
     def _finish(self) -> list[ReplyPart]:
         parts, self._pending = self._pending, []
@@ -180,17 +196,45 @@ class ReplyStream:
         try:
             _, events = self._parser.finalize()
         except Exception as error:
-            return parts + self._fail(error)
+            return parts + self._fail(error, at_end=True)
         return parts + self._parts(events)
 
-    def _fail(self, error: Exception) -> list[ReplyPart]:
+    def _fail(self, error: Exception, at_end: bool = False) -> list[ReplyPart]:
+        """Serve the open field (its marker included) and the rest as text. An error with no field open
+        (a required field missing, at the end) leaves nothing unserved."""
         logger.warning(
             "a reply stopped being readable as its response template says (%s): served as text from "
             "the field that failed on",
             error,
         )
         self._failed, self._held = True, ""
-        return self._text(self._raw[self._field_start :])
+        if self._open is None or self._open in REASONING_FIELDS or self._open == "content":
+            return self._text("", end=True) if at_end else []  # what it read was served as it came
+        return self._text(self._raw[self._field_start :], end=at_end)
+
+    def _marker_start(self, name: str, floor: int) -> int:
+        """Where field `name`'s opening marker, which has just ended, begins: its latest match (literal or
+        pattern) past `floor` (where the field before it ended)."""
+        spec, end = self._fields.get(name, {}), len(self._raw)
+        literals = spec.get("open")
+        literals = [literals] if isinstance(literals, str) else literals or []
+        starts = [self._raw.rfind(lit, floor, end) for lit in literals]
+        if isinstance(spec.get("open_pattern"), str):
+            matches = list(regex.finditer(spec["open_pattern"], self._raw[floor:end]))
+            starts += [floor + matches[-1].start()] if matches else []
+        return max([s for s in starts if s >= 0], default=end)
+
+    def _close_end(self, name: str) -> int:
+        """Where the open field `name`'s closing marker ends (its first match past the field's start)."""
+        spec, ends = self._fields.get(name, {}), []
+        literals = spec.get("close")
+        for literal in [literals] if isinstance(literals, str) else literals or []:
+            at = self._raw.find(literal, self._field_start)
+            ends += [at + len(literal)] if at >= 0 else []
+        if isinstance(spec.get("close_pattern"), str):
+            match = regex.compile(spec["close_pattern"]).search(self._raw, self._field_start)
+            ends += [match.end()] if match else []
+        return min(ends, default=len(self._raw))
 
     def _text(self, text: str, end: bool = False) -> list[ReplyPart]:
         """Text served as it is, but for the special tokens' texts (the start of one at the end waits for
@@ -206,34 +250,32 @@ class ReplyStream:
     def _parts(self, events: list[dict[str, Any]], in_reply: bool = True) -> list[ReplyPart]:
         """transformers' parser events as reply parts (as transformers serve's `response_events_to_chunks`:
         a structured field's raw text, its "dirty" chunks, shows only once it closes, parsed), keeping
-        track of where in the reply each field begins."""
-        parts = []
+        track of where in the reply the open field begins."""
+        parts, floor = [], self._floor  # a field the next one's marker closes ends where that marker begins
         for event in events:
             kind, name, text = event["type"], event.get("field"), event.get("text") or ""
             if kind == "region_open" and in_reply:
-                self._field_start = self._cursor
-            elif kind == "region_chunk" and text:
-                if in_reply and (at := self._raw.find(text, self._cursor)) >= 0:
-                    self._cursor = at + len(text)
-                if event.get("dirty"):
-                    continue
+                self._open, self._field_start = name, self._marker_start(name, floor)
+            elif kind == "region_chunk" and text and not event.get("dirty"):
                 if name in REASONING_FIELDS:
                     parts.append(ReplyPart(reasoning=text))
                 elif name == "content":
                     parts.append(ReplyPart(content=text))
             elif kind == "region_close":
-                close = self._closes.get(name)
-                if in_reply and isinstance(close, str) and self._raw.startswith(close, self._cursor):
-                    self._cursor += len(close)
                 if name == "tool_calls":
                     call = _tool_call(event.get("value"))
                     if call is None:  # no function name: served as its text, not dropped
                         logger.warning("a tool call without a function name is served as text")
-                        text = self._raw[self._field_start : self._cursor] if in_reply else ""
+                        text = self._raw[self._field_start : self._close_end(name)] if in_reply else ""
                         parts.append(ReplyPart(content=text or json.dumps(event.get("value"))))
                     else:
                         parts.append(ReplyPart(tool_call=call))
+                if in_reply:
+                    floor, self._open, self._floor = self._floor, None, len(self._raw)
         return parts
+
+
+_WHOLE = 8  # characters fed to the parser at once: no field opens, fails and closes within them
 
 
 class _Trim:

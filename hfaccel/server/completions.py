@@ -340,6 +340,7 @@ async def stream_pieces(
         else None
     )
     pairs: list[list[tuple[str, str]]] = [[] for _ in range(call.count)]
+    specials: list[list[tuple[int, int]]] = [[] for _ in range(call.count)]  # special tokens' raw spans
     first_token, outcome = time.perf_counter(), "cancelled"
     try:
         yield None
@@ -350,19 +351,25 @@ async def stream_pieces(
             if raw is None:
                 texts[i] += event.text or ""
             else:
-                pairs[i].append((raw[i].add(event.token_id, done=event.finished), event.text or ""))
-                texts[i] += pairs[i][-1][0]
+                piece = (raw[i].add(event.token_id, done=event.finished), event.text or "")
+                if piece[0] and not piece[1]:
+                    specials[i].append((len(texts[i]), len(texts[i]) + len(piece[0])))
+                pairs[i].append(piece)
+                texts[i] += piece[0]
             if event.finished:
                 final = texts[i]
                 if event.finish_reason == "stop" and call.stops:
-                    if raw is None:
-                        final = cut_at_stop(final, call.stops)
-                    else:
-                        plain = "".join(p for _, p in pairs[i])
-                        final = "".join(cut_raw(pairs[i], len(cut_at_stop(plain, call.stops))))
+                    final = (
+                        cut_at_stop(final, call.stops)
+                        if raw is None
+                        else "".join(cut_raw(pairs[i], call.stops))
+                    )
                 delta, sent[i] = final[sent[i] :], len(final)
             else:
                 safe = max(sent[i], len(texts[i]) - hold)
+                # A stop string may begin inside a special token, which the cut then leaves out whole.
+                span = next(((a, b) for a, b in reversed(specials[i]) if a < safe < b), None)
+                safe = safe if span is None else max(sent[i], span[0])
                 delta, sent[i] = texts[i][sent[i] : safe], safe
             logprob = None if event.logprob is None else [event.logprob]
             top = None if event.top_logprobs is None else [event.top_logprobs]

@@ -47,31 +47,27 @@ class ReplyReading:
 
 def raw_pieces(tokenizer: Any, token_ids: list[int], stops: list[str] | None = None) -> list[str]:
     """The text each token adds, decoded with special tokens, as a stream reads it; with `stops` (a stop
-    string ended the reply), cut where the plain text's first stop string begins (`cut_raw`)."""
+    string ended the reply), cut where the first one begins (`cut_raw`)."""
     raw, plain = Detokenizer(tokenizer, skip_special_tokens=False), Detokenizer(tokenizer)
     last = len(token_ids) - 1
     pieces = [(raw.add(t, done=k == last), plain.add(t, done=k == last)) for k, t in enumerate(token_ids)]
-    if not stops:
-        return [r for r, _ in pieces]
-    text = "".join(p for _, p in pieces)
-    return cut_raw(pieces, len(cut_at_stop(text, stops)))
+    return cut_raw(pieces, stops) if stops else [r for r, _ in pieces]
 
 
-def cut_raw(pieces: list[tuple[str, str]], keep: int) -> list[str]:
-    """The raw pieces of `pieces` (each token's (raw text, plain text)) up to where the plain text's first
-    `keep` characters end: a stop string is found in the plain text (the engine's, special tokens left
-    out), and the raw text is cut there, never inside a special token's text."""
+def cut_raw(pieces: list[tuple[str, str]], stops: list[str]) -> list[str]:
+    """The raw pieces of `pieces` (each token's text with and without special tokens) up to where the
+    first stop string begins in the raw text, as the engine's stop check (a decode that keeps special
+    tokens, as transformers' `StopStringCriteria` reads token strings) found it; never inside a special
+    token's text, which is then left out whole."""
+    cut = len(cut_at_stop("".join(r for r, _ in pieces), stops))
     out, seen = [], 0
     for raw, plain in pieces:
-        if seen + len(plain) > keep:
-            # the cut falls in this token's text: a text token, whose raw text ends with its plain text
-            cut = keep - seen
-            out.append(raw[: len(raw) - len(plain) + cut] if raw.endswith(plain) else plain[:cut])
+        if seen + len(raw) > cut:
+            if plain:  # a text token: cut in it; a special token (no plain text) is left out
+                out.append(raw[: cut - seen])
             break
         out.append(raw)
-        seen += len(plain)
-        if seen == keep and plain:
-            break
+        seen += len(raw)
     return out
 
 

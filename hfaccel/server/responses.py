@@ -152,6 +152,8 @@ def _fields(item: dict[str, Any], where: str, fields: tuple[set[str], set[str]])
 
 def _texts(parts: list[Any], where: str) -> list[str]:
     """The text of content parts (``input_text``, ``output_text``, ``reasoning_text``, ``summary_text``)."""
+    if not isinstance(parts, list):
+        raise APIError(400, f"content is a list of parts, got {type(parts).__name__}", where)
     texts = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__

@@ -90,7 +90,7 @@ def _sequence_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[tuple[
     sampling, in [-100, 100]) as transformers' `sequence_bias` of one-token sequences, which does so."""
     bias = {}
     for key, value in logit_bias.items():
-        token = int(key) if key.strip().lstrip("-").isdigit() else None
+        token = int(key) if key.isascii() and key.strip().lstrip("-").isdigit() else None
         if token is None or not 0 <= token < vocab_size:
             raise APIError(400, f"logit_bias key {key!r} is not a token id of this model", "logit_bias")
         if not -100 <= value <= 100:

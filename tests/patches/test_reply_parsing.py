@@ -150,3 +150,36 @@ def test_a_tool_schema_the_parser_cannot_use_falls_back_to_text(caplog):
 def test_a_template_the_parser_refuses_raises_before_any_text():
     with pytest.raises(Exception, match="start_anchor"):
         ReplyStream({"fields": {"content": {"content": "text"}}}, PROMPT, None)
+
+
+@pytest.mark.parametrize(
+    ("pieces", "content", "reasoning"),
+    [
+        # no reasoning text: the fallback starts at the call's marker, not at the reply's start
+        (["<think></think>", "<tool_call>{bad}</tool_call>"], "<tool_call>{bad}</tool_call>", ""),
+        # reasoning text that is also inside a marker ("k" of "<think>")
+        (["<think>", "k", "</think><tool_call>{bad}</tool_call>"], "<tool_call>{bad}</tool_call>", "k"),
+        # the whole failing call in one piece after content: the content is not sent twice
+        (["Hello world. <tool_call>{bad}</tool_call>"], "Hello world. <tool_call>{bad}</tool_call>", ""),
+    ],
+)
+def test_the_fallback_starts_at_the_failed_fields_marker_however_the_text_comes(pieces, content, reasoning):
+    model, tokenizer = qwen()
+    stream = ReplyStream(response_template(tokenizer, model), PROMPT, TOOLS, SPECIAL)
+    parts = [part for piece in pieces for part in stream.feed(piece)] + stream.finish()
+    assert "".join(p.content for p in parts) == content
+    assert "".join(p.reasoning for p in parts) == reasoning
+
+
+def test_a_required_field_missing_at_the_end_sends_nothing_again():
+    model, tokenizer = qwen()
+    template = response_template(tokenizer, model)
+    template = {
+        **template,
+        "fields": {
+            **template["fields"],
+            "reasoning_content": {**template["fields"]["reasoning_content"], "optional": False},
+        },
+    }
+    parts = streamed(template, "Hello world<|im_end|>", 3)
+    assert "".join(p.content for p in parts) == "Hello world"

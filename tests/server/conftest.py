@@ -104,11 +104,11 @@ def scripted(reading, monkeypatch):
     ``scripted(text)`` replaces it by another text."""
     import hfaccel.server.completions as completions
 
-    def use(script: str, finish: str = "stop") -> None:
-        """`script`, then EOS (finish "stop"), or cut there by the length (finish "length")."""
-        ids = reading.encode(script, add_special_tokens=False) + (
-            [reading.eos_token_id] if finish == "stop" else []
-        )
+    def use(script: str, finish: str = "stop", eos: bool = True) -> None:
+        """`script`, then EOS (finish "stop"; without `eos`, as a stop string ends it), or cut there by the
+        length (finish "length")."""
+        end = [reading.eos_token_id] if finish == "stop" and eos else []
+        ids = reading.encode(script, add_special_tokens=False) + end
         text = reading.decode(ids, skip_special_tokens=True)
 
         async def agenerate(model, prompts, **kwargs):

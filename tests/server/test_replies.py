@@ -137,6 +137,27 @@ def test_tool_calls_are_read_only_when_the_request_offers_tools(client, scripted
         assert whole == streamed == (markup, "hm", [], "stop")
 
 
+def test_a_long_stop_string_holding_back_a_failing_call_sends_nothing_twice(client, scripted):
+    scripted("Hello world, here is a longer answer text. <tool_call>{bad}</tool_call>")
+    whole, streamed = read_both(client, tools=TOOLS, stop=["Q" * 40])
+    assert whole == streamed
+    assert whole[0] == "Hello world, here is a longer answer text. <tool_call>{bad}</tool_call>"
+
+
+def test_a_stop_string_after_a_special_token_cuts_whole_and_streamed_alike(client, scripted):
+    """The engine's stop check reads special tokens' texts (as transformers' StopStringCriteria does)."""
+    scripted("Hi <s> a")
+    whole, streamed = read_both(client, stop=[" a"])
+    assert whole == streamed
+
+
+def test_a_stop_string_beginning_inside_a_special_token_is_held_back_in_the_stream(client, scripted):
+    """The cut leaves out a special token a stop string begins in; the stream never sent part of it."""
+    scripted("Hi <s> a", eos=False)  # the engine stops where the stop string ends
+    whole, streamed = read_both(client, stop=["> a"])
+    assert whole == streamed == ("Hi", None, [], "stop")
+
+
 def test_a_stop_string_never_cuts_into_a_special_tokens_text(client, scripted):
     """The stop string is found in the plain text (the engine's); the raw text is cut there, not at a
     match inside the EOS's "</s>"."""

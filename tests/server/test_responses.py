@@ -214,6 +214,7 @@ def test_a_response_cut_by_the_length_after_a_call_is_incomplete(client, scripte
     [
         ([{"type": "reasoning", "summary": [{"type": "summary_text", "text": "x"}]}], "input"),
         ([{"type": ["message"], "role": "user", "content": "hi"}], "input[0].type"),
+        ([{"role": "user", "content": "hi"}, {"type": "reasoning", "content": 5}], "input[1].content"),
     ],
 )
 def test_inputs_without_a_message_or_with_odd_types_are_400s(served, input_, param):

@@ -176,6 +176,7 @@ def test_a_stop_string_ends_the_answer_and_is_left_out(served, client):
     [
         ({"temperature": 5}, 400, "temperature"),
         ({"logit_bias": {"five": 1.0}}, 400, "logit_bias"),
+        ({"logit_bias": {"\u00b2": 1.0}}, 400, "logit_bias"),  # a digit to str.isdigit, not to int()
         ({"logit_bias": {"5": 101}}, 400, "logit_bias"),
         ({"logit_bias": {"100000": 1}}, 400, "logit_bias"),
         ({"presence_penalty": 0.5}, 400, "presence_penalty"),
