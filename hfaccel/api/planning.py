@@ -138,10 +138,10 @@ def _seeds(seed: Any, count: int) -> int | list[int] | None:
 
     if seed is None:
         return None
-    if isinstance(seed, (list, tuple)):
+    if not isinstance(seed, (numbers.Integral, str)) and hasattr(seed, "__len__"):  # a list, an array
         if len(seed) != count:
             raise ValueError(f"seed: a list of {len(seed)} seeds for {count} prompts (one per prompt)")
-        return [check(s, f"seed[{i}]") for i, s in enumerate(seed)]
+        return [check(s, f"seed[{i}]") for i, s in enumerate(list(seed))]
     return check(seed, "seed")
 
 
