@@ -3,8 +3,10 @@
 How to read it is a `response_template` (where reasoning and tool calls open and close, how their content
 parses): the tokenizer's own, else the one transformers serve falls back to for the model type (Qwen 2
 and 3, Qwen 3.5 and Gemma 4 in transformers 5.24). A model with neither gets its text as generated, as
-transformers serve gives it. The reading itself is transformers' (`parse_response`, `ResponseParser`),
-on the text decoded with its special tokens, which mark a tool call or the end of a turn.
+transformers serve gives it. The reading itself is transformers' `ResponseParser`, on the text decoded
+with its special tokens, which mark a tool call or the end of a turn; a whole reply is read as its stream
+is, so the two agree (docs/serve.md, "Reasoning and tool calls", says where this differs from
+transformers' own reading of a whole reply).
 """
 
 from __future__ import annotations
@@ -154,20 +156,13 @@ class ReplyStream:
         for part in parts:
             if part.tool_call is not None:
                 out.append(part)
-            elif part.reasoning and (text := self._trims["reasoning"].add(part.reasoning)):
-                joined = out and out[-1].reasoning
-                out[-1:] = (
-                    [ReplyPart(reasoning=out[-1].reasoning + text)]
-                    if joined
-                    else [*out[-1:], ReplyPart(reasoning=text)]
-                )
-            elif part.content and (text := self._trims["content"].add(part.content)):
-                joined = out and out[-1].content
-                out[-1:] = (
-                    [ReplyPart(content=out[-1].content + text)]
-                    if joined
-                    else [*out[-1:], ReplyPart(content=text)]
-                )
+                continue
+            kind = "reasoning" if part.reasoning else "content"
+            text = self._trims[kind].add(getattr(part, kind))
+            if text and out and getattr(out[-1], kind):
+                out[-1] = ReplyPart(**{kind: getattr(out[-1], kind) + text})
+            elif text:
+                out.append(ReplyPart(**{kind: text}))
         return out
 
     def _feed(self, text: str) -> list[ReplyPart]:
