@@ -1,6 +1,6 @@
 """The output items of a Responses API answer: a reasoning item, the assistant message and its function
-calls, as transformers serve writes them, whole (`output_items`) or announced and completed by typed
-stream events as a reply is read (`OutputStream`)."""
+calls, as transformers serve writes them, each announced and completed by typed stream events as a reply
+is read (`OutputStream`); a whole answer's items are the same stream's, its events unsent."""
 
 from __future__ import annotations
 
@@ -31,19 +31,6 @@ def function_call_item(call_id: str, call: ToolCall) -> dict[str, Any]:
         "arguments": call.arguments,
         "status": "completed",
     }
-
-
-def output_items(
-    response_id: str,
-    text: str,
-    status: str,
-    reasoning: str | None = None,
-    calls: list[ToolCall] | None = None,
-) -> list[dict[str, Any]]:
-    """A whole answer's items: reasoning (when there is any), the message, then each function call."""
-    items = [] if not reasoning else [reasoning_item(f"rs_{response_id}", reasoning)]
-    items.append(message_item(f"msg_{response_id}", text, status))
-    return items + [function_call_item(call_id(), call) for call in calls or ()]
 
 
 class OutputStream:
