@@ -163,6 +163,16 @@ def _byte_alphabet() -> dict[str, int]:
     return {character: byte for byte, character in bytes_to_unicode().items()}
 
 
+def special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts of the tokens a plain decode leaves out (`special_tokens`), read once per tokenizer."""
+    return _per_tokenizer(
+        _SPECIAL_TEXTS, tokenizer, lambda t: tuple({t.decode([i]) for i in special_tokens(t)} - {""})
+    )
+
+
+_SPECIAL_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def special_tokens(tokenizer: Any) -> frozenset[int]:
     """The ids a decode with ``skip_special_tokens`` leaves out: the special tokens transformers names
     and those its backend registered as special."""

@@ -133,6 +133,9 @@ class ReplyStream:
                 "fields": {k: v for k, v in template.get("fields", {}).items() if k != "tool_calls"},
             }
         self._special = special
+        self._special_re: Any = None  # built when a reply fails (`_text`)
+        self._prefixes: set[str] = set()
+        self._longest = 0
         self._trims = {"content": _Trim(), "reasoning": _Trim()}
         self._parser = ResponseParser(template, prefix=prompt, tools=tools)
         self._fields = {k: v for k, v in template.get("fields", {}).items() if isinstance(v, dict)}
@@ -233,12 +236,20 @@ class ReplyStream:
 
     def _text(self, text: str, end: bool = False) -> list[ReplyPart]:
         """Text served as it is, but for the special tokens' texts (the start of one at the end waits for
-        the next text)."""
+        the next text). Only a reply that failed comes here: what it needs is built then."""
+        if self._special_re is None and self._special:
+            self._special_re = regex.compile(
+                "|".join(map(regex.escape, sorted(self._special, key=len)[::-1]))
+            )
+            self._prefixes = {t[:k] for t in self._special for k in range(1, len(t))}
+            self._longest = max(map(len, self._prefixes), default=0)
         text, self._held = self._held + text, ""
-        for token in self._special:
-            text = text.replace(token, "")
-        if not end:
-            cut = max((k for t in self._special for k in range(1, len(t)) if text.endswith(t[:k])), default=0)
+        if self._special_re is not None:
+            text = self._special_re.sub("", text)
+        if not end and self._prefixes:
+            cut = next(
+                (k for k in range(min(self._longest, len(text)), 0, -1) if text[-k:] in self._prefixes), 0
+            )
             text, self._held = text[: len(text) - cut], text[len(text) - cut :]
         return [ReplyPart(content=text)] if text else []
 

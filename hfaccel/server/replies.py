@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from hfaccel.api.detokenize import Detokenizer, special_tokens
+from hfaccel.api.detokenize import Detokenizer, special_texts
 from hfaccel.patches.reply_parsing import Reply, ReplyPart, ReplyStream, parse_reply
 from hfaccel.server.sampling import cut_at_stop
 
@@ -29,8 +29,7 @@ class ReplyReading:
     def check(cls, tokenizer: Any, template: dict[str, Any], prompt: str, tools: Any) -> ReplyReading | None:
         """The reading of a request, or None (its reply served as text, with a warning) when the parser
         refuses the template: found before anything is generated or sent, whole or streamed alike."""
-        # The texts of the tokens a plain decode leaves out (named special tokens, and added ones marked so).
-        special = tuple(t for t in {tokenizer.decode([i]) for i in special_tokens(tokenizer)} if t)
+        special = special_texts(tokenizer)  # what a plain decode leaves out
         try:
             ReplyStream(template, prompt, tools, special)
         except Exception as error:  # transformers' template loader: ValueError, KeyError, re.error...
