@@ -10,7 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from hfaccel.patches.reply_parsing import ReplyStream, ToolCall, parse_reply, response_template
+from hfaccel.patches.reply_parsing import (
+    REASONING_FIELDS,
+    ReplyStream,
+    ToolCall,
+    parse_reply,
+    response_template,
+)
 from tests.helpers import tiny_tokenizer
 
 PROMPT = "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n"
@@ -174,12 +180,7 @@ def test_the_fallback_starts_at_the_failed_fields_marker_however_the_text_comes(
 def test_a_required_field_missing_at_the_end_sends_nothing_again():
     model, tokenizer = qwen()
     template = response_template(tokenizer, model)
-    template = {
-        **template,
-        "fields": {
-            **template["fields"],
-            "reasoning_content": {**template["fields"]["reasoning_content"], "optional": False},
-        },
-    }
-    parts = streamed(template, "Hello world<|im_end|>", 3)
+    reasoning = next(f for f in template["fields"] if f in REASONING_FIELDS)  # "thinking" in 5.17
+    fields = {**template["fields"], reasoning: {**template["fields"][reasoning], "optional": False}}
+    parts = streamed({**template, "fields": fields}, "Hello world<|im_end|>", 3)
     assert "".join(p.content for p in parts) == "Hello world"
