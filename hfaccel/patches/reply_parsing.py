@@ -211,28 +211,26 @@ class ReplyStream:
         return self._text(self._raw[self._field_start :], end=at_end)
 
     def _marker_start(self, name: str, floor: int) -> int:
-        """Where field `name`'s opening marker, which has just ended, begins: its latest match (literal or
-        pattern) past `floor` (where the field before it ended)."""
-        spec, end = self._fields.get(name, {}), len(self._raw)
-        literals = spec.get("open")
-        literals = [literals] if isinstance(literals, str) else literals or []
-        starts = [self._raw.rfind(lit, floor, end) for lit in literals]
-        if isinstance(spec.get("open_pattern"), str):
-            matches = list(regex.finditer(spec["open_pattern"], self._raw[floor:end]))
-            starts += [floor + matches[-1].start()] if matches else []
-        return max([s for s in starts if s >= 0], default=end)
+        """Where field `name`'s opening marker, which has just ended, begins: its latest match past `floor`
+        (where the field before it ended)."""
+        return max((start for start, _ in self._markers(name, "open", floor)), default=len(self._raw))
 
     def _close_end(self, name: str) -> int:
-        """Where the open field `name`'s closing marker ends (its first match past the field's start)."""
-        spec, ends = self._fields.get(name, {}), []
-        literals = spec.get("close")
-        for literal in [literals] if isinstance(literals, str) else literals or []:
-            at = self._raw.find(literal, self._field_start)
-            ends += [at + len(literal)] if at >= 0 else []
-        if isinstance(spec.get("close_pattern"), str):
-            match = regex.compile(spec["close_pattern"]).search(self._raw, self._field_start)
-            ends += [match.end()] if match else []
-        return min(ends, default=len(self._raw))
+        """Where the open field `name`'s closing marker ends: its first match past the field's start."""
+        return min(
+            (end for _, end in self._markers(name, "close", self._field_start)), default=len(self._raw)
+        )
+
+    def _markers(self, name: str, kind: str, start: int) -> list[tuple[int, int]]:
+        """The spans in the reply, past `start`, of field `name`'s ``open`` or ``close`` marker: its literals
+        and its ``*_pattern``, as the template gives them."""
+        spec = self._fields.get(name, {})
+        literals = spec.get(kind)
+        patterns = [regex.escape(t) for t in ([literals] if isinstance(literals, str) else literals or [])]
+        if isinstance(spec.get(f"{kind}_pattern"), str):
+            patterns.append(spec[f"{kind}_pattern"])
+        text = self._raw[start:]
+        return [(start + m.start(), start + m.end()) for p in patterns for m in regex.finditer(p, text)]
 
     def _text(self, text: str, end: bool = False) -> list[ReplyPart]:
         """Text served as it is, but for the special tokens' texts (the start of one at the end waits for

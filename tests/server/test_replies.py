@@ -56,7 +56,9 @@ def test_a_reply_that_stops_being_readable_is_the_same_text_whole_and_streamed(c
     assert "served as text" in caplog.text
 
 
-def test_a_template_the_parser_refuses_serves_replies_as_text_whole_and_streamed(client, served, monkeypatch):
+def test_a_template_the_parser_refuses_serves_replies_as_text_whole_and_streamed(
+    client, served, monkeypatch, caplog
+):
     _, _, tokenizer = served
     ask = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0}
     monkeypatch.setattr(tokenizer, "response_template", None, raising=False)
@@ -67,6 +69,7 @@ def test_a_template_the_parser_refuses_serves_replies_as_text_whole_and_streamed
     assert client.chat.completions.create(**ask).choices[0].message.content == plain
     chunks = list(client.chat.completions.create(**ask, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain
+    assert caplog.text.count("the response template cannot be read") == 2  # refused, not read as content
 
 
 def read_both(client, **ask):
