@@ -8,6 +8,7 @@ listed as skipped, never timed.
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 import time
@@ -54,7 +55,9 @@ def _case(backend, seqs, dtype, device) -> tuple[Callable[[], object], Callable[
         builder.configure(HQ, HKV, D, dtype, D**-0.5, cuda_graph_batch_sizes=(bucket,) if bucket else ())
     t = len(slots)
     qkv = [torch.randn(t, h, D, dtype=dtype, device=device) for h in (HQ, HKV, HKV)]
-    return lambda: builder.build(layout, bucket, bucket), lambda meta: backend.forward(*qkv, cache, meta, D**-0.5)
+    return lambda: builder.build(layout, bucket, bucket), lambda meta: backend.forward(
+        *qkv, cache, meta, D**-0.5
+    )
 
 
 def _median_ms(run: Callable[[], object], repeats: int, cuda: bool) -> float:
@@ -99,7 +102,7 @@ def run_kernel_benchmark(
             call(meta)
             results[f"{name} build"][label] = _median_ms(build, repeats, cuda)
             meta = build()
-            results[name][label] = _median_ms(lambda: call(meta), repeats, cuda)
+            results[name][label] = _median_ms(functools.partial(call, meta), repeats, cuda)
             print(
                 f"  {name:<10} {label:<28} call {results[name][label]:8.2f} ms"
                 f"   step build {results[f'{name} build'][label]:6.2f} ms"
