@@ -23,7 +23,7 @@ from hfaccel.server.chat_prompt import chat_prompt_ids
 from hfaccel.server.logprob_items import echoed_prompt_items, legacy_logprobs, logprob_items
 from hfaccel.server.protocol import APIError, ChatMessage
 from hfaccel.server.replies import ReplyReading, cut_raw, raw_pieces, read_piece, reply_choice
-from hfaccel.server.sampling import cut_at_stop, generate_kwargs, stop_strings
+from hfaccel.server.sampling import cut_at_stop, generate_kwargs, penalties_processor, stop_strings
 
 
 class ChatFlavour:
@@ -229,6 +229,9 @@ def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
                 error.status, f"prompt {longest}: {error.message}", f"prompt[{longest}]"
             ) from error
         raise
+    penalties = penalties_processor(body, prompts)
+    if penalties is not None:
+        kwargs["logits_processor"] = [penalties]
     call = CompletionCall(flavour, body, prompts, kwargs, flavour.logprobs(body), stop_strings(body))
     if call.count > served.limits.max_pending:  # it could never be admitted: not a 429 to retry
         raise APIError(

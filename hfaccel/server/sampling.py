@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hfaccel.server.penalties import OutputTokenPenalties, prefix_clash
 from hfaccel.server.protocol import APIError, SamplingFields
 
 
@@ -54,13 +55,6 @@ def generate_kwargs(
         )
     if request.n > limits.max_n:
         raise APIError(400, f"n={request.n} is above this server's limit of {limits.max_n}", "n")
-    for field in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, field):  # 0 and None change nothing
-            raise APIError(
-                400,
-                f"{field} is not served (transformers has no such processor); use repetition_penalty",
-                field,
-            )
     kwargs: dict[str, Any] = {"max_new_tokens": max_tokens}
     if request.temperature is not None:
         if request.temperature == 0:
@@ -83,6 +77,25 @@ def generate_kwargs(
     if request.logit_bias:
         kwargs["sequence_bias"] = _sequence_bias(request.logit_bias, vocab_size)
     return kwargs
+
+
+def penalties_processor(request: SamplingFields, prompts: list[list[int]]) -> OutputTokenPenalties | None:
+    """The processor of a request's ``presence_penalty`` / ``frequency_penalty`` (None when both are 0 or
+    unset). A completions batch one of whose prompts begins with another is refused: its rows could not
+    be told apart (`penalties.py`)."""
+    presence, frequency = request.presence_penalty or 0.0, request.frequency_penalty or 0.0
+    if not presence and not frequency:
+        return None
+    clash = prefix_clash(prompts)
+    if clash is not None:
+        field = "presence_penalty" if presence else "frequency_penalty"
+        raise APIError(
+            400,
+            f"{field} with a list of prompts where prompt {clash[0]} begins with prompt {clash[1]} is not "
+            "served: send them as separate requests",
+            field,
+        )
+    return OutputTokenPenalties(prompts, presence, frequency)
 
 
 def _sequence_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[tuple[int, ...], float]:

@@ -179,7 +179,8 @@ def test_a_stop_string_ends_the_answer_and_is_left_out(served, client):
         ({"logit_bias": {"\u00b2": 1.0}}, 400, "logit_bias"),  # a digit to str.isdigit, not to int()
         ({"logit_bias": {"5": 101}}, 400, "logit_bias"),
         ({"logit_bias": {"100000": 1}}, 400, "logit_bias"),
-        ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"frequency_penalty": -3}, 400, "frequency_penalty"),
         ({"max_tokens": 513}, 400, "max_tokens"),
         ({"n": 5}, 400, "n"),
         ({"model": "gpt-4"}, 404, "model"),
