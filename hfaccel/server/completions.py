@@ -22,8 +22,16 @@ from hfaccel.patches.reply_parsing import response_template
 from hfaccel.server.chat_prompt import chat_prompt_ids
 from hfaccel.server.logprob_items import echoed_prompt_items, legacy_logprobs, logprob_items
 from hfaccel.server.protocol import APIError, ChatMessage
-from hfaccel.server.replies import ReplyReading, cut_raw, raw_pieces, read_piece, reply_choice
-from hfaccel.server.sampling import cut_at_stop, generate_kwargs, penalties_processor, stop_strings
+from hfaccel.server.replies import (
+    ReplyReading,
+    cut_plain,
+    cut_raw,
+    raw_pieces,
+    read_piece,
+    reply_choice,
+    token_pieces,
+)
+from hfaccel.server.sampling import generate_kwargs, penalties_processor, stop_strings
 
 
 class ChatFlavour:
@@ -269,8 +277,8 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
     for i, completion in enumerate(completions):
         text = completion.text or ""
         stopped = completion.finish_reason == "stop" and call.stops
-        if stopped:
-            text = cut_at_stop(text, call.stops)
+        if stopped:  # where the engine found it: in the text with special tokens
+            text = cut_plain(token_pieces(tokenizer, completion.token_ids), call.stops)
         items = logprob_items(
             tokenizer, completion.token_ids, completion.logprobs, completion.top_logprobs, call
         )
@@ -337,9 +345,11 @@ async def stream_pieces(
     texts, sent = [""] * call.count, [0] * call.count
     # A reply read by its template is streamed with its special tokens, which the reader needs; each
     # token's raw and plain texts are kept to cut the raw text where a stop string begins in the plain.
+    # A reply read by its template is streamed with its special tokens, which the reader needs; a plain
+    # one keeps them beside its text only to cut a stop string where the engine found it (`cut_plain`).
     raw = (
         [Detokenizer(tokenizer, skip_special_tokens=False) for _ in range(call.count)]
-        if call.reading
+        if call.reading or call.stops
         else None
     )
     pairs: list[list[tuple[str, str]]] = [[] for _ in range(call.count)]
@@ -351,21 +361,19 @@ async def stream_pieces(
         async for event in _chain(pending, _while_connected(events, gone)):
             i = event.index
             call.generated += 1
-            if raw is None:
-                texts[i] += event.text or ""
-            else:
+            if raw is not None:
                 piece = (raw[i].add(event.token_id, done=event.finished), event.text or "")
-                if piece[0] and not piece[1]:
+                if call.reading and piece[0] and not piece[1]:
                     specials[i].append((len(texts[i]), len(texts[i]) + len(piece[0])))
                 pairs[i].append(piece)
-                texts[i] += piece[0]
+            texts[i] += pairs[i][-1][0] if call.reading else event.text or ""
             if event.finished:
                 final = texts[i]
                 if event.finish_reason == "stop" and call.stops:
                     final = (
-                        cut_at_stop(final, call.stops)
-                        if raw is None
-                        else "".join(cut_raw(pairs[i], call.stops))
+                        "".join(cut_raw(pairs[i], call.stops))
+                        if call.reading
+                        else cut_plain(pairs[i], call.stops)
                     )
                 delta, sent[i] = final[sent[i] :], len(final)
             else:

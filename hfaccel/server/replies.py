@@ -45,12 +45,17 @@ class ReplyReading:
         return ReplyStream(self.template, self.prompt, self.tools, self.special)
 
 
+def token_pieces(tokenizer: Any, token_ids: list[int]) -> list[tuple[str, str]]:
+    """The text each token adds, with and without special tokens, as a stream reads it."""
+    raw, plain = Detokenizer(tokenizer, skip_special_tokens=False), Detokenizer(tokenizer)
+    last = len(token_ids) - 1
+    return [(raw.add(t, done=k == last), plain.add(t, done=k == last)) for k, t in enumerate(token_ids)]
+
+
 def raw_pieces(tokenizer: Any, token_ids: list[int], stops: list[str] | None = None) -> list[str]:
     """The text each token adds, decoded with special tokens, as a stream reads it; with `stops` (a stop
     string ended the reply), cut where the first one begins (`cut_raw`)."""
-    raw, plain = Detokenizer(tokenizer, skip_special_tokens=False), Detokenizer(tokenizer)
-    last = len(token_ids) - 1
-    pieces = [(raw.add(t, done=k == last), plain.add(t, done=k == last)) for k, t in enumerate(token_ids)]
+    pieces = token_pieces(tokenizer, token_ids)
     return cut_raw(pieces, stops) if stops else [r for r, _ in pieces]
 
 
@@ -69,6 +74,17 @@ def cut_raw(pieces: list[tuple[str, str]], stops: list[str]) -> list[str]:
         out.append(raw)
         seen += len(raw)
     return out
+
+
+def cut_plain(pieces: list[tuple[str, str]], stops: list[str]) -> str:
+    """The text without special tokens of `pieces` up to where the engine's stop check found the first
+    stop string (`cut_raw`): where a stop string spans a special token, the plain text holds it earlier
+    than the engine saw it, and cutting there would cut a whole answer short of its stream."""
+    kept = cut_raw(pieces, stops)
+    plain = [p for _, p in pieces[: len(kept)]]
+    if kept and plain[-1] and len(kept[-1]) < len(pieces[len(kept) - 1][0]):
+        plain[-1] = kept[-1]  # cut inside a text token, whose raw text is its plain text
+    return "".join(plain)
 
 
 def reply_choice(

@@ -203,3 +203,16 @@ def test_the_engines_own_reply_is_split_where_the_template_says(client, served, 
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == raw[2:j]
     assert "".join(d.content or "" for d in deltas) == raw[j + 2 :]
+
+
+def test_a_completions_stop_string_is_cut_where_the_engine_found_it_whole_and_streamed(client, scripted):
+    """Plain text (no template reading): "Hi a<s>b" reads "Hi ab" without its special token, but the
+    engine's stop check (special tokens' texts kept) first sees "ab" at the end: the answer is cut there,
+    whole and streamed, not at the earlier "ab" the plain text shows."""
+    scripted("Hi a<s>b xab", eos=False)
+    ask = {"model": MODEL, "prompt": "Hello", "max_tokens": 20, "stop": ["ab"]}
+    whole = client.completions.create(**ask).choices[0]
+    chunks = [c for c in client.completions.create(**ask, stream=True) if c.choices]
+    streamed = "".join(c.choices[0].text for c in chunks)
+    assert (whole.text, whole.finish_reason) == ("Hi ab x", "stop")
+    assert (streamed, chunks[-1].choices[0].finish_reason) == ("Hi ab x", "stop")
