@@ -79,18 +79,22 @@ def _template_tool_calls(calls: list[dict[str, Any]], where: str) -> list[dict[s
         function = call.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
             raise APIError(400, "a tool call needs a function with a name", f"{where}[{j}].function")
-        arguments = function.get("arguments", {})
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments or "{}")
-            except json.JSONDecodeError as error:
-                raise APIError(
-                    400, f"the arguments are not JSON ({error})", f"{where}[{j}].function.arguments"
-                ) from error
-        if not isinstance(arguments, dict):
-            raise APIError(400, "the arguments must be a JSON object", f"{where}[{j}].function.arguments")
+        arguments = parse_arguments(function.get("arguments", {}), f"{where}[{j}].function.arguments")
         converted.append({**call, "function": {**function, "arguments": arguments}})
     return converted
+
+
+def parse_arguments(arguments: Any, param: str) -> dict[str, Any]:
+    """A tool call's arguments (OpenAI's JSON text, or already a mapping) as the mapping chat templates
+    iterate; anything else is a 400 naming `param`."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except json.JSONDecodeError as error:
+            raise APIError(400, f"the arguments are not JSON ({error})", param) from error
+    if not isinstance(arguments, dict):
+        raise APIError(400, "the arguments must be a JSON object", param)
+    return arguments
 
 
 def _check_tools(tools: list[dict[str, Any]]) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field
 
+from hfaccel.server.chat_prompt import parse_arguments
 from hfaccel.server.completions import ChatFlavour, CompletionCall, prepare_call, stream_pieces
 from hfaccel.server.protocol import APIError, ChatCompletionRequest, ChatMessage
 from hfaccel.server.response_items import OutputStream, message_item
@@ -91,6 +92,9 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
         if kind == "reasoning":
             reasoning = "".join(_texts(item.get("content") or item.get("summary") or [], f"{where}.content"))
         elif kind == "function_call":
+            parse_arguments(
+                item["arguments"], f"{where}.arguments"
+            )  # a mistake named by this endpoint's field
             call = {
                 "id": item["call_id"],
                 "type": "function",

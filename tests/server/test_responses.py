@@ -88,6 +88,19 @@ def test_the_event_stream_joins_to_the_whole_response(served, client):
         ({"input": [{"type": "function_call", "call_id": "1", "arguments": "{}"}]}, "input[0]"),  # no name
         ({"input": [{"type": "function_call_output", "call_id": 1, "output": "x"}]}, "input[0].call_id"),
         (
+            {"input": [{"type": "function_call", "call_id": "1", "name": "add", "arguments": "[1]"}]},
+            "input[0].arguments",
+        ),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "hi"},
+                    {"type": "function_call", "call_id": "1", "name": "f", "arguments": "{x"},
+                ]
+            },
+            "input[1].arguments",
+        ),
+        (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input[0].content[0]",
         ),
