@@ -253,7 +253,8 @@ def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
     if template is not None:
         prompt = served.tokenizer.decode(call.prompt_ids)
         offered = None if body.tool_choice == "none" else body.tools  # calls are read only when offered
-        call.reading = ReplyReading.check(served.tokenizer, template, prompt, offered)
+        one_call = body.parallel_tool_calls is False
+        call.reading = ReplyReading.check(served.tokenizer, template, prompt, offered, one_call)
     return call
 
 

@@ -24,9 +24,12 @@ class ReplyReading:
     prompt: str
     tools: list[dict[str, Any]] | None
     special: tuple[str, ...] = ()  # the special tokens' texts, left out of a reply served as text
+    one_call: bool = False  # ``parallel_tool_calls: false``: the first tool call only, as vLLM serves it
 
     @classmethod
-    def check(cls, tokenizer: Any, template: dict[str, Any], prompt: str, tools: Any) -> ReplyReading | None:
+    def check(
+        cls, tokenizer: Any, template: dict[str, Any], prompt: str, tools: Any, one_call: bool = False
+    ) -> ReplyReading | None:
         """The reading of a request, or None (its reply served as text, with a warning) when the parser
         refuses the template: found before anything is generated or sent, whole or streamed alike."""
         special = special_texts(tokenizer)  # what a plain decode leaves out
@@ -35,14 +38,47 @@ class ReplyReading:
         except Exception as error:  # transformers' template loader: ValueError, KeyError, re.error...
             logger.warning("the response template cannot be read (%s): replies are served as text", error)
             return None
-        return cls(template, prompt, tools, special)
+        return cls(template, prompt, tools, special, one_call)
 
     def parse(self, pieces: list[str]) -> Reply:
         """The whole reply, as the text each token adds decoded with special tokens (`raw_pieces`)."""
-        return parse_reply(self.template, self.prompt, pieces, self.tools, self.special)
+        reply = parse_reply(self.template, self.prompt, pieces, self.tools, self.special)
+        if self.one_call and len(reply.tool_calls) > 1:
+            reply.tool_calls = reply.tool_calls[:1]
+            reply.parts = _first_call_only(reply.parts, [0])
+        return reply
 
-    def stream(self) -> ReplyStream:
-        return ReplyStream(self.template, self.prompt, self.tools, self.special)
+    def stream(self) -> ReplyStream | FirstCallStream:
+        stream = ReplyStream(self.template, self.prompt, self.tools, self.special)
+        return FirstCallStream(stream) if self.one_call else stream
+
+
+class FirstCallStream:
+    """A `ReplyStream` that passes on its first tool call and drops the later ones (the model may still
+    write them: the request asked for one, and gets one, as vLLM does with ``parallel_tool_calls:
+    false``)."""
+
+    def __init__(self, stream: ReplyStream) -> None:
+        self._stream = stream
+        self._calls = [0]
+
+    def feed(self, text: str) -> list[ReplyPart]:
+        return _first_call_only(self._stream.feed(text), self._calls)
+
+    def finish(self) -> list[ReplyPart]:
+        return _first_call_only(self._stream.finish(), self._calls)
+
+
+def _first_call_only(parts: list[ReplyPart], seen: list[int]) -> list[ReplyPart]:
+    """`parts` without the tool calls after the first (`seen[0]`: calls passed so far)."""
+    kept = []
+    for part in parts:
+        if part.tool_call is not None:
+            seen[0] += 1
+            if seen[0] > 1:
+                continue
+        kept.append(part)
+    return kept
 
 
 def token_pieces(tokenizer: Any, token_ids: list[int]) -> list[tuple[str, str]]:
@@ -101,7 +137,7 @@ def reply_choice(
     return {"index": index, "message": message, "finish_reason": finish, "logprobs": lp}
 
 
-def read_piece(reader: ReplyStream, piece: Any, calls: list[int]) -> list[dict[str, Any]]:
+def read_piece(reader: ReplyStream | FirstCallStream, piece: Any, calls: list[int]) -> list[dict[str, Any]]:
     """A streamed piece (`completions.Piece`) read by its reply's template: one chunk choice per part
     (content, reasoning, a whole tool call), the piece's logprobs on the first, its finish on the last
     (``"tool_calls"`` when the choice called any); one empty delta when the piece completes no part but

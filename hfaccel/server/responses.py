@@ -193,6 +193,7 @@ def prepare_response(served: Any, body: ResponsesRequest) -> CompletionCall:
         top_p=body.top_p,
         tools=_tools(body.tools),
         tool_choice=body.tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls,
     )
     try:
         call = prepare_call(served, chat, ResponsesFlavour)

@@ -216,3 +216,16 @@ def test_a_completions_stop_string_is_cut_where_the_engine_found_it_whole_and_st
     streamed = "".join(c.choices[0].text for c in chunks)
     assert (whole.text, whole.finish_reason) == ("Hi ab x", "stop")
     assert (streamed, chunks[-1].choices[0].finish_reason) == ("Hi ab x", "stop")
+
+
+def test_parallel_tool_calls_false_gives_the_first_call_only_whole_and_streamed(client, scripted):
+    """vLLM's reading of OpenAI's ``parallel_tool_calls: false``: the model wrote two calls, the answer
+    has the first (the second is dropped, not served as text)."""
+    ask = {"tools": TOOLS, "parallel_tool_calls": False}
+    whole, streamed = read_both(client, **ask)
+    assert whole == streamed == ("On it.", "sum it", [("add", '{"a": 2, "b": 3}')], "tool_calls")
+    chunks = client.chat.completions.create(model=MODEL, messages=CHAT, stream=True, **ask)
+    assert [
+        c.index for chunk in chunks if chunk.choices for c in chunk.choices[0].delta.tool_calls or ()
+    ] == [0]
+    assert len(read_both(client, tools=TOOLS, parallel_tool_calls=True)[0][2]) == 2

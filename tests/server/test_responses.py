@@ -233,3 +233,18 @@ def test_a_response_cut_by_the_length_after_a_call_is_incomplete(client, scripte
 def test_inputs_without_a_message_or_with_odd_types_are_400s(served, input_, param):
     status, _, error = post(served[0], "/v1/responses", {"model": MODEL, "input": input_})
     assert status == 400 and error["error"]["param"] == param, error
+
+
+def test_parallel_tool_calls_false_gives_one_function_call_item(client, scripted):
+    for stream in (False, True):
+        ask = {"model": MODEL, "input": "2+3 and 4+5?", "tools": FLAT_TOOLS, "parallel_tool_calls": False}
+        if stream:
+            events = list(client.responses.create(**ask, stream=True))
+            answer = next(e.response for e in events if e.type == "response.completed")
+            added = [e.item.type for e in events if e.type == "response.output_item.added"]
+            assert added == ["reasoning", "message", "function_call"]
+        else:
+            answer = client.responses.create(**ask)
+        assert [item.type for item in answer.output] == ["reasoning", "message", "function_call"], stream
+        assert json.loads(answer.output[2].arguments) == {"a": 2, "b": 3}
+        assert answer.parallel_tool_calls is False
