@@ -31,7 +31,7 @@ from hfaccel.server.replies import (
     reply_choice,
     token_pieces,
 )
-from hfaccel.server.sampling import generate_kwargs, penalties_processor, stop_strings
+from hfaccel.server.sampling import generate_kwargs, grammar_processor, penalties_processor, stop_strings
 
 
 class ChatFlavour:
@@ -237,9 +237,9 @@ def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
                 error.status, f"prompt {longest}: {error.message}", f"prompt[{longest}]"
             ) from error
         raise
-    penalties = penalties_processor(body, prompts)
-    if penalties is not None:
-        kwargs["logits_processor"] = [penalties]
+    processors = [penalties_processor(body, prompts), grammar_processor(served, body, prompts)]
+    if any(processors):
+        kwargs["logits_processor"] = [p for p in processors if p is not None]
     call = CompletionCall(flavour, body, prompts, kwargs, flavour.logprobs(body), stop_strings(body))
     if call.count > served.limits.max_pending:  # it could never be admitted: not a 429 to retry
         raise APIError(

@@ -1,7 +1,7 @@
 """The OpenAI request bodies the server takes, as pydantic models, and OpenAI's error JSON.
 
 A field a request sets that is not here is refused (400, naming it), not ignored: a client that asks for
-`response_format` must not get output that silently ignored it. Fields that change
+something the server does not do must not get output that silently ignored it. Fields that change
 nothing about the output (`user`, `metadata`, ...) are accepted.
 """
 
@@ -74,6 +74,32 @@ class ChatMessage(BaseModel):
     parsed: None = None
 
 
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``: the schema the answer must follow."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    json_schema: dict[str, Any] | bool = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: plain text, any JSON object, or JSON following a schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -84,6 +110,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     # vLLM's and transformers serve's extra: keyword arguments of the chat template (`enable_thinking`).
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -17,11 +17,17 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi.sse import format_sse_event
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hfaccel.server.chat_prompt import parse_arguments
 from hfaccel.server.completions import ChatFlavour, CompletionCall, prepare_call, stream_pieces
-from hfaccel.server.protocol import APIError, ChatCompletionRequest, ChatMessage
+from hfaccel.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    JSONSchemaFormat,
+    ResponseFormat,
+)
 from hfaccel.server.response_items import OutputStream, message_item
 
 # Chat's field names in errors, as this endpoint's.
@@ -29,13 +35,44 @@ _FIELDS = {
     "max_completion_tokens": "max_output_tokens",
     "max_tokens": "max_output_tokens",
     "messages": "input",
+    "response_format": "text.format",
+    "response_format.json_schema.schema": "text.format.schema",
 }
 
 
 class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """The Responses API's ``text.format``: chat's ``response_format`` with the schema's fields flat."""
 
-    type: Literal["text"]
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    def as_chat(self) -> ResponseFormat:
+        """Chat's ``response_format`` (a mistake in the schema's fields a 400 naming them here)."""
+        if self.type != "json_schema":
+            for name in ("name", "description", "json_schema", "strict"):
+                if getattr(self, name) is not None:
+                    field = "schema" if name == "json_schema" else name
+                    raise APIError(
+                        400, f"{field} is given with type json_schema only", f"text.format.{field}"
+                    )
+            return ResponseFormat(type=self.type)
+        try:
+            spec = JSONSchemaFormat(
+                name=self.name,
+                description=self.description,
+                schema=self.json_schema or {},
+                strict=self.strict,
+            )
+        except ValidationError as error:
+            where = error.errors()[0]["loc"]
+            field = str(where[0]) if where else "name"
+            raise APIError(400, error.errors()[0]["msg"], f"text.format.{field}") from error
+        return ResponseFormat(type="json_schema", json_schema=spec)
 
 
 class TextOptions(BaseModel):
@@ -194,6 +231,7 @@ def prepare_response(served: Any, body: ResponsesRequest) -> CompletionCall:
         tools=_tools(body.tools),
         tool_choice=body.tool_choice,
         parallel_tool_calls=body.parallel_tool_calls,
+        response_format=None if body.text is None or body.text.format is None else body.text.format.as_chat(),
     )
     try:
         call = prepare_call(served, chat, ResponsesFlavour)
@@ -204,6 +242,13 @@ def prepare_response(served: Any, body: ResponsesRequest) -> CompletionCall:
         message = error.message.replace(error.param or "\0", name or "")
         raise APIError(error.status, message, name, error.kind, error.headers) from error
     return call
+
+
+def _format_echo(body: ResponsesRequest) -> dict[str, Any]:
+    """The request's ``text.format`` as the response object repeats it."""
+    if body.text is None or body.text.format is None:
+        return {"type": "text"}
+    return body.text.format.model_dump(by_alias=True, exclude_none=True)
 
 
 def response_object(
@@ -231,7 +276,7 @@ def response_object(
         "tools": body.tools or [],
         "tool_choice": body.tool_choice or "auto",
         "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
-        "text": {"format": {"type": "text"}},
+        "text": {"format": _format_echo(body)},
         "truncation": "disabled",
         "store": False,
         "metadata": body.metadata or {},

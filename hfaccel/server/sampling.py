@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hfaccel.server.penalties import OutputTokenPenalties, prefix_clash
+from hfaccel.server.penalties import OutputTokenPenalties
+from hfaccel.server.prompt_rows import prefix_clash
 from hfaccel.server.protocol import APIError, SamplingFields
+from hfaccel.server.structured import GrammarProcessor, compile_format, xgrammar_missing
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,33 @@ def penalties_processor(request: SamplingFields, prompts: list[list[int]]) -> Ou
             field,
         )
     return OutputTokenPenalties(prompts, presence, frequency)
+
+
+def grammar_processor(served: Any, request: Any, prompts: list[list[int]]) -> GrammarProcessor | None:
+    """The processor of a chat request's ``response_format`` (None for text), each mistake a 400 naming
+    the field: a schema xgrammar refuses, xgrammar missing, or EOS held off (``min_tokens``,
+    ``ignore_eos``), which a completed answer needs."""
+    response_format = getattr(request, "response_format", None)
+    if response_format is None or response_format.type == "text":
+        return None
+    missing = xgrammar_missing()
+    if missing is not None:
+        raise APIError(400, missing, "response_format")
+    if request.ignore_eos or request.min_tokens:
+        field = "ignore_eos" if request.ignore_eos else "min_tokens"
+        raise APIError(
+            400, f"{field} with response_format is not served: a complete answer ends at EOS", field
+        )
+    model, tokenizer = served.model, served.tokenizer
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    eos = tokenizer.eos_token_id if eos is None else eos
+    stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    vocab = model.get_output_embeddings().weight.shape[0]
+    try:
+        grammar = compile_format(response_format, tokenizer, vocab, stop_ids)
+    except ValueError as error:
+        raise APIError(400, str(error), "response_format.json_schema.schema") from error
+    return GrammarProcessor(grammar, prompts)
 
 
 def _sequence_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[tuple[int, ...], float]:

@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hfaccel.server.penalties import OutputTokenPenalties, prefix_clash  # noqa: E402
+from hfaccel.server.penalties import OutputTokenPenalties  # noqa: E402
 
 
 def test_generated_tokens_are_penalised_by_count_and_presence_and_the_prompt_is_not():
@@ -34,23 +34,6 @@ def test_each_row_counts_after_its_own_prompt():
 def test_negative_penalties_raise_the_scores():
     penalties = OutputTokenPenalties([[1]], presence=-1.0, frequency=-0.5)
     assert penalties(torch.tensor([[1, 3, 3]]), torch.zeros(1, 4))[0, 3] == 2.0
-
-
-@pytest.mark.parametrize(
-    ("prompts", "clash"),
-    [
-        ([[1, 2], [1, 2, 3]], (1, 0)),
-        ([[1, 2, 3], [4], [1, 2]], (0, 2)),
-        ([[1, 2], [1, 2], [1, 3]], None),  # equal prompts count alike
-        ([[1, 2], [2, 1], [1]], (0, 2)),
-        ([[1, 2], [1, 3]], None),
-    ],
-)
-def test_a_prompt_that_begins_with_another_is_found(prompts, clash):
-    assert prefix_clash(prompts) == clash
-    if clash is not None:
-        with pytest.raises(ValueError, match=f"prompt {clash[0]} begins with prompt {clash[1]}"):
-            OutputTokenPenalties(prompts, 0.1, 0.0)
 
 
 def _token_ids(tokenizer, text):

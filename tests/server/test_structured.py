@@ -1,0 +1,121 @@
+"""Structured output (`server/structured.py`): OpenAI's ``response_format`` and the Responses API's
+``text.format`` through xgrammar, on the tiny served model, whose unconstrained replies are no JSON."""
+
+import json
+
+import pytest
+import torch
+
+from tests.server.conftest import CHAT, MODEL, post
+
+pytest.importorskip("fastapi")
+xgrammar = pytest.importorskip("xgrammar")
+
+# A schema the tiny model can only complete: a choice of two strings; whitespace is capped per gap.
+CHOICE = {
+    "type": "object",
+    "properties": {"c": {"enum": ["yes", "no"]}},
+    "required": ["c"],
+    "additionalProperties": False,
+}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "choice", "schema": CHOICE, "strict": True}}
+
+
+def test_a_schema_is_followed_to_a_complete_answer_whole_and_streamed(client):
+    ask = {"model": MODEL, "messages": CHAT, "max_tokens": 200, "temperature": 0}
+    plain = client.chat.completions.create(**ask).choices[0].message.content
+    with pytest.raises(ValueError):
+        json.loads(plain)  # the tiny model's own reply is no JSON: the grammar makes the difference
+    whole = client.chat.completions.create(**ask, response_format=FORMAT).choices[0]
+    assert whole.finish_reason == "stop" and json.loads(whole.message.content) in ({"c": "yes"}, {"c": "no"})
+    chunks = client.chat.completions.create(**ask, response_format=FORMAT, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.message.content
+
+
+def test_sampled_choices_each_follow_the_schema(client):
+    answer = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=200, temperature=1.0, seed=3, n=3, response_format=FORMAT
+    )
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop" and json.loads(choice.message.content)["c"] in ("yes", "no")
+
+
+def test_json_object_mode_opens_an_object(client):
+    answer = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=30, temperature=0, response_format={"type": "json_object"}
+    ).choices[0]
+    assert answer.message.content.startswith("{")  # cut by max_tokens or complete, an object either way
+    if answer.finish_reason == "stop":
+        assert isinstance(json.loads(answer.message.content), dict)
+
+
+def test_the_responses_api_follows_text_format_and_repeats_it(client):
+    text = {"format": {"type": "json_schema", "name": "choice", "schema": CHOICE, "strict": True}}
+    answer = client.responses.create(model=MODEL, input="yes or no?", max_output_tokens=200, text=text)
+    assert answer.status == "completed" and json.loads(answer.output_text)["c"] in ("yes", "no")
+    assert answer.text.format.type == "json_schema" and answer.text.format.name == "choice"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
+        ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nope"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {"response_format": {"type": "json_object"}, "ignore_eos": True},
+            "ignore_eos",
+        ),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
+        ("/v1/responses", {"text": {"format": {"type": "json_object", "name": "x"}}}, "text.format.name"),
+        ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "a b"}}}, "text.format.name"),
+        (
+            "/v1/responses",
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
+            "text.format.schema",
+        ),
+    ],
+)
+def test_each_mistake_is_a_400_naming_its_field(served, path, body, param):
+    base = (
+        {"model": MODEL, "messages": CHAT, "max_tokens": 4}
+        if "chat" in path
+        else {"model": MODEL, "input": "hi"}
+    )
+    status, _, answer = post(served[0], path, {**base, **body})
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert "[" not in answer["error"]["message"][:2]  # xgrammar's C++ log prefix is not shown
+
+
+def test_rows_with_the_same_tokens_get_the_same_mask_and_a_matcher_each(served):
+    from hfaccel.server.protocol import ResponseFormat
+    from hfaccel.server.structured import GrammarProcessor, compile_format
+
+    _, model, tokenizer = served
+    vocab = model.get_output_embeddings().weight.shape[0]
+    grammar = compile_format(
+        ResponseFormat.model_validate(FORMAT), tokenizer, vocab, [tokenizer.eos_token_id]
+    )
+    prompt = [5, 6, 7]
+    processor = GrammarProcessor(grammar, [prompt])
+    brace = tokenizer.convert_tokens_to_ids("{")
+    rows = torch.tensor([prompt + [brace], prompt + [brace]])
+    first = processor(rows[:1], torch.zeros(1, vocab))
+    opening = processor(torch.tensor([prompt]), torch.zeros(1, vocab))[0]
+    assert torch.isfinite(opening[brace]) and torch.isinf(opening[tokenizer.convert_tokens_to_ids("a")])
+    both = processor(rows, torch.zeros(2, vocab))  # the second row rebuilds its matcher from its tokens
+    assert torch.equal(both[0], first[0]) and torch.equal(both[1], first[0])
+    allowed = torch.isfinite(first[0]).nonzero().flatten().tolist()
+    assert tokenizer.convert_tokens_to_ids('"') in allowed and brace not in allowed
+    with pytest.raises(ValueError, match="does not continue"):
+        processor(torch.tensor([prompt + [brace, brace]]), torch.zeros(1, vocab))
