@@ -404,8 +404,12 @@ def stop_string_check(
             tail = generated[-size:]
             if len(tail) < size and prompt and in_prompt:
                 tail = prompt[len(tail) - size :] + tail
-            text = tokenizer.decode(tail)
-            previous = tokenizer.decode(tail[:-1]) if len(tail) > 1 else ""
+            # As HF's StopStringCriteria reads tokens: their own strings, without the clean-up of spaces
+            # before punctuation a tokenizer may apply when it decodes ("a ." -> "a.").
+            text = tokenizer.decode(tail, clean_up_tokenization_spaces=False)
+            previous = (
+                tokenizer.decode(tail[:-1], clean_up_tokenization_spaces=False) if len(tail) > 1 else ""
+            )
             if previous == text:  # the newest token adds no text: no stop string ends in it
                 return False
             before = len(os.path.commonprefix([previous, text]))

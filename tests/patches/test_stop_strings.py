@@ -18,7 +18,7 @@ class ByteTokenizer:
     def encode(self, *pieces: bytes) -> list[int]:
         return [self.pieces.index(p) for p in pieces]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], clean_up_tokenization_spaces: bool | None = None) -> str:
         return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
 
 
@@ -64,3 +64,40 @@ def test_a_stop_string_begun_in_the_prompt_fires_only_where_asked():
 def test_an_earlier_match_does_not_fire_again():
     ids = TOKENIZER.encode(b"c", b"%", b"a", b"a", b"a")
     assert fired(stop_string_check(TOKENIZER, ["c%"]), ids) == [2]
+
+
+def test_a_tokenizer_that_cleans_up_spaces_still_stops_where_its_tokens_spell_the_string():
+    """HF's StopStringCriteria matches the tokens' own strings; a tokenizer whose decode cleans up the
+    space before punctuation ("a ." -> "a.") must not hide " ." from the check."""
+    from tests.helpers import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.clean_up_tokenization_spaces = True
+    ids = tokenizer("ab .", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == "ab."  # the clean-up this tokenizer applies
+    assert fired(stop_string_check(tokenizer, [" ."]), ids) == [len(ids)]
+
+
+def test_stop_strings_with_a_cleaning_tokenizer_stop_where_hf_stops():
+    import torch
+
+    import hfaccel
+    from tests.helpers import tiny_model, tiny_tokenizer
+
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    tokenizer.clean_up_tokenization_spaces = True
+    space, dot = tokenizer.convert_tokens_to_ids(" "), tokenizer.convert_tokens_to_ids(".")
+    ask = dict(
+        input_ids=torch.tensor([tokenizer("abc")["input_ids"]]),
+        max_new_tokens=8,
+        stop_strings=[" ."],
+        tokenizer=tokenizer,
+        sequence_bias={(space,): 100.0, (space, dot): 200.0},  # " ." comes at once
+    )
+    expected = model.generate(**ask)
+    assert expected.shape[1] < ask["input_ids"].shape[1] + 8  # HF stopped at " ."
+    hfaccel.patch(model)
+    try:
+        assert torch.equal(model.generate(**ask), expected)
+    finally:
+        hfaccel.unpatch(model)
