@@ -110,11 +110,49 @@ def max_model_len(model: torch.nn.Module, requested: int | None) -> int:
             )
         return requested or RECURRENT_MAX_MODEL_LEN
     limit = declared or 2048
+    original = long_rope_context(config)
+    if original is not None and original < limit:
+        limit = original  # past it transformers changes every position's rotation (`long_rope_reason`)
     if requested is not None:
         if requested > limit:
-            raise ValueError(f"max_model_len ({requested}) exceeds what the model supports ({limit})")
+            longrope = "" if original is None else f" within its longrope original context ({original})"
+            raise ValueError(
+                f"max_model_len ({requested}) exceeds what the model supports{longrope} ({limit})"
+            )
         return requested
     return limit
+
+
+def long_rope_context(config: Any) -> int | None:
+    """The original context of a model with "longrope" rotary embeddings (Phi-3 and Phi-3.5 long-context
+    models), or None. Past it transformers rotates every position of a forward with the long factors
+    (chosen from the forward's largest position) and Phi-3 recomputes its whole cache: a packed step of
+    many requests cannot follow that, so the engine serves sequences within it and a longer call goes to
+    transformers (`long_rope_reason`)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    # One set of parameters, or one per layer type ({"full_attention": {...}, ...}).
+    sets = [params] if "rope_type" in params or "type" in params else list(params.values())
+    limits = [
+        p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+        for p in sets
+        if isinstance(p, dict) and (p.get("rope_type") or p.get("type")) == "longrope"
+    ]
+    return min((int(n) for n in limits if n), default=None)
+
+
+def long_rope_reason(model: torch.nn.Module, longest: int) -> str | None:
+    """Why a call whose longest row may reach `longest` tokens goes to transformers: past a longrope
+    model's original context (`long_rope_context`). None: within it, where the engine's tokens are
+    transformers'."""
+    original = long_rope_context(model.config.get_text_config(decoder=True))
+    if original is None or longest <= original:
+        return None
+    return (
+        f"a sequence of up to {longest} tokens on a longrope model, past its original context ({original}), "
+        "where transformers rotates every position with the long factors and recomputes the cache"
+    )
 
 
 def kv_bytes_per_token(model: torch.nn.Module, kv_dtype: torch.dtype, align: int = 4) -> int:

@@ -35,7 +35,7 @@ from hfaccel.patches.layer_support import (
     has_recurrent_layers,
     narrowest_local_span,
 )
-from hfaccel.patches.models import quantized_activations_reason
+from hfaccel.patches.models import long_rope_reason, quantized_activations_reason
 from hfaccel.patches.params import (
     bind_batch_row,
     bind_prefix_constraint,
@@ -432,20 +432,19 @@ def _prompt_inputs_gate(call: GenerateCall) -> str | None:
     return reason
 
 
-def _beam_limits_gate(call: GenerateCall) -> str | None:
-    if not call.beam:
-        return None
-    engine = call.state.get_engine(call.model)
-    return beam_limits_reason(engine, call.config.num_beams, int(call.mask.sum(dim=1).max()), call.stopping)
+def _limits_gate(call: GenerateCall) -> str | None:
+    kept = int(call.mask.sum(dim=1).max())  # the longest prompt, without its padding
+    reason, stopping = long_rope_reason(call.model, kept + call.stopping.max_new_tokens), call.stopping
+    engine = call.state.get_engine(call.model) if call.beam and reason is None else None
+    return reason if engine is None else beam_limits_reason(engine, call.config.num_beams, kept, stopping)
 
 
 # Every reason a call goes to transformers' generate, in the order they are asked: the first wins.
 def _reentry_gate(call: GenerateCall) -> str | None:
     """A call from inside the model's own engine step (a processor or criterion that generates), or one
     that would close a cycle of models waiting on each other, runs on transformers: it completes."""
-    loop = call.state.loop
-    reason = None if loop is None else loop.reentry_reason()
-    return None if reason is None else "a generate call from inside an engine step (a processor or criterion)"
+    reentered = call.state.loop is not None and call.state.loop.reentry_reason() is not None
+    return "a generate call from inside an engine step (a processor or criterion)" if reentered else None
 
 
 GATES: tuple[tuple[str, Callable[[GenerateCall], str | None]], ...] = (
@@ -463,7 +462,7 @@ GATES: tuple[tuple[str, Callable[[GenerateCall], str | None]], ...] = (
     ("criteria, assistants, extra inputs", _options_gate),
     ("padding", _padding_gate),
     ("imported embeddings or K/V", _prompt_inputs_gate),
-    ("beam search limits", _beam_limits_gate),
+    ("lengths: a longrope model's original context, beam search limits", _limits_gate),
 )
 
 
