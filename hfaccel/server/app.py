@@ -10,6 +10,7 @@ with the reason) rather than run on transformers' generate, which would block th
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,10 +39,14 @@ from hfaccel.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    check_text,
     error_body,
+    field_path,
 )
 from hfaccel.server.responses import ResponsesRequest, from_chat, prepare_response, stream_response
 from hfaccel.server.sampling import Limits
+
+logger = logging.getLogger("hfaccel")
 
 
 @dataclass
@@ -110,6 +115,38 @@ class BodyLimit:
         await self.app(scope, receive, send)
 
 
+class FailuresAsJSON:
+    """A request whose route fails unexpectedly is answered with OpenAI's error JSON (500), its traceback
+    logged, and its connection kept. Starlette's own handler for ``Exception`` re-raises after its
+    answer, and uvicorn then drops the connection: a client's next request on it failed (found by a
+    probe, 2026-11-27). A failure after the answer started (a stream) is re-raised."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def sending(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as error:  # a Ctrl-C or a cancellation is not answered: it propagates
+            if started:
+                raise
+            logger.exception("hfaccel serve: %s %s failed", scope.get("method"), scope.get("path"))
+            message = f"the server failed on this request ({type(error).__name__}: {error})"
+            await JSONResponse(error_body(message, "server_error", None, 500), status_code=500)(
+                scope, receive, send
+            )
+
+
 def make_app(served: ServedModel) -> FastAPI:
     """The FastAPI app serving `served`."""
     app = FastAPI(title="hfaccel", summary=f"OpenAI-compatible server for {served.model_id}")
@@ -130,6 +167,7 @@ def make_app(served: ServedModel) -> FastAPI:
             )
 
     app.add_middleware(BodyLimit, max_bytes=served.limits.max_body_bytes)
+    app.add_middleware(FailuresAsJSON)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -138,14 +176,14 @@ def make_app(served: ServedModel) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0] if error.errors() else {}
-        location = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":  # its location is a position in the body, not a field
             message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'a decode error')})"
             return JSONResponse(error_body(message, "invalid_request_error", None, 400), status_code=400)
-        param = ".".join(location) or None
-        message = (
-            f"{param}: {first.get('msg', 'invalid')}" if param else str(first.get("msg", "invalid body"))
-        )
+        param = field_path(first.get("loc", ()))
+        reason = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        if param is None and "json" not in request.headers.get("content-type", ""):
+            reason = "the body must be a JSON object, sent with Content-Type: application/json"
+        message = f"{param}: {reason}" if param else reason
         return JSONResponse(error_body(message, "invalid_request_error", param, 400), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -185,6 +223,7 @@ def make_app(served: ServedModel) -> FastAPI:
     @app.post("/tokenize", dependencies=[Depends(authorized)])
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
+        check_text(body)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
@@ -228,6 +267,7 @@ def make_app(served: ServedModel) -> FastAPI:
 
     async def completion(request: Request, body: Any, flavour: Any) -> Response:
         check_model(body.model)
+        check_text(body)
         call = prepare_call(served, body, flavour)
         return await complete(
             request, body, call, lambda: stream_call(served, call, metrics, request.is_disconnected)
@@ -244,6 +284,7 @@ def make_app(served: ServedModel) -> FastAPI:
     @app.post("/v1/responses", dependencies=[Depends(authorized)])
     async def responses(request: Request, body: ResponsesRequest) -> Response:
         check_model(body.model)
+        check_text(body)
         call = prepare_response(served, body)
         return await complete(
             request,

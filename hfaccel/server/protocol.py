@@ -7,9 +7,10 @@ nothing about the output (`user`, `metadata`, ...) are accepted.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class StreamOptions(BaseModel):
@@ -49,11 +50,12 @@ class SamplingFields(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
 
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> SamplingFields:
-        if self.stream_options is not None and not self.stream:
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, value: StreamOptions | None, info: ValidationInfo) -> Any:
+        if value is not None and not info.data.get("stream"):  # `stream` is validated first
             raise ValueError("stream_options is only allowed with stream: true")
-        return self
+        return value
 
 
 class ChatMessage(BaseModel):
@@ -121,7 +123,7 @@ class CompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str | None = None
@@ -130,7 +132,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     tokens: list[int]
@@ -153,6 +155,56 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.kind, self.param, self.status)
+
+
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where the first lone UTF-16 surrogate of a request body (parsed JSON) is, as a field path, or None.
+    JSON carries one (``"\\ud800"``), but it is no text: no encoding or tokenizer takes it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if lone_surrogate(key) is not None:  # the key itself: name the object that holds it
+                return path or "body"
+            found = lone_surrogate(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = lone_surrogate(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def check_text(body: BaseModel) -> None:
+    """A 400 naming the first field of `body` that holds a lone surrogate (`lone_surrogate`)."""
+    where = lone_surrogate(body.model_dump(by_alias=True, exclude_none=True))
+    if where is not None:
+        raise APIError(
+            400, "the text holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is no character", where
+        )
+
+
+# The member of a union pydantic names in an error's location ("str", "list[int]", "function-after[...]",
+# a model's class name): no field of the request.
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
+
+
+def field_path(location: Any) -> str | None:
+    """A pydantic error's location as the client wrote the field: ``stop``, not ``body.stop.str``;
+    ``messages[0].content``, not ``messages.0.content``."""
+    path = ""
+    for k, part in enumerate(location):
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif not (k == 0 and part == "body") and not _UNION_MEMBER.match(str(part)):
+            path += f".{part}" if path else str(part)
+    return path or None
 
 
 def error_body(message: str, kind: str, param: str | None, code: int) -> dict[str, Any]:

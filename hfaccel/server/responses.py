@@ -43,7 +43,7 @@ _FIELDS = {
 class TextFormat(BaseModel):
     """The Responses API's ``text.format``: chat's ``response_format`` with the schema's fields flat."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -76,7 +76,7 @@ class TextFormat(BaseModel):
 
 
 class TextOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     format: TextFormat | None = None
 
@@ -84,7 +84,7 @@ class TextOptions(BaseModel):
 class ResponsesRequest(BaseModel):
     """The Responses API fields the server serves; any other is refused (400, naming it)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     input: str | list[dict[str, Any]] = Field(min_length=1)
@@ -143,7 +143,11 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
             messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
         elif kind == "function_call_output":
             messages.append(ChatMessage(role="tool", content=item["output"], tool_call_id=item["call_id"]))
-        elif kind == "message" and "role" in item:
+        elif kind == "message" and "role" not in item:
+            raise APIError(
+                400, "a message item needs a role (system, developer, user, assistant)", f"{where}.role"
+            )
+        elif kind == "message":
             _fields(item, where, ({"role"}, {"type", "content", "id", "status"}))
             content = item.get("content")
             if isinstance(content, list):

@@ -1,0 +1,82 @@
+"""Errors a client sees (`server/protocol.py`, `server/app.py`): each names the field as the client wrote
+it, in OpenAI's error JSON, whatever went wrong, and the server keeps serving on the same connection."""
+
+import http.client
+import json
+
+import pytest
+
+from tests.server.conftest import CHAT, MODEL, send
+
+pytest.importorskip("fastapi")
+
+USER = {"role": "user", "content": "hi"}
+SURROGATE = '"a\\ud800b"'  # JSON's escape of a lone surrogate: valid JSON, no text
+
+CASES = [
+    # a lone surrogate anywhere a text goes: 400 naming it, never the tokenizer's 500
+    (
+        "/v1/chat/completions",
+        f'{{"messages": [{{"role": "user", "content": {SURROGATE}}}]}}',
+        "messages[0].content",
+    ),
+    ("/v1/chat/completions", f'{{"messages": [{json.dumps(USER)}], "stop": [{SURROGATE}]}}', "stop[0]"),
+    ("/v1/completions", f'{{"prompt": {SURROGATE}}}', "prompt"),
+    ("/v1/responses", f'{{"input": {SURROGATE}}}', "input"),
+    ("/v1/responses", f'{{"input": [{{"role": "user", "content": {SURROGATE}}}]}}', "input[0].content"),
+    ("/tokenize", f'{{"prompt": {SURROGATE}}}', "prompt"),
+    # types are strict in the Responses API too
+    ("/v1/responses", '{"input": "hi", "temperature": "0.5"}', "temperature"),
+    ("/v1/responses", '{"input": "hi", "stream": "yes"}', "stream"),
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": "3"}', "max_output_tokens"),
+    ("/detokenize", '{"tokens": [true]}', "tokens[0]"),
+    # a field that takes several types is named as written, not by the type pydantic tried
+    ("/v1/chat/completions", f'{{"messages": [{json.dumps(USER)}], "stop": 5}}', "stop"),
+    ("/v1/completions", '{"prompt": [1.5]}', "prompt"),
+    ("/v1/responses", '{"input": 5}', "input"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": 5}]}', "messages[0].content"),
+    (
+        "/v1/chat/completions",
+        f'{{"messages": [{json.dumps(USER)}], "stream_options": {{}}}}',
+        "stream_options",
+    ),
+    ("/v1/responses", '{"input": [{"type": "message", "content": "hi"}]}', "input[0].role"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), CASES, ids=[c[2] + c[0] for c in CASES])
+def test_each_mistake_is_a_400_naming_the_field_as_written(served, path, body, param):
+    server = served[0]
+    head = '{"model": "' + MODEL + '", ' if "tokenize" not in path else "{"
+    status, _, data = send(server, "POST", path, (head + body.lstrip("{")).encode())
+    answer = json.loads(data)
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert not answer["error"]["message"].startswith(("Value error", "body")), answer
+
+
+def test_a_body_sent_without_the_json_content_type_is_told_so(served):
+    body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
+    status, _, data = send(served[0], "POST", "/v1/chat/completions", body, {"Content-Type": "text/plain"})
+    assert status == 400 and "Content-Type: application/json" in json.loads(data)["error"]["message"]
+
+
+def test_an_unexpected_failure_is_a_json_500_and_the_connection_keeps_serving(served, monkeypatch):
+    import hfaccel.server.app as app
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a failure no route expected")
+
+    monkeypatch.setattr(app, "prepare_call", broken)
+    host, port = served[0].url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = json.dumps({"model": MODEL, "messages": CHAT, "max_tokens": 2})
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    assert response.status == 500 and answer["error"]["type"] == "server_error"
+    assert "RuntimeError: a failure no route expected" in answer["error"]["message"]
+    monkeypatch.undo()
+    connection.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    again = connection.getresponse()
+    assert again.status == 200 and json.loads(again.read())["choices"]
+    connection.close()
