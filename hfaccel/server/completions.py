@@ -31,7 +31,14 @@ from hfaccel.server.replies import (
     reply_choice,
     token_pieces,
 )
-from hfaccel.server.sampling import generate_kwargs, grammar_processor, penalties_processor, stop_strings
+from hfaccel.server.sampling import (
+    cleaned_stops,
+    cut_at_stop,
+    generate_kwargs,
+    grammar_processor,
+    penalties_processor,
+    stop_strings,
+)
 
 
 class ChatFlavour:
@@ -154,6 +161,7 @@ class CompletionCall:
     logprobs: bool | int
     stops: list[str]
     reading: ReplyReading | None = None  # chat: its reply read into content, reasoning and tool calls
+    cleaned: list[str] | None = None  # the stops as a tokenizer's clean-up shows them (`cleaned_stops`)
     replies: list[Any] = field(default_factory=list)  # each choice's reply read whole (`run_call`)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     generated: int = 0  # tokens streamed so far
@@ -241,6 +249,7 @@ def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
     if any(processors):
         kwargs["logits_processor"] = [p for p in processors if p is not None]
     call = CompletionCall(flavour, body, prompts, kwargs, flavour.logprobs(body), stop_strings(body))
+    call.cleaned = cleaned_stops(served.tokenizer, call.stops)
     if call.count > served.limits.max_pending:  # it could never be admitted: not a 429 to retry
         raise APIError(
             400,
@@ -279,7 +288,7 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
         text = completion.text or ""
         stopped = completion.finish_reason == "stop" and call.stops
         if stopped:  # where the engine found it: in the text with special tokens
-            text = cut_plain(token_pieces(tokenizer, completion.token_ids), call.stops)
+            text = _cut_plain(tokenizer, call, completion.token_ids, text)
         items = logprob_items(
             tokenizer, completion.token_ids, completion.logprobs, completion.top_logprobs, call
         )
@@ -287,7 +296,7 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
             items = prompts[i // call.body.n] + items
         if call.reading is not None:  # read with its special tokens, which mark tool calls and turn ends
             reply = call.reading.parse(
-                raw_pieces(tokenizer, completion.token_ids, call.stops if stopped else None)
+                raw_pieces(tokenizer, completion.token_ids, call.stops if stopped else None, call.cleaned)
             )
             call.replies.append(reply)
             choices.append(reply_choice(i, reply, completion.finish_reason, items))
@@ -298,6 +307,14 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
         generated += len(completion.token_ids)
     metrics.finished(endpoint, "ok", call.prompt_tokens, generated, completions[0].metrics)
     return {**call.envelope(choices), "usage": call.usage(generated)}
+
+
+def _cut_plain(tokenizer: Any, call: CompletionCall, token_ids: list[int], text: str) -> str:
+    """A plain answer cut where the engine's check found its stop string (`replies.cut_plain`); for a
+    tokenizer that cleans up spaces, whose pieces do not align, at the stop string in its text."""
+    if call.cleaned is None:
+        return cut_plain(token_pieces(tokenizer, token_ids), call.stops)
+    return cut_at_stop(text, call.stops, call.cleaned)
 
 
 def _outcome(error: BaseException) -> str:
@@ -371,11 +388,12 @@ async def stream_pieces(
             if event.finished:
                 final = texts[i]
                 if event.finish_reason == "stop" and call.stops:
-                    final = (
-                        "".join(cut_raw(pairs[i], call.stops))
-                        if call.reading
-                        else cut_plain(pairs[i], call.stops)
-                    )
+                    if call.reading:
+                        final = "".join(cut_raw(pairs[i], call.stops, call.cleaned))
+                    elif call.cleaned is None:
+                        final = cut_plain(pairs[i], call.stops)
+                    else:
+                        final = cut_at_stop(final, call.stops, call.cleaned)
                 delta, sent[i] = final[sent[i] :], len(final)
             else:
                 safe = max(sent[i], len(texts[i]) - hold)

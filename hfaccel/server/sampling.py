@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hfaccel.api.detokenize import decodes_locally
 from hfaccel.server.penalties import OutputTokenPenalties
 from hfaccel.server.prompt_rows import prefix_clash
 from hfaccel.server.protocol import APIError, SamplingFields
@@ -149,7 +150,21 @@ def stop_strings(request: SamplingFields) -> list[str]:
     return stops
 
 
-def cut_at_stop(text: str, stops: list[str]) -> str:
-    """`text` up to the first stop string in it (OpenAI's output leaves the stop string out)."""
+def cut_at_stop(text: str, stops: list[str], cleaned: list[str] | tuple[str, ...] = ()) -> str:
+    """`text` up to the first stop string in it (OpenAI's output leaves the stop string out). `cleaned`:
+    the stop strings as a tokenizer that cleans up spaces shows them (" ." as "."), for a text that
+    holds no stop string as the engine's check read it; the answer ended at such a string, so it is cut
+    at the last one."""
     cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[: min(cuts)] if cuts else text
+    if cuts:
+        return text[: min(cuts)]
+    last = max((text.rfind(s) for s in cleaned), default=-1)
+    return text[:last] if last >= 0 else text
+
+
+def cleaned_stops(tokenizer: Any, stops: list[str]) -> list[str] | None:
+    """The stop strings as `tokenizer`'s decode shows them after its clean-up of spaces, or None when it
+    does not clean up (its text is its tokens' strings, which the engine's stop check reads)."""
+    if not stops or decodes_locally(tokenizer):
+        return None
+    return [c for s in stops if (c := tokenizer.clean_up_tokenization(s)) != s and c]

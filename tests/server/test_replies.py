@@ -229,3 +229,29 @@ def test_parallel_tool_calls_false_gives_the_first_call_only_whole_and_streamed(
         c.index for chunk in chunks if chunk.choices for c in chunk.choices[0].delta.tool_calls or ()
     ] == [0]
     assert len(read_both(client, tools=TOOLS, parallel_tool_calls=True)[0][2]) == 2
+
+
+@pytest.mark.parametrize(
+    ("script", "stop", "text"),
+    [
+        ("Hi ab .", [" ."], "Hi ab"),  # the engine stopped at " ."; the cleaned text shows "."
+        ("Done<s> .x", ["x"], "Done."),  # a special token beside a cleaned space: nothing garbled
+        ("a . b . c", [" c"], "a. b."),
+    ],
+)
+def test_a_tokenizer_that_cleans_up_spaces_gets_its_stop_cut_in_its_own_text(
+    client, scripted, served, monkeypatch, script, stop, text
+):
+    """transformers cleans up " ." to "." in such a tokenizer's decode, while the engine's stop check reads
+    the tokens' own strings (as HF's StopStringCriteria does): the answer is cut at the stop string as
+    the text shows it."""
+    import weakref
+
+    import hfaccel.api.detokenize as detokenize
+
+    tokenizer = served[2]
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    monkeypatch.setattr(detokenize, "_PROBED", weakref.WeakKeyDictionary())  # probed again, cleaning
+    scripted(script, eos=False)
+    answer = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, stop=stop).choices[0]
+    assert (answer.text, answer.finish_reason) == (text, "stop")
