@@ -179,7 +179,7 @@ def make_app(served: ServedModel) -> FastAPI:
         if first.get("type") == "json_invalid":  # its location is a position in the body, not a field
             message = f"the body is not valid JSON ({first.get('ctx', {}).get('error', 'a decode error')})"
             return JSONResponse(error_body(message, "invalid_request_error", None, 400), status_code=400)
-        param = field_path(first.get("loc", ()))
+        param = field_path(first.get("loc", ()), [e.get("loc", ()) for e in error.errors()])
         reason = str(first.get("msg", "invalid")).removeprefix("Value error, ")
         if param is None and "json" not in request.headers.get("content-type", ""):
             reason = "the body must be a JSON object, sent with Content-Type: application/json"

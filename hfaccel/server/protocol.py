@@ -7,7 +7,6 @@ nothing about the output (`user`, `metadata`, ...) are accepted.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -190,19 +189,18 @@ def check_text(body: BaseModel) -> None:
         )
 
 
-# The member of a union pydantic names in an error's location ("str", "list[int]", "function-after[...]",
-# a model's class name): no field of the request.
-_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\]|[A-Z]\w*)$")
-
-
-def field_path(location: Any) -> str | None:
+def field_path(location: Any, others: Any = ()) -> str | None:
     """A pydantic error's location as the client wrote the field: ``stop``, not ``body.stop.str``;
-    ``messages[0].content``, not ``messages.0.content``."""
+    ``messages[0].content``, not ``messages.0.content``. A union's member (``str``, ``list[int]``) is
+    told apart from a field by `others`, the locations of the request's other errors: pydantic reports
+    each member's, which agree up to the union and differ at the member."""
+    location, others = tuple(location), [tuple(other) for other in others]
     path = ""
     for k, part in enumerate(location):
+        member = any(other[:k] == location[:k] and len(other) > k and other[k] != part for other in others)
         if isinstance(part, int):
             path += f"[{part}]"
-        elif not (k == 0 and part == "body") and not _UNION_MEMBER.match(str(part)):
+        elif not (k == 0 and part == "body") and not member:
             path += f".{part}" if path else str(part)
     return path or None
 

@@ -65,7 +65,7 @@ class TextFormat(BaseModel):
             spec = JSONSchemaFormat(
                 name=self.name,
                 description=self.description,
-                schema=self.json_schema or {},
+                schema={} if self.json_schema is None else self.json_schema,
                 strict=self.strict,
             )
         except ValidationError as error:

@@ -5,9 +5,8 @@ every token that cannot continue a valid answer. transformers has no such proces
 HF one keeps one matcher per batch position, while the engine runs a call's processors row by row
 (``[1, L]`` each, rows of any request in any order). So `GrammarProcessor` keys each row's matcher by
 the tokens it generated: a row's next call finds the matcher of its tokens but the last one and
-advances it by that token; a matcher not found (two rows with the same tokens so far) is rebuilt from
-the row's tokens. Each matcher is held by the row that made it, so the matchers a call holds stay one
-per row.
+advances a fork of it by that token; a matcher no longer kept is rebuilt from the row's tokens
+(`GrammarProcessor`).
 
 A completed answer leaves only the stop tokens (the generation config's EOS ids) open, so the answer
 ends there; ``max_tokens`` can still cut it (finish_reason ``"length"``), as with OpenAI.
@@ -18,6 +17,7 @@ from __future__ import annotations
 import re
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +29,11 @@ from hfaccel.server.prompt_rows import PromptRows
 # Whitespace between JSON tokens is free, but a run of it is capped: a small model left free to write
 # spaces can write them until max_tokens (vLLM's "any whitespace" issue).
 MAX_WHITESPACE = 20
+
+
+# Compiled grammars kept for schemas asked again (xgrammar's own cache, unbounded by default: every
+# schema a client ever sent would stay).
+COMPILER_CACHE_BYTES = 64 * 2**20
 
 
 def xgrammar_missing() -> str | None:
@@ -55,7 +60,7 @@ def _compiler(tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> Any
             info = xgrammar.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids)
             )
-            made[key] = xgrammar.GrammarCompiler(info)
+            made[key] = xgrammar.GrammarCompiler(info, cache_limit_bytes=COMPILER_CACHE_BYTES)
         return made[key]
 
 
@@ -84,7 +89,15 @@ def compile_format(
 
 class GrammarProcessor(LogitsProcessor):
     """Masks each row's scores to the tokens that keep its generated text in `grammar` (compiled by
-    `compile_format`); `prompts` are the call's, to find where each row's generated tokens begin."""
+    `compile_format`); `prompts` are the call's, to find where each row's generated tokens begin.
+
+    Matchers are kept by the tokens they accepted, at most `MAX_MATCHERS` of them (the least recently
+    used go; one is rebuilt from its row's tokens when asked again): speculative verification asks for
+    rows with draft tokens appended, and the drafts it rejects are never extended. A row whose tokens
+    leave the grammar (a draft the mask would have refused) is left unmasked: verification discards it.
+    """
+
+    MAX_MATCHERS = 64
 
     def __init__(self, grammar: Any, prompts: Sequence[Sequence[int]]) -> None:
         import xgrammar
@@ -92,7 +105,8 @@ class GrammarProcessor(LogitsProcessor):
         self._xgrammar = xgrammar
         self._grammar = grammar
         self.rows = PromptRows(prompts)
-        self._matchers: dict[tuple[int, ...], Any] = {}
+        # Keyed by the tokens' int32 bytes (4 a token); None: tokens that left the grammar.
+        self._matchers: OrderedDict[bytes, Any] = OrderedDict()
         self._lock = threading.Lock()  # one call's rows may be processed from more than one thread
         self._mask: torch.Tensor | None = None
 
@@ -103,19 +117,29 @@ class GrammarProcessor(LogitsProcessor):
                 self._mask = xgrammar.allocate_token_bitmask(1, scores.shape[-1])
             out = scores.to(device="cpu", dtype=torch.float32, copy=True)
             for i, row in enumerate(input_ids):
-                matcher = self._matcher(tuple(self.rows.generated(row).tolist()))
-                matcher.fill_next_token_bitmask(self._mask, 0)
-                xgrammar.apply_token_bitmask_inplace(out[i : i + 1], self._mask)
+                matcher = self._matcher(self.rows.generated(row))
+                if matcher is not None:
+                    matcher.fill_next_token_bitmask(self._mask, 0)
+                    xgrammar.apply_token_bitmask_inplace(out[i : i + 1], self._mask)
         return out.to(device=scores.device, dtype=scores.dtype)
 
-    def _matcher(self, generated: tuple[int, ...]) -> Any:
-        """The matcher of a row that generated `generated`: its predecessor advanced by the last token,
-        or one rebuilt from all of them."""
-        matcher = self._matchers.pop(generated[:-1], None) if generated else None
-        if matcher is None or not matcher.accept_token(generated[-1]):
+    def _matcher(self, generated: torch.Tensor) -> Any:
+        """The matcher of a row that generated `generated` (None: they leave the grammar): kept, its
+        predecessor's fork advanced by the last token, or one rebuilt from all of them."""
+        key = generated.to(device="cpu", dtype=torch.int32).numpy().tobytes()
+        if key in self._matchers:
+            self._matchers.move_to_end(key)
+            return self._matchers[key]
+        before = self._matchers.get(key[:-4], False) if key else False
+        if before is None:  # its tokens left the grammar already
+            matcher = None
+        elif before is not False:
+            matcher = before.fork()  # the predecessor stays: rows with the same tokens fork it alike
+            matcher = matcher if matcher.accept_token(int(generated[-1])) else None
+        else:
             matcher = self._xgrammar.GrammarMatcher(self._grammar)
-            for token in generated:
-                if not matcher.accept_token(token):
-                    raise ValueError(f"token {token} does not continue the answer's JSON")
-        self._matchers[generated] = matcher
+            matcher = matcher if all(matcher.accept_token(t) for t in generated.tolist()) else None
+        self._matchers[key] = matcher
+        if len(self._matchers) > self.MAX_MATCHERS:
+            self._matchers.popitem(last=False)
         return matcher

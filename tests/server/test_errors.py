@@ -41,6 +41,20 @@ CASES = [
         "stream_options",
     ),
     ("/v1/responses", '{"input": [{"type": "message", "content": "hi"}]}', "input[0].role"),
+    # a field named like a type or a class is still named
+    ("/v1/chat/completions", f'{{"messages": [{json.dumps(USER)}], "Temperature": 0.5}}', "Temperature"),
+    ("/v1/chat/completions", f'{{"messages": [{json.dumps(USER)}], "str": 1}}', "str"),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "x", "Name": "y"}]}',
+        "messages[0].Name",
+    ),
+    # a schema of false is no schema: refused in both endpoints
+    (
+        "/v1/responses",
+        '{"input": "hi", "text": {"format": {"type": "json_schema", "name": "a", "schema": false}}}',
+        "text.format.schema",
+    ),
 ]
 
 

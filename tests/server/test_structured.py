@@ -97,7 +97,7 @@ def test_each_mistake_is_a_400_naming_its_field(served, path, body, param):
     assert "[" not in answer["error"]["message"][:2]  # xgrammar's C++ log prefix is not shown
 
 
-def test_rows_with_the_same_tokens_get_the_same_mask_and_a_matcher_each(served):
+def test_rows_with_the_same_tokens_get_the_same_mask_and_the_matchers_stay_bounded(served):
     from hfaccel.server.protocol import ResponseFormat
     from hfaccel.server.structured import GrammarProcessor, compile_format
 
@@ -113,9 +113,40 @@ def test_rows_with_the_same_tokens_get_the_same_mask_and_a_matcher_each(served):
     first = processor(rows[:1], torch.zeros(1, vocab))
     opening = processor(torch.tensor([prompt]), torch.zeros(1, vocab))[0]
     assert torch.isfinite(opening[brace]) and torch.isinf(opening[tokenizer.convert_tokens_to_ids("a")])
-    both = processor(rows, torch.zeros(2, vocab))  # the second row rebuilds its matcher from its tokens
+    both = processor(rows, torch.zeros(2, vocab))  # the second row finds the first one's
     assert torch.equal(both[0], first[0]) and torch.equal(both[1], first[0])
     allowed = torch.isfinite(first[0]).nonzero().flatten().tolist()
     assert tokenizer.convert_tokens_to_ids('"') in allowed and brace not in allowed
-    with pytest.raises(ValueError, match="does not continue"):
-        processor(torch.tensor([prompt + [brace, brace]]), torch.zeros(1, vocab))
+    # Tokens that leave the grammar (a draft speculation verifies): unmasked, for verification to discard.
+    assert torch.isfinite(processor(torch.tensor([prompt + [brace, brace]]), torch.zeros(1, vocab))).all()
+    for step in range(3 * processor.MAX_MATCHERS):  # drafts never extended: the kept matchers stay bounded
+        processor(
+            torch.tensor([prompt + [brace, tokenizer.convert_tokens_to_ids(" ")] * (1 + step % 2)]), first
+        )
+    assert len(processor._matchers) <= processor.MAX_MATCHERS
+
+
+def test_a_schema_is_followed_with_speculative_drafts(served):
+    """Prompt lookup proposes drafts copied from a prompt full of non-JSON text; the drafts that break
+    the grammar are masked out and rejected, never an error."""
+    import hfaccel
+    from hfaccel.server import Limits
+
+    openai = pytest.importorskip("openai")
+    _, model, tokenizer = served
+    limits = Limits(max_tokens=512, max_n=4, max_prompt_tokens=400, max_pending=8)
+    server = hfaccel.serve(
+        model, tokenizer, port=0, model_id=MODEL, limits=limits, kv_cache_memory=8_000_000,
+        speculative="ngram", num_speculative_tokens=4,
+    )  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        text = 'Say {"c": "yes"} or {"c": "no"}. abc abc abc {"c": "yes"} {{{{ ]]]] {"c": "no"}'
+        for temperature in (0, 1.0):
+            answer = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=200,
+                temperature=temperature, seed=1, response_format=FORMAT,
+            ).choices[0]  # fmt: skip
+            assert answer.finish_reason == "stop" and json.loads(answer.message.content)["c"] in ("yes", "no")
+    finally:
+        server.stop()
