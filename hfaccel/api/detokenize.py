@@ -80,9 +80,12 @@ class Detokenizer:
 def decodes_locally(tokenizer: Any) -> bool:
     """Whether this tokenizer's decode of a token list is its pieces' decodes joined, up to the window's
     first-token handling: false where transformers applies `clean_up_tokenization_spaces` (it joins
-    " ." to "." across tokens). Probed once per tokenizer object."""
+    " ." to "." across tokens). Probed once per tokenizer object and value of its flag."""
+    flag = getattr(tokenizer, "clean_up_tokenization_spaces", None)  # a change of it is probed again
     try:
-        return _PROBED[tokenizer]
+        probed_flag, local = _PROBED[tokenizer]
+        if probed_flag == flag:
+            return local
     except (KeyError, TypeError):  # not probed yet, or not weakly referenceable
         pass
     # Probed rather than read off `clean_up_tokenization_spaces`: transformers 5 ignores that flag for
@@ -93,11 +96,11 @@ def decodes_locally(tokenizer: Any) -> bool:
     except Exception:  # noqa: BLE001 - a tokenizer that cannot say keeps the whole-list decode
         local = False
     with contextlib.suppress(TypeError):
-        _PROBED[tokenizer] = local
+        _PROBED[tokenizer] = (flag, local)
     return local
 
 
-_PROBED: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_PROBED: weakref.WeakKeyDictionary[Any, tuple[Any, bool]] = weakref.WeakKeyDictionary()
 
 
 def byte_tokens(tokenizer: Any) -> frozenset[int]:

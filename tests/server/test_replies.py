@@ -245,13 +245,8 @@ def test_a_tokenizer_that_cleans_up_spaces_gets_its_stop_cut_in_its_own_text(
     """transformers cleans up " ." to "." in such a tokenizer's decode, while the engine's stop check reads
     the tokens' own strings (as HF's StopStringCriteria does): the answer is cut at the stop string as
     the text shows it."""
-    import weakref
-
-    import hfaccel.api.detokenize as detokenize
-
     tokenizer = served[2]
-    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
-    monkeypatch.setattr(detokenize, "_PROBED", weakref.WeakKeyDictionary())  # probed again, cleaning
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)  # probed again, cleaning
     scripted(script, eos=False)
     answer = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, stop=stop).choices[0]
     assert (answer.text, answer.finish_reason) == (text, "stop")
