@@ -72,6 +72,18 @@ def adapter_names(model: torch.nn.Module) -> set[str]:
     return names
 
 
+def peft_row_hooks(model: torch.nn.Module) -> bool:
+    """Whether PEFT's per-row adapter hooks are on this model's LoRA layers: a `PeftModel` wrapping the
+    patched base model, called with ``adapter_names``, takes them out of the call and hands each layer
+    the batch's names through a forward pre-hook (``_adapter_names_pre_forward_hook``), which a packed
+    engine step (one row of many requests) cannot satisfy."""
+    for layer in lora_layers(model):
+        for hook in layer._forward_pre_hooks.values():
+            if getattr(getattr(hook, "func", None), "__name__", "") == "_adapter_names_pre_forward_hook":
+                return True
+    return False
+
+
 def check_adapter_names(model: torch.nn.Module, names: Iterable[str | None]) -> None:
     """Raise ValueError for a name no LoRA layer of `model` holds (``"__base__"`` and None always pass),
     with PEFT's message."""

@@ -93,6 +93,25 @@ def quantized_activations_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def weights_and_mode_reason(model: torch.nn.Module) -> str | None:
+    """Why a call on `model` goes to transformers, as the model is now: activations quantized on the fly,
+    or attention dropout in train mode."""
+    return quantized_activations_reason(model) or attention_dropout_reason(model)
+
+
+def attention_dropout_reason(model: torch.nn.Module) -> str | None:
+    """Why a call on `model` goes to transformers now: it is in train mode with attention dropout, which
+    transformers applies to the attention probabilities and the engine's kernels do not (in eval mode
+    transformers passes no dropout). Asked on every call, as `model.train()` may come at any time."""
+    if not model.training:
+        return None
+    rates = {getattr(m, "attention_dropout", 0.0) for m in model.modules() if m.training}
+    rate = max((r for r in rates if isinstance(r, (int, float))), default=0.0)
+    if rate <= 0:
+        return None
+    return f"train mode with attention dropout ({rate}), which the engine's attention does not apply"
+
+
 def max_model_len(model: torch.nn.Module, requested: int | None) -> int:
     """Longest sequence the engine serves for this model: its context (``max_position_embeddings``), or
     `requested` where it fits; up to `COUNTED_TOKENS` (else `RECURRENT_MAX_MODEL_LEN`) for a purely

@@ -77,6 +77,28 @@ class PatchState:
     # decoding with the model as its own assistant, a processor or criterion that generates).
     fallback_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
+    def __deepcopy__(self, memo: dict) -> PatchState:
+        """A copy of the patched model (`copy.deepcopy`; TRL's `create_reference_model`) is patched as
+        this one is, with an engine of its own, built at its first call: the engine, its loop and the
+        locks are not copied. Its generate methods are bound to the copy (deepcopy rebinds them)."""
+        import copy
+
+        return PatchState(
+            config=self.config,
+            original_generate=copy.deepcopy(self.original_generate, memo),
+            instance_generate=copy.deepcopy(self.instance_generate, memo),
+            strict=self.strict,
+            progress=self.progress,
+            warned=set(self.warned),
+            temporary=self.temporary,  # a copy made during a temporary patch ends with its first call
+        )
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a model patched by hfaccel cannot be pickled (its engine runs a thread): call "
+            "hfaccel.unpatch(model) first, or save its state_dict or save_pretrained"
+        )
+
     def get_engine(self, model: torch.nn.Module) -> Engine:
         """The model's engine, (re)built if absent, if the model moved to another device or dtype, or if
         its config changed in place (`config_fingerprint`: the layers' kinds, windows and what else the

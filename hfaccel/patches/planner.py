@@ -35,7 +35,7 @@ from hfaccel.patches.layer_support import (
     has_recurrent_layers,
     narrowest_local_span,
 )
-from hfaccel.patches.models import long_rope_reason, quantized_activations_reason
+from hfaccel.patches.models import long_rope_reason, weights_and_mode_reason
 from hfaccel.patches.params import (
     bind_batch_row,
     bind_prefix_constraint,
@@ -285,9 +285,9 @@ def _cache_gate(call: GenerateCall) -> str | None:
 def _adapters_gate(call: GenerateCall) -> str | None:
     if call.adapters_checked:
         return call.adapter_reason
-    names = call.adapter_names
-    if names is None:
-        return None
+    if (names := call.adapter_names) is None:  # a PeftModel over the patched base may hand its own in
+        hooked = hasattr(call.model, "peft_config") and lora.peft_row_hooks(call.model)
+        return "a PeftModel's adapter_names over the patched base" if hooked else None
     check_adapter_names(call.model, names, call.ids.shape[0])
     return lora.unsupported_reason(call.model, names)
 
@@ -454,7 +454,7 @@ GATES: tuple[tuple[str, Callable[[GenerateCall], str | None]], ...] = (
     ("prompts as embeddings", _embeds_gate),
     ("prompt ids", _ids_gate),
     ("a cache to continue from", _cache_gate),
-    ("activations quantized on the fly", lambda call: quantized_activations_reason(call.model)),
+    ("the model's weights and mode", lambda call: weights_and_mode_reason(call.model)),
     ("adapters", _adapters_gate),
     ("generation mode and options", _mode_gate),
     ("hidden states and attentions", _states_gate),

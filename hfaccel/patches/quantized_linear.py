@@ -60,7 +60,8 @@ class Int4Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(ACTIVATION_DTYPE).contiguous()
+        # In the scales' dtype: `model.float()` / `.half()` cast them, and the kernel takes the two alike.
+        flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scales_and_zeros)
         if self.bias is not None:
             out = out + self.bias

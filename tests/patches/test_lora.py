@@ -297,3 +297,24 @@ def test_beam_search_with_an_adapter_goes_to_peft_with_the_adapter():
     model.set_adapter("math")
     row = expected[0, len(prompt) :].tolist()
     assert row[: len(done[0].token_ids)] == done[0].token_ids and done[0].token_ids
+
+
+def test_a_peft_model_over_the_patched_base_falls_back_for_adapter_names():
+    """TRL's flow with ``peft_config``: the base model patched, then wrapped by PEFT. The PeftModel takes
+    ``adapter_names`` out of the call and hands them to its layers through forward hooks, which a packed
+    engine step cannot satisfy: the call goes to transformers (with the reason), and later calls are
+    served again."""
+    base = hfaccel.patch(tiny_model(), kv_cache_memory=8_000_000)
+    model = peft.get_peft_model(base, lora_config(**ADAPTERS["math"]), adapter_name="math").eval()
+    model.add_adapter("code", lora_config(**ADAPTERS["code"]))
+    reference = peft.get_peft_model(tiny_model(), lora_config(**ADAPTERS["math"]), adapter_name="math").eval()
+    reference.add_adapter("code", lora_config(**ADAPTERS["code"]))
+    reference.load_state_dict(model.state_dict())
+    ids, mask = left_padded(prompts(3))
+    names = ["math", "code", "__base__"]
+    ask = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    with pytest.warns(UserWarning, match="adapter_names over the patched base"):
+        out = model.generate(**ask, adapter_names=names)
+    assert torch.equal(out, reference.generate(**ask, adapter_names=names))
+    assert not any(m._forward_pre_hooks for m in model.modules())  # PEFT removed its hooks
+    assert torch.equal(model.generate(**ask), reference.generate(**ask))

@@ -100,3 +100,27 @@ def test_a_model_with_offloaded_weights_is_refused_naming_one():
         ValueError, match=r"model.embed_tokens.weight is on the meta device \(weights offloaded"
     ):
         hfaccel.patch(model)
+
+
+def test_train_mode_with_attention_dropout_goes_to_transformers():
+    """transformers applies attention dropout in train mode; the engine's kernels do not: such a call
+    falls back (in eval mode, or without dropout, it is served)."""
+    model = tiny_model("qwen2")
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    hfaccel.patch(model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    try:
+        model.train()
+        torch.manual_seed(0)
+        with pytest.warns(UserWarning, match=r"attention dropout \(0.5\)"):
+            out = model.generate(ids, max_new_tokens=6, do_sample=False)
+        torch.manual_seed(0)
+        assert torch.equal(out, type(model).generate(model, ids, max_new_tokens=6, do_sample=False))
+        model.eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model.generate(ids, max_new_tokens=6, do_sample=False)
+    finally:
+        hfaccel.unpatch(model)

@@ -179,3 +179,19 @@ def test_asking_for_the_same_quantization_again_changes_nothing():
         assert model.model.layers[0].mlp.up_proj is layer
     finally:
         hfaccel.unpatch(model)
+
+
+@pytest.mark.parametrize("cast", ["float", "half"])
+def test_quantized_layers_follow_the_model_cast_to_another_dtype(cast):
+    """`model.float()` / `.half()` cast the layers' scales; both kinds then compute in that dtype (the int4
+    one took bfloat16 activations whatever its scales were, and failed)."""
+    for weights in ("int8", "int4"):
+        model = hfaccel.patch(tiny_model(), weights=weights)
+        try:
+            getattr(model, cast)()
+            prompt = varied_prompts(1, seed=2)[0]
+            expected = hf_greedy(model, prompt, 4)  # transformers' generate on the same layers
+            tokens = hfaccel.generate(model, [prompt], max_new_tokens=4, progress=False)[0].token_ids
+        finally:
+            hfaccel.unpatch(model)
+        assert_same_or_near_tie(model, prompt, tokens, expected, eps=0.0625)
