@@ -245,7 +245,7 @@ def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
                 error.status, f"prompt {longest}: {error.message}", f"prompt[{longest}]"
             ) from error
         raise
-    processors = [penalties_processor(body, prompts), grammar_processor(served, body, prompts)]
+    processors = [penalties_processor(body, prompts), grammar_processor(served, body, prompts, kwargs)]
     if any(processors):
         kwargs["logits_processor"] = [p for p in processors if p is not None]
     call = CompletionCall(flavour, body, prompts, kwargs, flavour.logprobs(body), stop_strings(body))

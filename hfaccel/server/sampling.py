@@ -101,10 +101,13 @@ def penalties_processor(request: SamplingFields, prompts: list[list[int]]) -> Ou
     return OutputTokenPenalties(prompts, presence, frequency)
 
 
-def grammar_processor(served: Any, request: Any, prompts: list[list[int]]) -> GrammarProcessor | None:
+def grammar_processor(
+    served: Any, request: Any, prompts: list[list[int]], kwargs: dict[str, Any]
+) -> GrammarProcessor | None:
     """The processor of a chat request's ``response_format`` (None for text), each mistake a 400 naming
     the field: a schema xgrammar refuses, xgrammar missing, or EOS held off (``min_tokens``,
-    ``ignore_eos``), which a completed answer needs."""
+    ``ignore_eos``), which a completed answer needs. `kwargs` (the call's `generate` arguments) get the
+    tokenizer's EOS when the model's generation config has none."""
     response_format = getattr(request, "response_format", None)
     if response_format is None or response_format.type == "text":
         return None
@@ -118,8 +121,17 @@ def grammar_processor(served: Any, request: Any, prompts: list[list[int]]) -> Gr
         )
     model, tokenizer = served.model, served.tokenizer
     eos = getattr(model.generation_config, "eos_token_id", None)
-    eos = tokenizer.eos_token_id if eos is None else eos
+    if eos is None and tokenizer.eos_token_id is not None:
+        # A model that declares no EOS would decode past the grammar's end: the answer ends at the
+        # tokenizer's EOS, the one token the completed grammar leaves open.
+        eos = kwargs["eos_token_id"] = tokenizer.eos_token_id
     stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not stop_ids:
+        raise APIError(
+            400,
+            "response_format needs an EOS token to end the answer; this model has none",
+            "response_format",
+        )
     vocab = model.get_output_embeddings().weight.shape[0]
     try:
         grammar = compile_format(response_format, tokenizer, vocab, stop_ids)

@@ -131,10 +131,13 @@ def run_forever(
     try:
         model._hfaccel.get_loop(model).step_here(until=lambda: not thread.is_alive())
     finally:
+        asked = server.should_exit  # a signal, not a failure, ended it
         server.should_exit = True
         thread.join(GRACEFUL_SHUTDOWN_S + 5)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if not server.started and not asked:  # uvicorn's sys.exit(1) on a bind failure ends only its thread
+        raise OSError(f"the server could not start on {host}:{port} (is the port in use?)")
 
 
 def served_model(

@@ -94,3 +94,28 @@ def test_an_unexpected_failure_is_a_json_500_and_the_connection_keeps_serving(se
     again = connection.getresponse()
     assert again.status == 200 and json.loads(again.read())["choices"]
     connection.close()
+
+
+def test_serving_on_a_busy_port_raises_instead_of_returning():
+    """uvicorn's bind failure ends only its own thread (its sys.exit); `python -m hfaccel serve` then
+    returned as if it had served (exit status 0). It raises, which the command turns into status 2."""
+    import socket
+
+    import hfaccel
+    from hfaccel.server import Limits
+    from hfaccel.server.server import run_forever
+    from tests.helpers import tiny_model, tiny_tokenizer
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    model = tiny_model()
+    try:
+        with pytest.raises(OSError, match="could not start on 127.0.0.1"):
+            run_forever(
+                model, tiny_tokenizer(), host="127.0.0.1", port=busy.getsockname()[1], api_key=None,
+                model_id="m", limits=Limits(), log_level="critical", kv_cache_memory=8_000_000,
+            )  # fmt: skip
+    finally:
+        busy.close()
+        hfaccel.unpatch(model)

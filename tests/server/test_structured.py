@@ -150,3 +150,15 @@ def test_a_schema_is_followed_with_speculative_drafts(served):
             assert answer.finish_reason == "stop" and json.loads(answer.message.content)["c"] in ("yes", "no")
     finally:
         server.stop()
+
+
+def test_a_model_without_eos_in_its_config_ends_a_structured_answer_at_the_tokenizers(
+    client, served, monkeypatch
+):
+    """The completed grammar leaves only EOS open; a model whose generation config declares none would
+    decode past it (xgrammar raised on the terminated matcher: a 500)."""
+    monkeypatch.setattr(served[1].generation_config, "eos_token_id", None)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=200, temperature=0, response_format=FORMAT
+    ).choices[0]
+    assert answer.finish_reason == "stop" and json.loads(answer.message.content)["c"] in ("yes", "no")
