@@ -177,6 +177,7 @@ def cut_at_stop(text: str, stops: list[str], cleaned: list[str] | tuple[str, ...
 def cleaned_stops(tokenizer: Any, stops: list[str]) -> list[str] | None:
     """The stop strings as `tokenizer`'s decode shows them after its clean-up of spaces, or None when it
     does not clean up (its text is its tokens' strings, which the engine's stop check reads)."""
-    if not stops or decodes_locally(tokenizer):
+    clean = getattr(tokenizer, "clean_up_tokenization", None)
+    if not stops or clean is None or decodes_locally(tokenizer):
         return None
-    return [c for s in stops if (c := tokenizer.clean_up_tokenization(s)) != s and c]
+    return [c for s in stops if (c := clean(s)) != s and c]
