@@ -364,10 +364,11 @@ async def stream_pieces(
     # A reply read by its template is streamed with its special tokens, which the reader needs; each
     # token's raw and plain texts are kept to cut the raw text where a stop string begins in the plain.
     # A reply read by its template is streamed with its special tokens, which the reader needs; a plain
-    # one keeps them beside its text only to cut a stop string where the engine found it (`cut_plain`).
+    # one keeps them beside its text only to cut a stop string where the engine found it (`cut_plain`);
+    # a tokenizer that cleans up spaces is cut on its own text, so it needs no second decode per token.
     raw = (
         [Detokenizer(tokenizer, skip_special_tokens=False) for _ in range(call.count)]
-        if call.reading or call.stops
+        if call.reading or (call.stops and call.cleaned is None)
         else None
     )
     pairs: list[list[tuple[str, str]]] = [[] for _ in range(call.count)]
