@@ -28,6 +28,7 @@ from hfaccel.server.completions import (
     ChatFlavour,
     CompletionCall,
     TextFlavour,
+    compile_grammar,
     prepare_call,
     run_call,
     stream_call,
@@ -269,6 +270,7 @@ def make_app(served: ServedModel) -> FastAPI:
         check_model(body.model)
         check_text(body)
         call = prepare_call(served, body, flavour)
+        await compile_grammar(call)
         return await complete(
             request, body, call, lambda: stream_call(served, call, metrics, request.is_disconnected)
         )
@@ -285,7 +287,7 @@ def make_app(served: ServedModel) -> FastAPI:
     async def responses(request: Request, body: ResponsesRequest) -> Response:
         check_model(body.model)
         check_text(body)
-        call = prepare_response(served, body)
+        call = await prepare_response(served, body)
         return await complete(
             request,
             body,

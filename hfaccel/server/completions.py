@@ -35,7 +35,7 @@ from hfaccel.server.sampling import (
     cleaned_stops,
     cut_at_stop,
     generate_kwargs,
-    grammar_processor,
+    grammar_job,
     penalties_processor,
     stop_strings,
 )
@@ -162,6 +162,7 @@ class CompletionCall:
     stops: list[str]
     reading: ReplyReading | None = None  # chat: its reply read into content, reasoning and tool calls
     cleaned: list[str] | None = None  # the stops as a tokenizer's clean-up shows them (`cleaned_stops`)
+    grammar: Callable[[], Any] | None = None  # makes the response_format's processor (`compile_grammar`)
     replies: list[Any] = field(default_factory=list)  # each choice's reply read whole (`run_call`)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     generated: int = 0  # tokens streamed so far
@@ -245,10 +246,11 @@ def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
                 error.status, f"prompt {longest}: {error.message}", f"prompt[{longest}]"
             ) from error
         raise
-    processors = [penalties_processor(body, prompts), grammar_processor(served, body, prompts, kwargs)]
-    if any(processors):
-        kwargs["logits_processor"] = [p for p in processors if p is not None]
+    penalties = penalties_processor(body, prompts)
+    if penalties is not None:
+        kwargs["logits_processor"] = [penalties]
     call = CompletionCall(flavour, body, prompts, kwargs, flavour.logprobs(body), stop_strings(body))
+    call.grammar = grammar_job(served, body, prompts, kwargs)
     call.cleaned = cleaned_stops(served.tokenizer, call.stops)
     if call.count > served.limits.max_pending:  # it could never be admitted: not a 429 to retry
         raise APIError(
@@ -265,6 +267,17 @@ def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
         one_call = body.parallel_tool_calls is False
         call.reading = ReplyReading.check(served.tokenizer, template, prompt, offered, one_call)
     return call
+
+
+async def compile_grammar(call: CompletionCall) -> None:
+    """Compile the call's ``response_format`` in a worker thread and add its processor to the call. On the
+    event loop it would stall every stream: a tokenizer's first schema takes about 0.5 s (xgrammar reads
+    the vocabulary), a large schema tens of ms."""
+    if call.grammar is None:
+        return
+    processor = await asyncio.to_thread(call.grammar)
+    call.grammar = None
+    call.kwargs.setdefault("logits_processor", []).append(processor)
 
 
 async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str, Any]:

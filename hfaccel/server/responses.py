@@ -20,7 +20,13 @@ from fastapi.sse import format_sse_event
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hfaccel.server.chat_prompt import parse_arguments
-from hfaccel.server.completions import ChatFlavour, CompletionCall, prepare_call, stream_pieces
+from hfaccel.server.completions import (
+    ChatFlavour,
+    CompletionCall,
+    compile_grammar,
+    prepare_call,
+    stream_pieces,
+)
 from hfaccel.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -224,8 +230,9 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     return converted
 
 
-def prepare_response(served: Any, body: ResponsesRequest) -> CompletionCall:
-    """The chat call a Responses request is: its errors name this endpoint's fields."""
+async def prepare_response(served: Any, body: ResponsesRequest) -> CompletionCall:
+    """The chat call a Responses request is, its ``text.format`` compiled: its errors name this
+    endpoint's fields."""
     chat = ChatCompletionRequest(
         model=body.model,
         messages=_messages(body),
@@ -239,6 +246,7 @@ def prepare_response(served: Any, body: ResponsesRequest) -> CompletionCall:
     )
     try:
         call = prepare_call(served, chat, ResponsesFlavour)
+        await compile_grammar(call)
     except APIError as error:
         name = _FIELDS.get(error.param or "", error.param)
         if name is not None:  # Responses' tools are flat: chat's tools[i].function.name is its tools[i].name

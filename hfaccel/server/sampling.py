@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,12 +102,13 @@ def penalties_processor(request: SamplingFields, prompts: list[list[int]]) -> Ou
     return OutputTokenPenalties(prompts, presence, frequency)
 
 
-def grammar_processor(
+def grammar_job(
     served: Any, request: Any, prompts: list[list[int]], kwargs: dict[str, Any]
-) -> GrammarProcessor | None:
-    """The processor of a chat request's ``response_format`` (None for text), each mistake a 400 naming
-    the field: a schema xgrammar refuses, xgrammar missing, or EOS held off (``min_tokens``,
-    ``ignore_eos``), which a completed answer needs. `kwargs` (the call's `generate` arguments) get the
+) -> Callable[[], GrammarProcessor] | None:
+    """What makes the processor of a chat request's ``response_format`` (None for text): a function to
+    run off the event loop (xgrammar's compile), each mistake a 400 naming the field: xgrammar missing,
+    EOS held off (``min_tokens``, ``ignore_eos``), which a completed answer needs, here; a schema
+    xgrammar refuses, when the function runs. `kwargs` (the call's `generate` arguments) get the
     tokenizer's EOS when the model's generation config has none."""
     response_format = getattr(request, "response_format", None)
     if response_format is None or response_format.type == "text":
@@ -133,11 +135,15 @@ def grammar_processor(
             "response_format",
         )
     vocab = model.get_output_embeddings().weight.shape[0]
-    try:
-        grammar = compile_format(response_format, tokenizer, vocab, stop_ids)
-    except ValueError as error:
-        raise APIError(400, str(error), "response_format.json_schema.schema") from error
-    return GrammarProcessor(grammar, prompts)
+
+    def compiled() -> GrammarProcessor:
+        try:
+            grammar = compile_format(response_format, tokenizer, vocab, stop_ids)
+        except ValueError as error:
+            raise APIError(400, str(error), "response_format.json_schema.schema") from error
+        return GrammarProcessor(grammar, prompts)
+
+    return compiled
 
 
 def _sequence_bias(logit_bias: dict[str, float], vocab_size: int) -> dict[tuple[int, ...], float]:

@@ -162,3 +162,41 @@ def test_a_model_without_eos_in_its_config_ends_a_structured_answer_at_the_token
         model=MODEL, messages=CHAT, max_tokens=200, temperature=0, response_format=FORMAT
     ).choices[0]
     assert answer.finish_reason == "stop" and json.loads(answer.message.content)["c"] in ("yes", "no")
+
+
+def test_a_slow_schema_compile_does_not_stall_the_other_requests(served, monkeypatch):
+    """xgrammar's compile runs in a worker thread: while one request's schema compiles, the server
+    answers another; the compiled request is then answered in its schema."""
+    import threading
+
+    from hfaccel.server import structured
+
+    compiling, release, threads = threading.Event(), threading.Event(), []
+    real = structured.compile_format
+
+    def slow(*args, **kwargs):
+        threads.append(threading.current_thread())
+        compiling.set()
+        assert release.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(structured, "compile_format", slow)
+    monkeypatch.setattr("hfaccel.server.sampling.compile_format", slow)
+    ask = {"model": MODEL, "messages": CHAT, "max_tokens": 200, "temperature": 0}
+    answers = {}
+    first = threading.Thread(
+        target=lambda: answers.update(
+            slow=post(served[0], "/v1/chat/completions", {**ask, "response_format": FORMAT})
+        )
+    )
+    first.start()
+    try:
+        assert compiling.wait(30)
+        status, _, other = post(served[0], "/v1/chat/completions", {**ask, "max_tokens": 4})
+        assert status == 200 and other["choices"][0]["finish_reason"] == "length"
+    finally:
+        release.set()
+        first.join(60)
+    status, _, answer = answers["slow"]
+    assert status == 200 and json.loads(answer["choices"][0]["message"]["content"])["c"] in ("yes", "no")
+    assert threads and threads[0] is not threading.main_thread() and threads[0].name.startswith("asyncio")
