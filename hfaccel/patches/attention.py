@@ -58,6 +58,11 @@ def paged_attention_forward(
             "the 'hfaccel' attention implementation only runs inside the hfaccel engine; "
             "call model.generate(...) or hfaccel.generate(...) instead of forward()"
         )
+    if dropout:  # train mode: a call on such a model goes to transformers (`attention_dropout_reason`)
+        raise RuntimeError(
+            f"{type(module).__name__} passes attention dropout ({dropout}), which the engine's attention "
+            "does not apply: call model.eval() before generating, or set its dropout to 0"
+        )
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)

@@ -99,17 +99,48 @@ def weights_and_mode_reason(model: torch.nn.Module) -> str | None:
     return quantized_activations_reason(model) or attention_dropout_reason(model)
 
 
+# Where transformers' attention modules keep the dropout they pass to the attention function in train
+# mode: a rate, or an ``nn.Dropout`` whose ``p`` they pass (Llama's ``attention_dropout``, GPT-2's
+# ``attn_dropout``, OPT's ``dropout``, Falcon's ``nn.Dropout`` as ``attention_dropout``, MPT's ``attn_dropout_p``).
+_DROPOUT_NAMES = (
+    "attention_dropout",
+    "attn_dropout",
+    "attn_drop",
+    "attn_pdrop",
+    "attn_dropout_p",
+    "dropout",
+    "dropout_p",
+    "dropout_prob",
+)
+
+
 def attention_dropout_reason(model: torch.nn.Module) -> str | None:
     """Why a call on `model` goes to transformers now: it is in train mode with attention dropout, which
     transformers applies to the attention probabilities and the engine's kernels do not (in eval mode
-    transformers passes no dropout). Asked on every call, as `model.train()` may come at any time."""
+    transformers passes no dropout). Asked on every call, as `model.train()` may come at any time; an
+    attention module keeping its rate under another name is caught by the attention function itself,
+    which refuses a dropout it is handed."""
     if not model.training:
         return None
-    rates = {getattr(m, "attention_dropout", 0.0) for m in model.modules() if m.training}
-    rate = max((r for r in rates if isinstance(r, (int, float))), default=0.0)
+    rate = max(
+        (_dropout_rate(m) for m in model.modules() if m.training and "Attention" in type(m).__name__),
+        default=0.0,
+    )
     if rate <= 0:
         return None
     return f"train mode with attention dropout ({rate}), which the engine's attention does not apply"
+
+
+def _dropout_rate(module: torch.nn.Module) -> float:
+    """The largest attention-dropout rate `module` keeps under one of `_DROPOUT_NAMES` (0: none)."""
+    rates = [0.0]
+    for name in _DROPOUT_NAMES:
+        value = getattr(module, name, None)
+        if isinstance(value, torch.nn.Dropout):
+            value = value.p
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            rates.append(float(value))
+    return max(rates)
 
 
 def max_model_len(model: torch.nn.Module, requested: int | None) -> int:

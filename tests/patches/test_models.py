@@ -124,3 +124,74 @@ def test_train_mode_with_attention_dropout_goes_to_transformers():
             model.generate(ids, max_new_tokens=6, do_sample=False)
     finally:
         hfaccel.unpatch(model)
+
+
+def _dropout_model(family: str) -> torch.nn.Module:
+    """A tiny model whose attention keeps its dropout, 0.5, under the family's own name; nothing else drops."""
+    import transformers
+
+    configs = {
+        "gpt2": (
+            "GPT2Config",
+            "GPT2LMHeadModel",
+            {"n_embd": 32, "n_layer": 2, "attn_pdrop": 0.5, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+        ),
+        "opt": (
+            "OPTConfig",
+            "OPTForCausalLM",
+            {
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "ffn_dim": 64,
+                "word_embed_proj_dim": 32,
+                "attention_dropout": 0.5,
+                "dropout": 0.0,
+            },
+        ),  # fmt: skip
+        "gpt_bigcode": (
+            "GPTBigCodeConfig",
+            "GPTBigCodeForCausalLM",
+            {"n_embd": 32, "n_layer": 2, "attn_pdrop": 0.5, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+        ),
+    }
+    config_name, model_name, extra = configs[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(vocab_size=64, num_attention_heads=4, **extra)
+    return getattr(transformers, model_name)(config).eval()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "gpt_bigcode"])
+def test_attention_dropout_under_each_familys_name_goes_to_transformers(family):
+    """GPT-2 keeps it as an ``nn.Dropout`` named ``attn_dropout``, OPT as a rate named ``dropout``, GPTBigCode
+    as a rate named ``attn_dropout``: each is found, and the call is transformers' own."""
+    model = hfaccel.patch(_dropout_model(family))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    try:
+        model.train()
+        torch.manual_seed(0)
+        with pytest.warns(UserWarning, match=r"attention dropout \(0.5\)"):
+            out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        torch.manual_seed(0)
+        hf = type(model).generate(model, ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(out, hf)
+    finally:
+        hfaccel.unpatch(model)
+
+
+def test_a_dropout_the_check_misses_is_refused_by_the_attention_not_skipped(monkeypatch):
+    """An attention module whose rate hides under a name the check does not know still hands the rate to
+    the attention function, which refuses it: an error, never tokens without the dropout."""
+    monkeypatch.setattr("hfaccel.patches.models._DROPOUT_NAMES", ())
+    model = tiny_model("qwen2")
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    hfaccel.patch(model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    try:
+        model.train()
+        with pytest.raises(RuntimeError, match=r"Qwen2Attention passes attention dropout \(0.5\)"):
+            model.generate(ids, max_new_tokens=3, do_sample=False)
+        model.eval()  # the engine stays usable
+        assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 7)
+    finally:
+        hfaccel.unpatch(model)
