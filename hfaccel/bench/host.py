@@ -7,7 +7,10 @@ For each batch size B and context length C, side by side in one run:
 - **Engine.step**: one engine step while B sequences of C tokens decode, called directly;
 - **model.generate**: the patched model's `generate` on B prompts of C tokens; a step is the wall time
   between the first and the last all-decode step over their count, so the loop's hand-offs between
-  steps count too.
+  steps count too;
+- **HF generate**: a step of unpatched HF `generate` on the same prompts, its whole loop (forward,
+  logits processors, stopping criteria, cache and mask updates): what a user of HF's `generate` pays a
+  step. The issue's target is against HF's bare step above, which leaves that loop out.
 
 Each figure is the median of `steps` steps; the ratios are to HF's step. HF's step and `Engine.step`
 run interleaved, a round of each at a time, so a machine whose load changes slows both alike.
@@ -20,6 +23,7 @@ compiled and replayed as CUDA graphs, one bucket: the batch size), HF eager with
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -97,6 +101,37 @@ def generate_step_ms(model: Any, batch_size: int, context: int, steps: int) -> f
     return span / len(stats) * 1e3
 
 
+def hf_generate_step_ms(model: Any, batch_size: int, context: int, steps: int) -> float:
+    """The wall time of one decode step of unpatched HF `generate` (its whole loop: forward, logits
+    processors, stopping criteria, the cache and mask updates) on `batch_size` prompts of `context`
+    tokens, in ms: the mean gap between its logits processor's calls after the first (the prefill's)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Stamps(LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+            self.times.append(time.perf_counter())
+            return scores
+
+    g = torch.Generator().manual_seed(1)
+    device = next(model.parameters()).device
+    ids = torch.randint(3, 256, (batch_size, context), generator=g).to(device)
+    stamps = Stamps()
+    kwargs = {
+        "attention_mask": torch.ones_like(ids),
+        "do_sample": False,
+        "logits_processor": LogitsProcessorList([stamps]),
+    }
+    with _hf_sdpa(device.type):
+        model.generate(ids, max_new_tokens=3, min_new_tokens=3, **kwargs)  # warm-up
+        stamps.times.clear()
+        model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, **kwargs)
+    times = stamps.times[1:]
+    return (times[-1] - times[0]) / (len(times) - 1) * 1e3
+
+
 def run_host_benchmark(
     batch_sizes: tuple[int, ...] = (1, 8, 32, 128),
     contexts: tuple[int, ...] | None = None,
@@ -118,7 +153,8 @@ def run_host_benchmark(
         f"engine {engine_mode}; {cpu_description()}"
     )
     print(
-        f"{'batch':>6} {'context':>8} {'HF step':>9} {'Engine.step':>12} {'generate':>9} {'gen/HF':>7} {'step/HF':>8}"
+        f"{'batch':>6} {'context':>8} {'HF step':>9} {'Engine.step':>12} {'generate':>9} {'gen/HF':>7} "
+        f"{'step/HF':>8} {'HF generate':>12} {'gen/HF gen':>11}"
     )
     rows = []
     for context in contexts:
@@ -143,17 +179,19 @@ def run_host_benchmark(
             times = interleave({"hf": hf_call, "step": direct_step}, steps)
             hf, direct = (statistics.median(times[n]) * 1e3 for n in ("hf", "step"))
             through = generate_step_ms(model, batch_size, context, steps)
+            hf_generate = hf_generate_step_ms(model, batch_size, context, steps)
             row = {
                 "batch": batch_size,
                 "context": context,
                 "hf_ms": hf,
                 "step_ms": direct,
                 "generate_ms": through,
+                "hf_generate_ms": hf_generate,
             }
             rows.append(row)
             print(
                 f"{batch_size:>6} {context:>8} {hf:>8.2f}ms {direct:>10.2f}ms {through:>7.2f}ms "
-                f"{through / hf:>6.2f}x {direct / hf:>7.2f}x",
+                f"{through / hf:>6.2f}x {direct / hf:>7.2f}x {hf_generate:>10.2f}ms {through / hf_generate:>10.2f}x",
                 flush=True,
             )
     return rows
