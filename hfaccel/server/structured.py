@@ -108,20 +108,24 @@ class GrammarProcessor(LogitsProcessor):
         # Keyed by the tokens' int32 bytes (4 a token); None: tokens that left the grammar.
         self._matchers: OrderedDict[bytes, Any] = OrderedDict()
         self._lock = threading.Lock()  # one call's rows may be processed from more than one thread
-        self._mask: torch.Tensor | None = None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """`scores` with each row's tokens outside its grammar at -inf. The bitmask (a bit a token) is
+        filled on the host and applied where the scores are: on a GPU only it crosses the bus, not the
+        scores (600 KB a row for a vocabulary of 150k)."""
         xgrammar = self._xgrammar
         with self._lock:
-            if self._mask is None:
-                self._mask = xgrammar.allocate_token_bitmask(1, scores.shape[-1])
-            out = scores.to(device="cpu", dtype=torch.float32, copy=True)
+            mask = xgrammar.allocate_token_bitmask(input_ids.shape[0], scores.shape[-1])
+            masked = []
             for i, row in enumerate(input_ids):
                 matcher = self._matcher(self.rows.generated(row))
                 if matcher is not None:
-                    matcher.fill_next_token_bitmask(self._mask, 0)
-                    xgrammar.apply_token_bitmask_inplace(out[i : i + 1], self._mask)
-        return out.to(device=scores.device, dtype=scores.dtype)
+                    matcher.fill_next_token_bitmask(mask, i)
+                    masked.append(i)
+        out = scores.to(dtype=torch.float32, copy=True)
+        if masked:
+            xgrammar.apply_token_bitmask_inplace(out, mask.to(out.device), indices=masked)
+        return out.to(scores.dtype)
 
     def _matcher(self, generated: torch.Tensor) -> Any:
         """The matcher of a row that generated `generated` (None: they leave the grammar): kept, its

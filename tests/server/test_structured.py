@@ -119,6 +119,14 @@ def test_rows_with_the_same_tokens_get_the_same_mask_and_the_matchers_stay_bound
     assert tokenizer.convert_tokens_to_ids('"') in allowed and brace not in allowed
     # Tokens that leave the grammar (a draft speculation verifies): unmasked, for verification to discard.
     assert torch.isfinite(processor(torch.tensor([prompt + [brace, brace]]), torch.zeros(1, vocab))).all()
+    # Both in one call, in the scores' own dtype; the scores given are left as they were.
+    quote = tokenizer.convert_tokens_to_ids('"')
+    alone = processor(torch.tensor([prompt + [brace, quote]]), torch.zeros(1, vocab))[0]
+    scores = torch.zeros(2, vocab, dtype=torch.bfloat16)
+    mixed = processor(torch.tensor([prompt + [brace, quote], prompt + [brace, brace]]), scores)
+    assert mixed.dtype == torch.bfloat16 and torch.equal(torch.isfinite(mixed[0]), torch.isfinite(alone))
+    assert not torch.isfinite(alone).all()
+    assert torch.isfinite(mixed[1]).all() and not scores.any()
     for step in range(3 * processor.MAX_MATCHERS):  # drafts never extended: the kept matchers stay bounded
         processor(
             torch.tensor([prompt + [brace, tokenizer.convert_tokens_to_ids(" ")] * (1 + step % 2)]), first
