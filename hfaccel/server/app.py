@@ -228,9 +228,12 @@ def make_app(served: ServedModel) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if body.messages is not None:
-            tokens = ChatFlavour.prompt_ids(served.tokenizer, body.messages, None)
+            tokens = await asyncio.to_thread(ChatFlavour.prompt_ids, served.tokenizer, body.messages, None)
         else:
-            tokens = served.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+            encoded = await asyncio.to_thread(
+                served.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens
+            )
+            tokens = encoded["input_ids"]
         return {"tokens": tokens, "count": len(tokens), "max_model_len": served.max_model_len()}
 
     @app.post("/detokenize", dependencies=[Depends(authorized)])
@@ -269,7 +272,9 @@ def make_app(served: ServedModel) -> FastAPI:
     async def completion(request: Request, body: Any, flavour: Any) -> Response:
         check_model(body.model)
         check_text(body)
-        call = prepare_call(served, body, flavour)
+        # Off the event loop, as every step that grows with the body: tokenizing (a 4 MB prompt takes 2 s;
+        # the tokenizer lets go of the GIL) and the schema's compile.
+        call = await asyncio.to_thread(prepare_call, served, body, flavour)
         await compile_grammar(call)
         return await complete(
             request, body, call, lambda: stream_call(served, call, metrics, request.is_disconnected)

@@ -11,6 +11,7 @@ stored (``store`` is accepted, and every response says ``"store": false``), so
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -245,7 +246,7 @@ async def prepare_response(served: Any, body: ResponsesRequest) -> CompletionCal
         response_format=None if body.text is None or body.text.format is None else body.text.format.as_chat(),
     )
     try:
-        call = prepare_call(served, chat, ResponsesFlavour)
+        call = await asyncio.to_thread(prepare_call, served, chat, ResponsesFlavour)
         await compile_grammar(call)
     except APIError as error:
         name = _FIELDS.get(error.param or "", error.param)

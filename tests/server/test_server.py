@@ -483,3 +483,49 @@ def test_logit_bias_is_added_to_the_tokens_logits(served, client):
     first = tokenizer.convert_tokens_to_ids(plain.logprobs.tokens[0])
     other = client.completions.create(**ask, logit_bias={str(first): -100}).choices[0].text
     assert other[:1] != plain.text[:1]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize"])
+def test_a_slow_prompt_to_tokenize_does_not_stall_the_other_requests(served, monkeypatch, path):
+    """Tokenizing runs in a worker thread (a 4 MB prompt takes seconds): while one request's prompt is
+    tokenized, the server answers another."""
+    import threading
+
+    tokenizer = served[2]
+    tokenizing, release = threading.Event(), threading.Event()
+    encode, template = type(tokenizer).__call__, type(tokenizer).apply_chat_template
+
+    def held(real):
+        def call(self, text, *args, **kwargs):
+            if "SLOW" in str(text):
+                tokenizing.set()
+                assert release.wait(30)
+            return real(self, text, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(type(tokenizer), "__call__", held(encode))
+    monkeypatch.setattr(type(tokenizer), "apply_chat_template", held(template))
+    bodies = {
+        "/v1/completions": lambda text: {"model": MODEL, "prompt": text, "max_tokens": 2},
+        "/v1/chat/completions": lambda text: {
+            "model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2
+        },
+        "/v1/responses": lambda text: {"model": MODEL, "input": text, "max_output_tokens": 2},
+        "/tokenize": lambda text: {"model": MODEL, "prompt": text},
+    }  # fmt: skip
+    answers = {}
+    slow = threading.Thread(
+        target=lambda: answers.update(slow=post(served[0], path, bodies[path]("SLOW one")))
+    )
+    slow.start()
+    try:
+        assert tokenizing.wait(30)
+        status, _, _ = post(
+            served[0], "/v1/completions", {"model": MODEL, "prompt": "quick", "max_tokens": 2}
+        )
+        assert status == 200
+    finally:
+        release.set()
+        slow.join(60)
+    assert answers["slow"][0] == 200, answers["slow"]
