@@ -51,9 +51,16 @@ async def echoed_prompt_items(served: Any, call: Any) -> list[list[dict[str, Any
     return items
 
 
+# The logprob written for a token its sampling ruled out (-inf after top_k, top_p, min_p or a grammar's
+# mask): JSON has no infinity, and vLLM writes this.
+LOWEST_LOGPROB = -9999.0
+
+
 def token_item(tokenizer: Any, token: int, logprob: float | None) -> dict[str, Any]:
     """One logprob entry: the token's text alone (U+FFFD for part of a character) and its own bytes, which
     joined with the other tokens' make the text's UTF-8 (OpenAI's ``bytes``)."""
+    if logprob is not None and not logprob >= LOWEST_LOGPROB:  # -inf (or NaN)
+        logprob = LOWEST_LOGPROB
     return {
         "token": tokenizer.decode([token]),
         "logprob": logprob,

@@ -12,18 +12,31 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class Body(BaseModel):
+    """A request body or a part of one: strict types (``"max_tokens": "5"`` is refused, not read as 5),
+    finite numbers, unknown fields refused; a field sent as null is not set (OpenAI's fields are nullable,
+    and clients that write every field send null for those they leave unset). A required field stays
+    required."""
 
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(value is None for value in data.values()):
+            required = {name for name, info in cls.model_fields.items() if info.is_required()}
+            return {key: value for key, value in data.items() if value is not None or key in required}
+        return data
+
+
+class StreamOptions(Body):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Body):
     """What chat and text completions share: OpenAI's sampling fields and vLLM's extras. Types are strict,
     as OpenAI's are: ``"max_tokens": "5"`` or ``true`` is refused, not read as 5 or 1."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -38,7 +51,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None  # token id (as text) -> bias in [-100, 100]
     # vLLM's extras
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=-1)  # -1 or 0: none, as vLLM reads them
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     min_tokens: int | None = Field(default=None, ge=0)
@@ -57,9 +70,7 @@ class SamplingFields(BaseModel):
         return value
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -75,10 +86,10 @@ class ChatMessage(BaseModel):
     parsed: None = None
 
 
-class JSONSchemaFormat(BaseModel):
+class JSONSchemaFormat(Body):
     """OpenAI's ``response_format.json_schema``: the schema the answer must follow."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
@@ -86,10 +97,8 @@ class JSONSchemaFormat(BaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Body):
     """OpenAI's ``response_format``: plain text, any JSON object, or JSON following a schema."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
@@ -121,18 +130,14 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[int]
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 from fastapi.sse import format_sse_event
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError
 
 from hfaccel.server.chat_prompt import parse_arguments
 from hfaccel.server.completions import (
@@ -30,6 +30,7 @@ from hfaccel.server.completions import (
 )
 from hfaccel.server.protocol import (
     APIError,
+    Body,
     ChatCompletionRequest,
     ChatMessage,
     JSONSchemaFormat,
@@ -47,10 +48,10 @@ _FIELDS = {
 }
 
 
-class TextFormat(BaseModel):
+class TextFormat(Body):
     """The Responses API's ``text.format``: chat's ``response_format`` with the schema's fields flat."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
@@ -82,16 +83,12 @@ class TextFormat(BaseModel):
         return ResponseFormat(type="json_schema", json_schema=spec)
 
 
-class TextOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class TextOptions(Body):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(Body):
     """The Responses API fields the server serves; any other is refused (400, naming it)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     input: str | list[dict[str, Any]] = Field(min_length=1)

@@ -25,6 +25,11 @@ class Limits:
     max_pending: int = 256  # requests admitted and not yet finished; beyond: 429
 
 
+# Temperatures below this are greedy, as in vLLM: the scores divided by 1e-45 overflow float32, and the
+# draw would read infinities and NaNs.
+GREEDY_BELOW = 1e-5
+
+
 def generate_kwargs(
     request: SamplingFields,
     max_tokens: int | None,
@@ -35,7 +40,7 @@ def generate_kwargs(
 ) -> dict[str, Any]:
     """The `generate` arguments of a request whose prompt has `prompt_tokens` tokens (`vocab_size`: the
     tokenizer's, for `logit_bias`). Omitted fields keep the model's generation config, as transformers'
-    `generate` does; ``temperature=0`` is greedy."""
+    `generate` does; ``temperature=0`` is greedy, and so is any below `GREEDY_BELOW`."""
     longest = min(max_model_len, limits.max_prompt_tokens or max_model_len)
     if prompt_tokens >= longest:
         raise APIError(
@@ -61,7 +66,7 @@ def generate_kwargs(
         raise APIError(400, f"n={request.n} is above this server's limit of {limits.max_n}", "n")
     kwargs: dict[str, Any] = {"max_new_tokens": max_tokens}
     if request.temperature is not None:
-        if request.temperature == 0:
+        if request.temperature < GREEDY_BELOW:
             kwargs["do_sample"] = False
         else:
             kwargs.update(do_sample=True, temperature=request.temperature)

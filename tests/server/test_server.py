@@ -21,7 +21,7 @@ import hfaccel  # noqa: E402
 from hfaccel.api import prompt_logprobs_of  # noqa: E402
 from hfaccel.server import Limits  # noqa: E402
 from tests.helpers import tiny_model, tiny_tokenizer  # noqa: E402
-from tests.server.conftest import CHAT, MODEL, post  # noqa: E402
+from tests.server.conftest import CHAT, MODEL, post, send  # noqa: E402
 
 
 def engine_idle(model):
@@ -183,6 +183,10 @@ def test_a_stop_string_ends_the_answer_and_is_left_out(served, client):
         ({"frequency_penalty": -3}, 400, "frequency_penalty"),
         ({"max_tokens": 513}, 400, "max_tokens"),
         ({"n": 5}, 400, "n"),
+        ({"top_k": -5}, 400, "top_k"),
+        ({"temperature": float("nan")}, 400, "temperature"),
+        ({"logit_bias": {"5": float("inf")}}, 400, "logit_bias.5"),
+        ({"model": None}, 400, "model"),
         ({"model": "gpt-4"}, 404, "model"),
         ({"messages": [{"role": "user", "content": "x" * 300}]}, 413, "messages"),
         ({"messages": []}, 400, "messages"),
@@ -529,3 +533,57 @@ def test_a_slow_prompt_to_tokenize_does_not_stall_the_other_requests(served, mon
         release.set()
         slow.join(60)
     assert answers["slow"][0] == 200, answers["slow"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "n": None, "stream": None, "logprobs": None, "ignore_eos": None,
+             "top_logprobs": None, "seed": None, "stop": None, "response_format": None},
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "Hello", "n": None, "stream": None, "echo": None, "suffix": None, "best_of": None,
+             "logprobs": None},
+        ),
+        (
+            "/v1/responses",
+            {"input": "Hello", "stream": None, "previous_response_id": None, "reasoning": None,
+             "include": None, "text": {"format": None}},
+        ),
+    ],
+)  # fmt: skip
+def test_a_field_sent_as_null_is_not_set(served, path, body):
+    """Clients that write every field send null for the ones they leave unset (OpenAI's are nullable)."""
+    limit = {"max_output_tokens": 3} if "responses" in path else {"max_tokens": 3}
+    status, _, answer = post(served[0], path, {"model": MODEL, **limit, **body})
+    assert status == 200, answer
+
+
+def test_logprobs_of_tokens_ruled_out_are_finite_json(served):
+    """top_k=1 leaves one token with a finite logprob; the others' -inf is written as vLLM writes it,
+    -9999.0, whole and streamed (JSON has no infinity)."""
+    ask = {
+        "model": MODEL, "messages": CHAT, "max_tokens": 4, "temperature": 1.0, "top_k": 1, "seed": 0,
+        "logprobs": True, "top_logprobs": 3,
+    }  # fmt: skip
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+
+    status, _, data = send(served[0], "POST", "/v1/chat/completions", json.dumps(ask))
+    assert status == 200, data
+    items = strict(data)["choices"][0]["logprobs"]["content"]
+    alternatives = [t["logprob"] for item in items for t in item["top_logprobs"]]
+    assert all(item["logprob"] == 0.0 for item in items) and -9999.0 in alternatives
+    status, _, data = send(served[0], "POST", "/v1/chat/completions", json.dumps({**ask, "stream": True}))
+    events = [line[6:] for line in data.decode().splitlines() if line.startswith("data: {")]
+    assert status == 200 and all(strict(event) for event in events)
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(served, client):
+    ask = {"model": MODEL, "messages": CHAT, "max_tokens": 8}
+    greedy = client.chat.completions.create(**ask, temperature=0).choices[0].message.content
+    assert client.chat.completions.create(**ask, temperature=1e-45).choices[0].message.content == greedy
