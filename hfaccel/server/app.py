@@ -96,24 +96,37 @@ class Admission:
 
 
 class BodyLimit:
-    """A body announced over `max_bytes` is a 413 before it is read. A plain ASGI middleware:
-    Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``) wraps the app's ``receive`` so that
-    ``request.is_disconnected()`` never sees a client that leaves while its request waits (found
+    """A body over `max_bytes` is a 413: one announced so (``Content-Length``) before it is read, one sent
+    in chunks (no length announced) once its bytes pass the limit, as the route reads them. A plain ASGI
+    middleware: Starlette's ``BaseHTTPMiddleware`` (``@app.middleware``) wraps the app's ``receive`` so
+    that ``request.is_disconnected()`` never sees a client that leaves while its request waits (found
     2026-11-26: a queued non-streamed request then ran to its end)."""
 
     def __init__(self, app: Any, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length", b"")
-            if length.isdigit() and int(length) > self.max_bytes:
-                body = error_body(
-                    f"the body is over {self.max_bytes} bytes", "invalid_request_error", None, 413
-                )
-                await JSONResponse(body, status_code=413)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = f"the body is over {self.max_bytes} bytes"
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            body = error_body(too_large, "invalid_request_error", None, 413)
+            await JSONResponse(body, status_code=413)(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # the app's handler answers it (FastAPI passes it on)
+                    raise StarletteHTTPException(413, too_large)
+            return message
+
+        await self.app(scope, counted, send)
 
 
 class FailuresAsJSON:

@@ -119,3 +119,37 @@ def test_serving_on_a_busy_port_raises_instead_of_returning():
     finally:
         busy.close()
         hfaccel.unpatch(model)
+
+
+def test_a_body_over_the_limit_is_a_413_announced_or_sent_in_chunks():
+    """A client that announces no length (chunked transfer) is held to the limit as its bytes come."""
+    import hfaccel
+    from hfaccel.server import Limits
+    from tests.helpers import tiny_model, tiny_tokenizer
+
+    limits = Limits(max_body_bytes=4000)
+    server = hfaccel.serve(tiny_model(), tiny_tokenizer(), port=0, model_id=MODEL, limits=limits)
+    host, port = server.url.removeprefix("http://").split(":")
+
+    def post(body: bytes, chunked: bool) -> tuple[int, dict]:
+        connection = http.client.HTTPConnection(host, int(port), timeout=30)
+        headers = {"Content-Type": "application/json"}
+        if chunked:  # pieces of 1,000 bytes, no Content-Length
+            pieces = (body[i : i + 1000] for i in range(0, len(body), 1000))
+            connection.request("POST", "/v1/chat/completions", pieces, headers, encode_chunked=True)
+        else:
+            connection.request("POST", "/v1/chat/completions", body, headers)
+        response = connection.getresponse()
+        answer = json.loads(response.read())
+        connection.close()
+        return response.status, answer
+
+    small = json.dumps({"model": MODEL, "messages": CHAT, "max_tokens": 2}).encode()
+    large = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 9000}]}).encode()
+    try:
+        for chunked in (False, True):
+            status, answer = post(large, chunked)
+            assert status == 413 and "over 4000 bytes" in answer["error"]["message"], answer
+            assert post(small, chunked)[0] == 200
+    finally:
+        server.stop()
