@@ -79,12 +79,26 @@ def compile_format(
         spec = response_format.json_schema
         schema, strict = spec.json_schema, bool(spec.strict)
     try:
-        return compiler.compile_json_schema(
+        grammar = compiler.compile_json_schema(
             schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE, strict_mode=strict
         )
     except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's refusals of a schema
         reason = re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(error)).strip()  # its C++ log prefix
         raise ValueError(f"the JSON schema cannot be used: {reason}") from error
+    if not _opens(grammar, vocab_size):
+        # A schema no value satisfies (``{"$ref": "#"}`` compiles to ``root ::= root``): the processor
+        # would leave an answer that can never start unmasked.
+        raise ValueError("the JSON schema cannot be used: no JSON value satisfies it")
+    return grammar
+
+
+def _opens(grammar: Any, vocab_size: int) -> bool:
+    """Whether some token can begin an answer in `grammar`."""
+    import xgrammar
+
+    mask = xgrammar.allocate_token_bitmask(1, vocab_size)
+    xgrammar.GrammarMatcher(grammar).fill_next_token_bitmask(mask, 0)
+    return bool(mask.any())
 
 
 class GrammarProcessor(LogitsProcessor):

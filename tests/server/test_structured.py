@@ -77,6 +77,16 @@ def test_the_responses_api_follows_text_format_and_repeats_it(client):
             "ignore_eos",
         ),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "min_tokens": 3}, "min_tokens"),
+        (
+            "/v1/chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"$ref": "#"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),  # no value satisfies it
         ("/v1/responses", {"text": {"format": {"type": "json_object", "name": "x"}}}, "text.format.name"),
         ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "a b"}}}, "text.format.name"),
         (
