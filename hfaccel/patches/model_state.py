@@ -132,7 +132,7 @@ class ModelStateTracker:
             _optimizer_steps,
             self.model.training,
             layout,
-            tuple(t._version for t in present),
+            tuple(-1 if t.is_inference() else t._version for t in present),  # inference tensors have none
             tuple(adapters),
             _checksum(present, self._plan),
             config_fingerprint(getattr(self.model, "config", None)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -73,14 +74,23 @@ def model_reason(model: torch.nn.Module) -> str | None:
     return None if reason is None else f"hfaccel cannot serve {type(model).__name__}: {reason}"
 
 
-def quantized_activations_reason(model: torch.nn.Module) -> str | None:
+def all_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """`model` and its submodules, breadth first: ``model.modules()`` without its names and generators
+    (3x faster; the checks below are asked on every call)."""
+    modules = [model]
+    for module in modules:
+        modules.extend(child for child in module._modules.values() if child is not None)
+    return modules
+
+
+def quantized_activations_reason(
+    model: torch.nn.Module, modules: list[torch.nn.Module] | None = None
+) -> str | None:
     """Why calls on this model go to transformers: weights that quantize their input activations on the
     fly (torchao's ``act_quant_kwargs``: ``Int8DynamicActivationInt8WeightConfig`` and kin). Each
     activation's rounding follows float noise, so no attention kernel reproduces transformers' tokens
     (its own sdpa and eager attention disagree on such a model: measured on a tiny Llama)."""
-    # Asked on every call: the modules' own dicts, without named_parameters' generators (3x faster).
-    modules = [model]
-    for module in modules:
+    for module in modules or all_modules(model):
         for param in module._parameters.values():
             if type(param) is torch.nn.Parameter or getattr(param, "act_quant_kwargs", None) is None:
                 continue
@@ -89,14 +99,58 @@ def quantized_activations_reason(model: torch.nn.Module) -> str | None:
                 f"activations quantized on the fly ({name} is a {type(param).__name__} with act_quant_kwargs), "
                 "whose rounding follows float noise: no kernel reproduces transformers' tokens"
             )
-        modules.extend(child for child in module._modules.values() if child is not None)
     return None
 
 
 def weights_and_mode_reason(model: torch.nn.Module) -> str | None:
     """Why a call on `model` goes to transformers, as the model is now: activations quantized on the fly,
-    or attention dropout in train mode."""
-    return quantized_activations_reason(model) or attention_dropout_reason(model)
+    attention dropout in train mode, or a user's forward hooks."""
+    modules = all_modules(model)
+    return (
+        quantized_activations_reason(model, modules)
+        or attention_dropout_reason(model)
+        or user_hooks_reason(model, modules)
+    )
+
+
+# Where the forward hooks of libraries come from that change no value a module computes (transformers'
+# output capture, FSDP's and DeepSpeed's parameter gathering, PEFT's adapter names, which the adapters
+# gate judges, the engine's own).
+_LIBRARY_HOOKS = ("torch.", "transformers.", "accelerate.", "peft.", "deepspeed.", "hfaccel.")
+
+
+def user_hooks_reason(model: torch.nn.Module, modules: list[torch.nn.Module] | None = None) -> str | None:
+    """Why a call goes to transformers: a forward hook of the user's (activation steering, probes) on one
+    of the model's modules, or a global one. A hook sees an engine step's tensors packed as one row of
+    all its requests' tokens, ``[1, T]``, not HF's ``[B, L]``: one that reads or edits positions
+    (``h[:, -1]``) would act on other tokens, silently."""
+    from torch.nn.modules import module as torch_module
+
+    global_hooks = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks)
+    for hooks in global_hooks:
+        if not all(_library_hook(key, hook) for key, hook in hooks.items()):
+            return "a global forward hook (it would see the engine's packed steps)"
+    for module in modules or all_modules(model):
+        for hooks in (module._forward_hooks, module._forward_pre_hooks):
+            if hooks and not all(_library_hook(key, hook) for key, hook in hooks.items()):
+                name = next(n for n, m in model.named_modules() if m is module) or "the model"
+                return f"a forward hook on {name} (it would see the engine's packed steps)"
+    return None
+
+
+# Hooks judged, by handle id (a process-wide counter: never reused).
+_judged_hooks: dict[int, bool] = {}
+
+
+def _library_hook(key: int, hook: Any) -> bool:
+    judged = _judged_hooks.get(key)
+    if judged is None:
+        target = hook
+        while isinstance(target, functools.partial):
+            target = target.func
+        origin = getattr(target, "__module__", None) or type(target).__module__
+        judged = _judged_hooks[key] = isinstance(origin, str) and origin.startswith(_LIBRARY_HOOKS)
+    return judged
 
 
 # Where transformers' attention modules keep the dropout they pass to the attention function in train

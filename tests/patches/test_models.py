@@ -195,3 +195,62 @@ def test_a_dropout_the_check_misses_is_refused_by_the_attention_not_skipped(monk
         assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 7)
     finally:
         hfaccel.unpatch(model)
+
+
+def test_a_users_forward_hook_sends_the_call_to_transformers_until_removed():
+    """A hook that steers the last position (``h[:, -1]``) would see the engine's packed step, one row of
+    every request's tokens: such a call is transformers' own, with a warning; once the hook is removed,
+    the engine serves again, and nothing it cached while the hook was on is reused."""
+    model = tiny_model("llama", seed=3)
+    hfaccel.patch(model)
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 2.0
+
+    def steer_last(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        hidden = hidden.clone()
+        hidden[:, -1] += vector
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    ids = torch.tensor([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5], [3, 4, 5, 3, 4]])
+    kwargs = {"max_new_tokens": 5, "do_sample": False}
+    hf = type(model).generate
+    try:
+        handle = model.model.layers[0].register_forward_hook(steer_last)
+        with pytest.warns(UserWarning, match=r"a forward hook on model\.layers\.0"):
+            out = model.generate(ids, **kwargs)
+        assert torch.equal(out, hf(model, ids, **kwargs))
+        handle.remove()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = model.generate(ids, **kwargs)
+        assert torch.equal(out, hf(model, ids, **kwargs))
+    finally:
+        hfaccel.unpatch(model)
+
+
+def test_library_hooks_keep_the_call_on_the_engine():
+    """transformers' own hooks (``enable_input_require_grads``, output capture) change no value."""
+    model = tiny_model("llama")
+    model.enable_input_require_grads()
+    hfaccel.patch(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+    finally:
+        hfaccel.unpatch(model)
+
+
+def test_a_model_made_in_inference_mode_is_served():
+    """Its tensors keep no version counter, which the model-state check read (a RuntimeError)."""
+    with torch.inference_mode():
+        model = tiny_model("llama")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        expected = model.generate(ids, max_new_tokens=5, do_sample=False)
+    hfaccel.patch(model)
+    try:
+        with torch.inference_mode():
+            assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), expected)
+    finally:
+        hfaccel.unpatch(model)
