@@ -82,7 +82,9 @@ class HFExecutor(ExecutorBase):
     ) -> torch.Tensor:
         if record:  # eager: the model's hidden states and attention probabilities kept in `recorded`
             adapters = (
-                nullcontext() if token_adapters is None else lora.adapter_step(token_adapters, self.device)
+                nullcontext()
+                if token_adapters is None
+                else self._adapter_step(token_adapters, logits_indices)
             )
             with engine_attention(self.model), adapters:
                 return self._recording_forward(input_ids, positions, logits_indices, prompt_embeds)
@@ -94,8 +96,13 @@ class HFExecutor(ExecutorBase):
                 return (compiled or self._model_forward)(input_ids, positions, logits_indices)[:wanted]
             if token_adapters is None:
                 return self._model_forward(input_ids, positions, logits_indices, prompt_embeds)[:wanted]
-            with lora.adapter_step(token_adapters, self.device):  # each token gets its request's LoRA
+            with self._adapter_step(token_adapters, logits_indices):  # each token gets its request's LoRA
                 return self._model_forward(input_ids, positions, logits_indices, prompt_embeds)[:wanted]
+
+    def _adapter_step(self, token_adapters: list[str | None], logits_indices: torch.Tensor) -> Any:
+        """Each packed token's LoRA adapter for this step; the LM head's, for the logit rows it sees."""
+        head = self.model.get_output_embeddings()
+        return lora.adapter_step(token_adapters, self.device, logits_indices.tolist(), head)
 
     def reserve_state_slots(self, num_slots: int) -> None:
         """Wrap the model's recurrent mixers to run per sequence over `num_slots` state rows."""

@@ -40,7 +40,7 @@ class _ThreadState(threading.local):
     """This thread's engine step's adapter groups, a class default for every thread: a compiled
     forward's guard on it then holds in any thread (`compile="background"` compiles in another)."""
 
-    step: tuple | None = None  # ([(name, index)], num_tokens) while `adapter_step` runs
+    step: tuple | None = None  # ([(name, index)], num_tokens, head, head's groups) while `adapter_step` runs
 
 
 _local = _ThreadState()
@@ -127,6 +127,7 @@ def unsupported_reason(model: torch.nn.Module, names: Iterable[str | None]) -> s
                 return (
                     f"LoRA on a {type(module).__name__} layer (the engine batches LoRA on Linear layers only)"
                 )
+
             for name in sorted(held):
                 variant = module.lora_variant.get(name) if hasattr(module, "lora_variant") else None
                 if module.use_dora.get(name, False) or variant is not None:
@@ -142,15 +143,34 @@ def unsupported_reason(model: torch.nn.Module, names: Iterable[str | None]) -> s
 
 
 @contextmanager
-def adapter_step(token_adapters: Sequence[str | None], device: torch.device) -> Iterator[None]:
+def adapter_step(
+    token_adapters: Sequence[str | None],
+    device: torch.device,
+    rows: Sequence[int] | None = None,
+    head: torch.nn.Module | None = None,
+) -> Iterator[None]:
     """Inside this block, in this thread, LoRA ``Linear`` layers add each token's own adapter delta.
 
     `token_adapters` names the adapter of each packed token. Tokens are grouped by adapter once here
     (a contiguous run becomes a slice, anything else one index tensor), and every layer reuses the
-    groups."""
+    groups. The output embeddings (`head`) see only the step's logit rows, the tokens at `rows`: a LoRA
+    there is grouped by those."""
     _install()
+    by_row = None if rows is None else _groups([token_adapters[i] for i in rows], device)
+    previous = getattr(_local, "step", None)
+    _local.step = (_groups(token_adapters, device), len(token_adapters), head, by_row)
+    try:
+        yield
+    finally:
+        _local.step = previous
+
+
+def _groups(
+    names: Sequence[str | None], device: torch.device
+) -> list[tuple[str | None, slice | torch.Tensor]]:
+    """(adapter, its tokens) for each adapter in `names` but ``"__base__"``: a slice or an index tensor."""
     positions: dict[str | None, list[int]] = {}
-    for i, name in enumerate(token_adapters):
+    for i, name in enumerate(names):
         positions.setdefault(name, []).append(i)
     groups: list[tuple[str | None, slice | torch.Tensor]] = []
     for name, idx in positions.items():
@@ -160,12 +180,7 @@ def adapter_step(token_adapters: Sequence[str | None], device: torch.device) -> 
             groups.append((name, slice(idx[0], idx[-1] + 1)))
         else:
             groups.append((name, torch.tensor(idx, dtype=torch.long, device=device)))
-    previous = getattr(_local, "step", None)
-    _local.step = (groups, len(token_adapters))
-    try:
-        yield
-    finally:
-        _local.step = previous
+    return groups
 
 
 def _install() -> None:
@@ -197,7 +212,7 @@ def _install() -> None:
 def _per_token_forward(
     self: Any,
     original: Any,
-    step: tuple[list[tuple[str | None, slice | torch.Tensor]], int],
+    step: tuple[list[tuple[str | None, slice | torch.Tensor]], int, Any, Any],
     x: torch.Tensor,
     *args: Any,
     **kwargs: Any,
@@ -205,12 +220,14 @@ def _per_token_forward(
     """PEFT's ``_mixed_batch_forward`` with tokens in place of rows."""
     if self.disable_adapters or self.merged:  # PEFT ignores adapter_names here too
         return original(self, x, *args, **kwargs)
-    groups, num_tokens = step
+    groups, num_tokens, head, by_row = step
+    if self is head and by_row is not None:  # the logit rows only
+        groups, num_tokens = by_row, None
     result = self.base_layer(x, *args, **kwargs)
     out_dtype = result.dtype
     flat_x = x.reshape(-1, x.shape[-1])
     flat = result.view(-1, result.shape[-1])
-    if flat_x.shape[0] != num_tokens:
+    if num_tokens is not None and flat_x.shape[0] != num_tokens:
         raise RuntimeError(
             f"hfaccel: a LoRA layer saw {flat_x.shape[0]} tokens in a step of {num_tokens}: "
             "per-token adapters need the packed [1, T] layout"

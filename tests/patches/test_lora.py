@@ -281,6 +281,26 @@ def test_lora_bias_is_served():
     assert [row[ids.shape[1] :].tolist() for row in out] == ref
 
 
+def test_lora_on_the_lm_head_is_served_per_row():
+    """The LM head sees only the step's logit rows: its LoRA is grouped by those, not by the packed
+    tokens (it raised: "a LoRA layer saw 3 tokens in a step of 132")."""
+    model = peft.get_peft_model(tiny_model(), lora_config(4, ["q_proj", "lm_head"]), adapter_name="x")
+    model.add_adapter("y", lora_config(2, ["v_proj", "lm_head"]))
+    model.eval()
+    ps = prompts(4, seed=2)
+    names = ["x", "y", "__base__", "y"]
+    ref = peft_mixed(model, ps, names)
+    assert ref != peft_mixed(model, ps, ["x", "x", "x", "x"])
+    patch_strict(model)
+    ids, mask = left_padded(ps)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, adapter_names=names
+    )
+    assert [row[ids.shape[1] :].tolist() for row in out] == ref
+    completions = hfaccel.generate(model, ps, adapter=names, max_new_tokens=NEW_TOKENS, progress=False)
+    assert [c.token_ids for c in completions] == ref
+
+
 def test_beam_search_with_an_adapter_goes_to_peft_with_the_adapter():
     """The engine's beams take no adapter: a beam prompt naming one falls back (PEFT applies it)."""
     model = lora_model()
