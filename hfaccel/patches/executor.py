@@ -17,6 +17,7 @@ from hfaccel.patches.attention import engine_attention, register_attention
 from hfaccel.patches.compiled_forward import CompiledForward, own_code
 from hfaccel.patches.layer_support import (
     attention_needs,
+    embedding_rows,
     has_recurrent_layers,
     kv_layers,
     kv_window,
@@ -39,8 +40,7 @@ class HFExecutor(ExecutorBase):
         self.device = param.device
         self.dtype = param.dtype
         embeddings = model.get_input_embeddings()
-        # A PEFT layer wrapping the embeddings (LoRA on embed_tokens) keeps the nn.Embedding as base_layer.
-        self.vocab_size = getattr(embeddings, "base_layer", embeddings).num_embeddings
+        self.vocab_size = embedding_rows(embeddings)  # through PEFT's wrappers of embed_tokens
         config = model.config.get_text_config(decoder=True)
         self.num_layers = config.num_hidden_layers
         self.kv_layers = kv_layers(model)

@@ -250,7 +250,7 @@ def probe_reason(
     state's bytes per sequence appended to `state_bytes`)."""
     param = next(model.parameters())
     vocab = model.get_input_embeddings()
-    vocab_size = getattr(vocab, "base_layer", vocab).num_embeddings
+    vocab_size = embedding_rows(vocab)
     ids = (torch.arange(1, PROBE_TOKENS + 1) % vocab_size).unsqueeze(0).to(param.device)
     positions = torch.arange(PROBE_TOKENS, device=param.device).unsqueeze(0)
     mixer_calls: dict[str, tuple[tuple, dict[str, Any]]] = {}
@@ -410,3 +410,17 @@ def _short(value: Any) -> str:
         return f"a tensor of shape {tuple(value.shape)}"
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+def embedding_rows(embeddings: torch.nn.Module) -> int:
+    """The rows of the input embeddings (the vocabulary), through PEFT's wrappers: LoRA's layer keeps the
+    ``nn.Embedding`` as ``base_layer``, trainable tokens' wrapper as ``token_adapter.base_layer``."""
+    module: Any = embeddings
+    for _ in range(4):
+        if isinstance(getattr(module, "num_embeddings", None), int):
+            return module.num_embeddings
+        inner = getattr(module, "token_adapter", None)
+        module = getattr(inner if inner is not None else module, "base_layer", None)
+        if module is None:
+            break
+    return embeddings.weight.shape[0]

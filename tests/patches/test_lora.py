@@ -301,6 +301,24 @@ def test_lora_on_the_lm_head_is_served_per_row():
     assert [c.token_ids for c in completions] == ref
 
 
+def test_trainable_tokens_on_the_embeddings_are_served():
+    """``LoraConfig(trainable_token_indices=...)`` wraps embed_tokens in PEFT's TrainableTokensWrapper,
+    whose vocabulary the engine read through the wrong attribute (an AttributeError at patch)."""
+    config = lora_config(4, ["q_proj"], trainable_token_indices=[5, 6, 7])
+    model = peft.get_peft_model(tiny_model(), config).eval()
+    with torch.no_grad():  # the trained rows differ from the base's
+        for name, param in model.named_parameters():
+            if "trainable_tokens_delta" in name:
+                param.normal_(0.0, 1.0)
+    ps = [p[:36] + [5, 6, 7] for p in prompts(2, seed=3)]
+    ref = peft_mixed(model, ps, ["default", "default"])
+    assert ref != peft_mixed(model, ps, ["__base__", "__base__"]), "the trained tokens must matter"
+    patch_strict(model)
+    ids, mask = left_padded(ps)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert [row[ids.shape[1] :].tolist() for row in out] == ref
+
+
 def test_beam_search_with_an_adapter_goes_to_peft_with_the_adapter():
     """The engine's beams take no adapter: a beam prompt naming one falls back (PEFT applies it)."""
     model = lora_model()
