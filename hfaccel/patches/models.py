@@ -57,6 +57,16 @@ def model_reason(model: torch.nn.Module) -> str | None:
         return "hfaccel.patch expects a transformers causal-LM model (with .config and .generate)"
     if getattr(config, "is_encoder_decoder", False):
         return f"{type(model).__name__} is an encoder-decoder model; hfaccel serves decoder-only models"
+    learning = [
+        n
+        for n, c in (getattr(model, "peft_config", None) or {}).items()
+        if getattr(c, "is_prompt_learning", False)
+    ]
+    if learning:
+        return (
+            f"PEFT's prompt learning (adapter {learning[0]!r}) adds virtual tokens to every sequence, which the "
+            "engine does not serve: call the PeftModel's generate unpatched"
+        )
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
     if can_set is not None and not can_set():
         return (
@@ -105,6 +115,9 @@ def quantized_activations_reason(
 def weights_and_mode_reason(model: torch.nn.Module) -> str | None:
     """Why a call on `model` goes to transformers, as the model is now: activations quantized on the fly,
     attention dropout in train mode, or a user's forward hooks."""
+    if "prepare_inputs_for_generation" in vars(model):
+        # PEFT's prompt learning puts its own there for its generate (its virtual tokens), as may a user.
+        return "prepare_inputs_for_generation replaced on the model (PEFT's prompt learning adds its tokens there)"
     modules = all_modules(model)
     return (
         quantized_activations_reason(model, modules)

@@ -319,6 +319,35 @@ def test_trainable_tokens_on_the_embeddings_are_served():
     assert [row[ids.shape[1] :].tolist() for row in out] == ref
 
 
+def test_prompt_learning_is_refused_at_patch_and_goes_to_peft_over_a_patched_base():
+    """Prompt tuning adds learned virtual tokens to every sequence: patching such a PeftModel is refused;
+    one made over a patched base puts its own prepare_inputs_for_generation on it, and its calls go to
+    transformers' generate, which reads it (the virtual tokens were ignored, silently)."""
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=5)
+    torch.manual_seed(1)
+    tuned = peft.get_peft_model(tiny_model(), config).eval()
+    with pytest.raises(ValueError, match=r"PEFT's prompt learning \(adapter 'default'\) adds virtual tokens"):
+        hfaccel.patch(tuned)
+    base = tiny_model()
+    reference = peft.get_peft_model(tiny_model(), config).eval()
+    hfaccel.patch(base)
+    model = peft.get_peft_model(base, config).eval()
+    model.load_state_dict(reference.state_dict())
+    ids, mask = left_padded(prompts(2))
+    kwargs = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "max_new_tokens": 6,
+        "do_sample": False,
+        "pad_token_id": 0,
+    }
+    with pytest.warns(UserWarning, match="prepare_inputs_for_generation replaced on the model"):
+        out = model.generate(**kwargs)
+    expected = reference.generate(**kwargs)
+    assert torch.equal(out, expected) and not torch.equal(expected, tiny_model().generate(**kwargs))
+    hfaccel.unpatch(base)
+
+
 def test_beam_search_with_an_adapter_goes_to_peft_with_the_adapter():
     """The engine's beams take no adapter: a beam prompt naming one falls back (PEFT applies it)."""
     model = lora_model()
