@@ -136,7 +136,9 @@ def user_hooks_reason(model: torch.nn.Module, modules: list[torch.nn.Module] | N
     """Why a call goes to transformers: a forward hook of the user's (activation steering, probes) on one
     of the model's modules, or a global one. A hook sees an engine step's tensors packed as one row of
     all its requests' tokens, ``[1, T]``, not HF's ``[B, L]``: one that reads or edits positions
-    (``h[:, -1]``) would act on other tokens, silently."""
+    (``h[:, -1]``) would act on other tokens, silently. A hook that acts on each token alone (adding a
+    steering vector everywhere) keeps the engine when its function says so: ``hook.hfaccel_packed =
+    True``."""
     from torch.nn.modules import module as torch_module
 
     global_hooks = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks)
@@ -162,7 +164,10 @@ def _library_hook(key: int, hook: Any) -> bool:
         while isinstance(target, functools.partial):
             target = target.func
         origin = getattr(target, "__module__", None) or type(target).__module__
-        judged = _judged_hooks[key] = isinstance(origin, str) and origin.startswith(_LIBRARY_HOOKS)
+        judged = (isinstance(origin, str) and origin.startswith(_LIBRARY_HOOKS)) or bool(
+            getattr(target, "hfaccel_packed", False)  # its author says it reads packed steps rightly
+        )
+        _judged_hooks[key] = judged
     return judged
 
 

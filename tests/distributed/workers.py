@@ -28,7 +28,12 @@ def _layer0_tokens(model):
     """Record the token count layer 0's input norm sees at each forward (the residual stream's width)."""
     seen: list[int] = []
     norm = model.model.layers[0].input_layernorm
-    norm.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[1]))
+
+    def record(module, args):
+        seen.append(args[0].shape[1])
+
+    record.hfaccel_packed = True  # it reads the packed steps, as it means to: the engine keeps the call
+    norm.register_forward_pre_hook(record)
     return seen
 
 

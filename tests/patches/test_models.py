@@ -228,15 +228,25 @@ def test_a_users_forward_hook_sends_the_call_to_transformers_until_removed():
         hfaccel.unpatch(model)
 
 
-def test_library_hooks_keep_the_call_on_the_engine():
-    """transformers' own hooks (``enable_input_require_grads``, output capture) change no value."""
+def test_library_hooks_and_hooks_said_to_read_packed_steps_keep_the_call_on_the_engine():
+    """transformers' own hooks (``enable_input_require_grads``, output capture) change no value; a user's
+    hook marked ``hfaccel_packed`` acts on each token alone, as its author says."""
     model = tiny_model("llama")
     model.enable_input_require_grads()
+    vector = torch.full((64,), 0.5)
+
+    def steer_every_token(module, args, output):
+        return output + vector
+
+    steer_every_token.hfaccel_packed = True
+    model.model.layers[0].mlp.register_forward_hook(steer_every_token)
+    ids = torch.tensor([[5, 6, 7], [7, 3, 4]])
+    expected = model.generate(ids, max_new_tokens=4, do_sample=False)
     hfaccel.patch(model)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+            assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
     finally:
         hfaccel.unpatch(model)
 
