@@ -5,6 +5,8 @@ patched greedy generate must equal HF's on the trained weights (the engine saw t
 never served a stale prefix).
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -128,8 +130,15 @@ def test_train_mode_and_gradient_checkpointing_do_not_change_generation():
         out = model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, **kwargs)
         assert out[0, len(ids) :].tolist() == expected
     assert model.training and model.is_gradient_checkpointing, "generate leaves both as they were"
-    # Under autocast (how accelerate runs a bf16 trainer's forward, and so HF's generate): attention
-    # runs in the KV cache's dtype, autocast off; the rest of the model as autocast says.
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model.generate(torch.tensor([ids] * 3), max_new_tokens=8, do_sample=False)
+    # Under autocast wrapping the forward (how accelerate runs a bf16 trainer's forward, and so HF's
+    # generate): attention runs in the KV cache's dtype, autocast off; the rest of the model as autocast
+    # says. Served on the engine, in whichever thread steps it.
+    forward = model.forward
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(forward)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out = model.generate(torch.tensor([ids] * 3), max_new_tokens=8, do_sample=False)
+    finally:
+        model.forward = forward
     assert out.shape == (3, len(ids) + 8) and (out[0] == out[1]).all()

@@ -113,17 +113,32 @@ def quantized_activations_reason(
 
 
 def weights_and_mode_reason(model: torch.nn.Module) -> str | None:
-    """Why a call on `model` goes to transformers, as the model is now: activations quantized on the fly,
-    attention dropout in train mode, or a user's forward hooks."""
+    """Why a call on `model` goes to transformers, as the model and the calling thread are now: a replaced
+    ``prepare_inputs_for_generation``, ``torch.autocast`` around the call, activations quantized on the
+    fly, attention dropout in train mode, or a user's forward hooks."""
     if "prepare_inputs_for_generation" in vars(model):
         # PEFT's prompt learning puts its own there for its generate (its virtual tokens), as may a user.
         return "prepare_inputs_for_generation replaced on the model (PEFT's prompt learning adds its tokens there)"
+    reason = autocast_reason(model)
+    if reason is not None:
+        return reason
     modules = all_modules(model)
     return (
         quantized_activations_reason(model, modules)
         or attention_dropout_reason(model)
         or user_hooks_reason(model, modules)
     )
+
+
+def autocast_reason(model: torch.nn.Module) -> str | None:
+    """Why a call goes to transformers: it is made inside ``torch.autocast`` for the model's device. The
+    state is the calling thread's, and the engine's steps may run in another (its loop thread), outside
+    it; and a step the caller runs itself would put other callers' requests under it. An autocast that
+    wraps the model's forward (accelerate's mixed precision) applies in any thread and is served."""
+    device = next(model.parameters()).device.type
+    if device in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(device):
+        return f"torch.autocast({device!r}, {torch.get_autocast_dtype(device)}) around the call"
+    return None
 
 
 # Where the forward hooks of libraries come from that change no value a module computes (transformers'

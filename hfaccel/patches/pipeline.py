@@ -24,6 +24,7 @@ import math
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -102,6 +103,13 @@ class _ConcurrentForward:
     def __iter__(self) -> Iterator[Future]:
         pool = ThreadPoolExecutor(max_workers=self.window, thread_name_prefix="hfaccel-pipeline")
         in_flight: deque[Future] = deque()
+        # The caller's autocast, which is thread-local, holds in the workers too (HF's pipeline runs the
+        # forward in the caller's thread, under it; the call then goes to transformers).
+        self._autocast = [
+            (device, torch.get_autocast_dtype(device))
+            for device in ("cpu", "cuda")
+            if torch.is_autocast_enabled(device)
+        ]
         base = int(torch.randint(0, 2**62, ()).item())  # here, in the calling thread, in order
         try:
             for index, item in enumerate(self.loader):
@@ -117,5 +125,8 @@ class _ConcurrentForward:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _forward(self, item: Any, seed: int) -> Any:
-        with seeded_calls(seed):
+        with ExitStack() as stack:
+            for device, dtype in self._autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            stack.enter_context(seeded_calls(seed))
             return self.forward(item, **self.params)

@@ -134,16 +134,17 @@ def test_patch_counts_the_row_padding_of_the_backend_it_will_get():
 
 
 def test_int8_cache_under_autocast_attends_in_one_dtype():
-    """Under autocast (accelerate and trainers wrap generate in it) rotary leaves q and k in float32 and
-    the value projection comes out in bfloat16: the op gets all three in the query's dtype. HF's own
-    generate under the same autocast is the reference for the first token, which every row must share."""
+    """Under autocast (accelerate's mixed precision wraps the model's forward in it) rotary leaves q and k
+    in float32 and the value projection comes out in bfloat16: the op gets all three in the query's
+    dtype. HF's own generate over the same forward is the reference for the first token, which every row
+    must share. (An autocast around the call instead sends it to transformers: `models.autocast_reason`.)"""
     prompts = varied_prompts(6)
     ids, mask = left_padded(prompts)
     model = tiny_model()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-        hfaccel.patch(model, dtype="int8", strict=True)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    hfaccel.patch(model, dtype="int8", strict=True)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     hfaccel.unpatch(model)
     assert out.shape == reference.shape
     assert torch.equal(out[:, ids.shape[1]], reference[:, ids.shape[1]])

@@ -93,3 +93,28 @@ def test_smollm2_pipeline_default_batch_size_shares_steps(smollm2):
         assert default_steps <= 1.5 * batched_steps, (default_steps, batched_steps)
     finally:
         hfaccel.unpatch(model)
+
+
+def test_autocast_around_a_pipeline_or_a_call_gives_transformers_tokens():
+    """``torch.autocast`` is thread-local: the pipeline's workers run under the caller's, and a call made
+    under it goes to transformers (the engine's steps run outside it), with a warning: the scores are
+    HF's bfloat16 ones (they were float32, silently)."""
+    import torch
+
+    tokenizer = tiny_tokenizer()
+    reference = tiny_model()
+    model = hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = reference.generate(ids, **kwargs)
+        with pytest.warns(UserWarning, match=r"torch.autocast\('cpu', torch.bfloat16\) around the call"):
+            out = model.generate(ids, **kwargs)
+        pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+        piped = pipe(["Hello there", "Count: a b c", "xyz"], **kwargs)
+        plain = pipeline("text-generation", model=reference, tokenizer=tokenizer)
+        expected_piped = plain(["Hello there", "Count: a b c", "xyz"], **kwargs)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, expected.scores))
+    for ours, theirs in zip(piped, expected_piped):
+        assert torch.equal(torch.tensor(ours[0]["scores"]), torch.tensor(theirs[0]["scores"]))
