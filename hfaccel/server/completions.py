@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from fastapi.sse import format_sse_event
@@ -170,6 +171,11 @@ class CompletionCall:
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
+    def scores_only(self) -> bool:
+        """``max_tokens=0`` with echo: the prompt is scored, nothing is generated."""
+        return self.kwargs["max_new_tokens"] == 0
+
+    @property
     def count(self) -> int:
         """The choices: `n` per prompt."""
         return self.body.n * len(self.prompts)
@@ -246,6 +252,10 @@ def prepare_call(served: Any, body: Any, flavour: Any) -> CompletionCall:
                 error.status, f"prompt {longest}: {error.message}", f"prompt[{longest}]"
             ) from error
         raise
+    if kwargs["max_new_tokens"] == 0 and not getattr(body, "echo", False):
+        raise APIError(
+            400, "max_tokens=0 is served with echo only (the prompt scored, nothing generated)", "max_tokens"
+        )
     penalties = penalties_processor(body, prompts)
     if penalties is not None:
         kwargs["logits_processor"] = [penalties]
@@ -284,11 +294,14 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
     """The whole answer: every choice, usage, OpenAI's body."""
     tokenizer, endpoint = served.tokenizer, call.flavour.endpoint
     try:
-        with strict_calls(), stops_in_output_only():  # a call the engine does not serve: 400, never HF's
-            completions = await agenerate(
-                served.model, call.choice_prompts(), tokenizer=tokenizer, seed=call.seed,
-                logprobs=call.logprobs, **call.kwargs,
-            )  # fmt: skip
+        if call.scores_only:
+            completions = [_NOTHING_GENERATED] * call.count
+        else:
+            with strict_calls(), stops_in_output_only():  # a call the engine does not serve: 400, never HF's
+                completions = await agenerate(
+                    served.model, call.choice_prompts(), tokenizer=tokenizer, seed=call.seed,
+                    logprobs=call.logprobs, **call.kwargs,
+                )  # fmt: skip
         prompts = await echoed_prompt_items(served, call)
     except ValueError as error:
         metrics.finished(endpoint, "error", call.prompt_tokens, 0, {})
@@ -320,6 +333,12 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
         generated += len(completion.token_ids)
     metrics.finished(endpoint, "ok", call.prompt_tokens, generated, completions[0].metrics)
     return {**call.envelope(choices), "usage": call.usage(generated)}
+
+
+# A choice of ``max_tokens=0`` (the prompt echoed and scored): no token, ended by its length.
+_NOTHING_GENERATED = SimpleNamespace(
+    text="", token_ids=[], finish_reason="length", logprobs=[], top_logprobs=[], metrics={}
+)
 
 
 def _cut_plain(tokenizer: Any, call: CompletionCall, token_ids: list[int], text: str) -> str:
@@ -356,6 +375,13 @@ async def stream_pieces(
     (`gone`, asked at least every `CHECK_S`) or a closed generator cancels the requests; the pieces then
     just stop, and `call.streamed` stays False. `call.generated` counts the tokens."""
     tokenizer, endpoint = served.tokenizer, call.flavour.endpoint
+    if call.scores_only:  # the echo is the whole answer: each choice just ends
+        yield None
+        for i in range(call.count):
+            yield Piece(i, "", "length", [] if call.logprobs is not False else None)
+        call.streamed = True
+        metrics.finished(endpoint, "ok", call.prompt_tokens, 0, {})
+        return
     start = time.perf_counter()
     events = astream(
         served.model, call.choice_prompts(), tokenizer=tokenizer, seed=call.seed,

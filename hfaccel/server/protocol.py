@@ -126,6 +126,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     # A list of prompts (strings or token lists) is OpenAI's batch: n choices for each, in turn.
     prompt: str | list[int] | list[str] | list[list[int]] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: the prompt scored (with echo), nothing generated
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 

@@ -119,6 +119,32 @@ def test_text_completions_with_echo_and_logprobs(served, client):
     assert streamed == logprobs.text_offset  # counted from the start of the whole text, as not streamed
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(served, client):
+    """What eval harnesses send to score a text (lm-eval's loglikelihood): the prompt's own logprobs, no
+    new token; without echo a 400 naming max_tokens."""
+    server, model, tokenizer = served
+    ids = tokenizer("abc def")["input_ids"]
+    prompt = prompt_logprobs_of(model, ids, 1)
+    for stream in (False, True):
+        ask = {"model": MODEL, "prompt": ["abc def", "abc def"], "max_tokens": 0, "logprobs": 1, "echo": True}
+        if stream:
+            chunks = [c.choices[0] for c in client.completions.create(**ask, stream=True) if c.choices]
+            texts = {i: "".join(c.text for c in chunks if c.index == i) for i in (0, 1)}
+            scored = [lp for c in chunks if c.index == 1 and c.logprobs for lp in c.logprobs.token_logprobs]
+            finish = [c.finish_reason for c in chunks if c.finish_reason]
+        else:
+            answer = client.completions.create(**ask)
+            texts = {c.index: c.text for c in answer.choices}
+            scored = answer.choices[1].logprobs.token_logprobs
+            finish = [c.finish_reason for c in answer.choices]
+            assert answer.usage.completion_tokens == 0 and answer.usage.prompt_tokens == 2 * len(ids)
+        assert texts == {0: "abc def", 1: "abc def"} and finish == ["length", "length"]
+        assert scored[0] is None
+        assert scored[1:] == pytest.approx([p[t] for p, t in zip(prompt[1:], ids[1:])])
+    code, _, error = post(server, "/v1/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 0})
+    assert code == 400 and error["error"]["param"] == "max_tokens"
+
+
 def test_echoed_logprobs_of_n_choices_take_one_forward(served, client, monkeypatch):
     import hfaccel.server.logprob_items as logprob_items
 
