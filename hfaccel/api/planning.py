@@ -23,6 +23,7 @@ from hfaccel.api.results import Call, Done, Hypothesis, no_metrics
 from hfaccel.engine.request import Request
 from hfaccel.patches.arguments import check_generate_kwargs, normalize_cache_argument
 from hfaccel.patches.generate import warn_past_context
+from hfaccel.patches.models import reasons_held
 from hfaccel.patches.params import stop_string_check
 from hfaccel.patches.patch_state import PatchState, fall_back
 from hfaccel.patches.planner import GenerateCall, beam_requests, make_requests
@@ -93,24 +94,27 @@ def plan_call(
     checks = adapter_checks(model, adapters)
     plans: list[Request | Hypothesis | Done] = []
     indexes: list[int] = []
-    for index, (prompt, config, name) in enumerate(zip(prompts, configs, adapters)):
-        try:
-            first = (
-                None if seeds is None else (seeds[index] if isinstance(seeds, list) else seeds + len(plans))
-            )
-            check = checks.get(name) if name is not None else None
-            if isinstance(check, ValueError):
-                raise check
-            ids = encode_prompt(prompt, tokenizer)
-            planned = plan_prompt(
-                model, state, ids, config, kwargs, tokenizer, bool(logprobs is not False), top, first,
-                targets, name, check, beams, first_row=len(plans),
-            )  # fmt: skip
-        except ValueError as error:
-            copies = refused_copies(model, config, kwargs)
-            planned = [Done([], finish_reason="error", error=str(error)) for _ in range(copies)]
-        plans.extend(planned)
-        indexes.extend([index] * len(planned))
+    with reasons_held(model):  # the model's own reasons, worked out once for all prompts
+        for index, (prompt, config, name) in enumerate(zip(prompts, configs, adapters)):
+            try:
+                first = (
+                    None
+                    if seeds is None
+                    else (seeds[index] if isinstance(seeds, list) else seeds + len(plans))
+                )
+                check = checks.get(name) if name is not None else None
+                if isinstance(check, ValueError):
+                    raise check
+                ids = encode_prompt(prompt, tokenizer)
+                planned = plan_prompt(
+                    model, state, ids, config, kwargs, tokenizer, bool(logprobs is not False), top, first,
+                    targets, name, check, beams, first_row=len(plans),
+                )  # fmt: skip
+            except ValueError as error:
+                copies = refused_copies(model, config, kwargs)
+                planned = [Done([], finish_reason="error", error=str(error)) for _ in range(copies)]
+            plans.extend(planned)
+            indexes.extend([index] * len(planned))
     live = [(i, plan) for i, plan in enumerate(plans) if isinstance(plan, Request)]
     if live:
         names = [f"prompts[{indexes[i]}]" for i, _ in live]

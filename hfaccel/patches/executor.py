@@ -102,6 +102,8 @@ class HFExecutor(ExecutorBase):
     def _adapter_step(self, token_adapters: list[str | None], logits_indices: torch.Tensor) -> Any:
         """Each packed token's LoRA adapter for this step; the LM head's, for the logit rows it sees."""
         head = self.model.get_output_embeddings()
+        if not lora.is_lora_layer(head):  # the usual case: no rows to read back from the device
+            return lora.adapter_step(token_adapters, self.device)
         return lora.adapter_step(token_adapters, self.device, logits_indices.tolist(), head)
 
     def reserve_state_slots(self, num_slots: int) -> None:

@@ -56,6 +56,12 @@ def _lora_module() -> Any:
     return layer
 
 
+def is_lora_layer(module: Any) -> bool:
+    """Whether `module` is a PEFT LoRA layer (False without PEFT)."""
+    layer = _lora_module()
+    return layer is not None and isinstance(module, layer.LoraLayer)
+
+
 def lora_layers(model: torch.nn.Module) -> list[Any]:
     """The PEFT LoRA layers of `model` (any kind: Linear, Embedding, Conv, quantised...)."""
     layer = _lora_module()
@@ -156,7 +162,7 @@ def adapter_step(
     groups. The output embeddings (`head`) see only the step's logit rows, the tokens at `rows`: a LoRA
     there is grouped by those."""
     _install()
-    by_row = None if rows is None else _groups([token_adapters[i] for i in rows], device)
+    by_row = None if rows is None else (_groups([token_adapters[i] for i in rows], device), len(rows))
     previous = getattr(_local, "step", None)
     _local.step = (_groups(token_adapters, device), len(token_adapters), head, by_row)
     try:
@@ -222,12 +228,12 @@ def _per_token_forward(
         return original(self, x, *args, **kwargs)
     groups, num_tokens, head, by_row = step
     if self is head and by_row is not None:  # the logit rows only
-        groups, num_tokens = by_row, None
+        groups, num_tokens = by_row
     result = self.base_layer(x, *args, **kwargs)
     out_dtype = result.dtype
     flat_x = x.reshape(-1, x.shape[-1])
     flat = result.view(-1, result.shape[-1])
-    if num_tokens is not None and flat_x.shape[0] != num_tokens:
+    if flat_x.shape[0] != num_tokens:
         raise RuntimeError(
             f"hfaccel: a LoRA layer saw {flat_x.shape[0]} tokens in a step of {num_tokens}: "
             "per-token adapters need the packed [1, T] layout"

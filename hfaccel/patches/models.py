@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -112,12 +115,42 @@ def quantized_activations_reason(
     return None
 
 
+_held = threading.local()  # (model, its reason) while `reasons_held` runs in this thread
+
+
+@contextmanager
+def reasons_held(model: torch.nn.Module) -> Iterator[None]:
+    """Inside this block, in this thread, `weights_and_mode_reason(model)` is worked out once (a call that
+    plans many prompts asks it for each; it walks every module)."""
+    previous = getattr(_held, "entry", None)
+    _held.entry = (model, _UNKNOWN)
+    try:
+        yield
+    finally:
+        _held.entry = previous
+
+
+_UNKNOWN = object()
+
+
 def weights_and_mode_reason(model: torch.nn.Module) -> str | None:
     """Why a call on `model` goes to transformers, as the model and the calling thread are now: a replaced
     ``prepare_inputs_for_generation``, ``torch.autocast`` around the call, activations quantized on the
     fly, attention dropout in train mode, or a user's forward hooks."""
-    if "prepare_inputs_for_generation" in vars(model):
-        # PEFT's prompt learning puts its own there for its generate (its virtual tokens), as may a user.
+    entry = getattr(_held, "entry", None)
+    if entry is None or entry[0] is not model:
+        return _weights_and_mode_reason(model)
+    if entry[1] is _UNKNOWN:
+        _held.entry = (model, _weights_and_mode_reason(model))
+    return _held.entry[1]
+
+
+def _weights_and_mode_reason(model: torch.nn.Module) -> str | None:
+    own = vars(model).get("prepare_inputs_for_generation")
+    theirs = getattr(own, "__func__", None) is not type(model).prepare_inputs_for_generation
+    if own is not None and (theirs or getattr(own, "__self__", None) is not model):
+        # PEFT's prompt learning puts its own there for its generate (its virtual tokens), as may a user;
+        # after its call it puts back the class's own, bound to the model: that one is the model's.
         return "prepare_inputs_for_generation replaced on the model (PEFT's prompt learning adds its tokens there)"
     reason = autocast_reason(model)
     if reason is not None:
@@ -125,7 +158,7 @@ def weights_and_mode_reason(model: torch.nn.Module) -> str | None:
     modules = all_modules(model)
     return (
         quantized_activations_reason(model, modules)
-        or attention_dropout_reason(model)
+        or attention_dropout_reason(model, modules)
         or user_hooks_reason(model, modules)
     )
 
@@ -136,15 +169,22 @@ def autocast_reason(model: torch.nn.Module) -> str | None:
     it; and a step the caller runs itself would put other callers' requests under it. An autocast that
     wraps the model's forward (accelerate's mixed precision) applies in any thread and is served."""
     device = next(model.parameters()).device.type
-    if device in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(device):
+    try:
+        enabled = torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type autocast does not know
+        enabled = False
+    if enabled:
         return f"torch.autocast({device!r}, {torch.get_autocast_dtype(device)}) around the call"
     return None
 
 
 # Where the forward hooks of libraries come from that change no value a module computes (transformers'
 # output capture, FSDP's and DeepSpeed's parameter gathering, PEFT's adapter names, which the adapters
-# gate judges, the engine's own).
-_LIBRARY_HOOKS = ("torch.", "transformers.", "accelerate.", "peft.", "deepspeed.", "hfaccel.")
+# gate judges, TRL's dtype casts, the engine's own).
+_LIBRARY_HOOKS = ("torch.", "transformers.", "accelerate.", "peft.", "deepspeed.", "trl.", "hfaccel.")
+# ...but for these: NEFTune's noise (transformers, train mode) is scaled by the embeddings' [B, L] size,
+# which an engine step's [1, T] is not.
+_VALUE_CHANGING_LIBRARY_HOOKS = frozenset({"neftune_post_forward_hook"})
 
 
 def user_hooks_reason(model: torch.nn.Module, modules: list[torch.nn.Module] | None = None) -> str | None:
@@ -158,32 +198,30 @@ def user_hooks_reason(model: torch.nn.Module, modules: list[torch.nn.Module] | N
 
     global_hooks = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks)
     for hooks in global_hooks:
-        if not all(_library_hook(key, hook) for key, hook in hooks.items()):
+        if not all(_library_hook(hook) for hook in hooks.values()):
             return "a global forward hook (it would see the engine's packed steps)"
     for module in modules or all_modules(model):
         for hooks in (module._forward_hooks, module._forward_pre_hooks):
-            if hooks and not all(_library_hook(key, hook) for key, hook in hooks.items()):
+            if hooks and not all(_library_hook(hook) for hook in hooks.values()):
                 name = next(n for n, m in model.named_modules() if m is module) or "the model"
                 return f"a forward hook on {name} (it would see the engine's packed steps)"
     return None
 
 
-# Hooks judged, by handle id (a process-wide counter: never reused).
-_judged_hooks: dict[int, bool] = {}
-
-
-def _library_hook(key: int, hook: Any) -> bool:
-    judged = _judged_hooks.get(key)
-    if judged is None:
-        target = hook
-        while isinstance(target, functools.partial):
-            target = target.func
-        origin = getattr(target, "__module__", None) or type(target).__module__
-        judged = (isinstance(origin, str) and origin.startswith(_LIBRARY_HOOKS)) or bool(
-            getattr(target, "hfaccel_packed", False)  # its author says it reads packed steps rightly
-        )
-        _judged_hooks[key] = judged
-    return judged
+def _library_hook(hook: Any) -> bool:
+    """Whether `hook` is a library's that changes no value, or one its author marked ``hfaccel_packed``
+    (on the hook or on the function a partial wraps). Asked afresh each call: a few attribute reads."""
+    target = hook
+    while isinstance(target, functools.partial):
+        if getattr(target, "hfaccel_packed", False):
+            return True
+        target = target.func
+    if getattr(target, "hfaccel_packed", False):
+        return True
+    if getattr(target, "__name__", "") in _VALUE_CHANGING_LIBRARY_HOOKS:
+        return False
+    origin = getattr(target, "__module__", None) or type(target).__module__
+    return isinstance(origin, str) and origin.startswith(_LIBRARY_HOOKS)
 
 
 # Where transformers' attention modules keep the dropout they pass to the attention function in train
@@ -201,7 +239,9 @@ _DROPOUT_NAMES = (
 )
 
 
-def attention_dropout_reason(model: torch.nn.Module) -> str | None:
+def attention_dropout_reason(
+    model: torch.nn.Module, modules: list[torch.nn.Module] | None = None
+) -> str | None:
     """Why a call on `model` goes to transformers now: it is in train mode with attention dropout, which
     transformers applies to the attention probabilities and the engine's kernels do not (in eval mode
     transformers passes no dropout). Asked on every call, as `model.train()` may come at any time; an
@@ -209,10 +249,8 @@ def attention_dropout_reason(model: torch.nn.Module) -> str | None:
     which refuses a dropout it is handed."""
     if not model.training:
         return None
-    rate = max(
-        (_dropout_rate(m) for m in model.modules() if m.training and "Attention" in type(m).__name__),
-        default=0.0,
-    )
+    attention = (m for m in modules or all_modules(model) if m.training and "Attention" in type(m).__name__)
+    rate = max((_dropout_rate(m) for m in attention), default=0.0)
     if rate <= 0:
         return None
     return f"train mode with attention dropout ({rate}), which the engine's attention does not apply"

@@ -70,8 +70,9 @@ def install_pipeline_batching() -> None:
             engine.config if engine is not None else state.config
         ).max_num_seqs or DEFAULT_MAX_NUM_SEQS
         window = min(_MAX_WORKERS, max(2, math.ceil(2 * max_num_seqs / max(1, batch_size))))
+        device = next(self.model.parameters()).device.type
         model_iterator.loader = _ConcurrentForward(
-            model_iterator.loader, self.forward, model_iterator.params, window
+            model_iterator.loader, self.forward, model_iterator.params, window, device
         )
         model_iterator.infer = _result
         model_iterator.params = {}
@@ -91,8 +92,9 @@ class _ConcurrentForward:
     """Iterates `loader` in the calling thread and yields, in order, futures of ``forward(item)`` run
     in worker threads, with at most `window` in flight."""
 
-    def __init__(self, loader: Any, forward: Any, params: dict[str, Any], window: int) -> None:
+    def __init__(self, loader: Any, forward: Any, params: dict[str, Any], window: int, device: str) -> None:
         self.loader = loader
+        self.device = device
         self.forward = forward
         self.params = params
         self.window = window
@@ -105,11 +107,10 @@ class _ConcurrentForward:
         in_flight: deque[Future] = deque()
         # The caller's autocast, which is thread-local, holds in the workers too (HF's pipeline runs the
         # forward in the caller's thread, under it; the call then goes to transformers).
-        self._autocast = [
-            (device, torch.get_autocast_dtype(device))
-            for device in ("cpu", "cuda")
-            if torch.is_autocast_enabled(device)
-        ]
+        device = self.device
+        self._autocast = (
+            [(device, torch.get_autocast_dtype(device))] if torch.is_autocast_enabled(device) else []
+        )
         base = int(torch.randint(0, 2**62, ()).item())  # here, in the calling thread, in order
         try:
             for index, item in enumerate(self.loader):

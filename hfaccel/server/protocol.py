@@ -7,6 +7,7 @@ nothing about the output (`user`, `metadata`, ...) are accepted.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -162,37 +163,46 @@ class APIError(Exception):
         return error_body(self.message, self.kind, self.param, self.status)
 
 
-def lone_surrogate(value: Any, path: str = "") -> str | None:
-    """Where the first lone UTF-16 surrogate of a request body (parsed JSON) is, as a field path, or None.
-    JSON carries one (``"\\ud800"``), but it is no text: no encoding or tokenizer takes it."""
+def unreadable(value: Any, path: str = "") -> tuple[str, str] | None:
+    """Where the first value of a request body (parsed JSON) that no text or JSON can carry on is, as (a
+    field path, what it is), or None: a lone UTF-16 surrogate (JSON carries one, ``"\\ud800"``, but it is
+    no text: no encoding or tokenizer takes it) or a number that is not finite (Python's JSON reads
+    ``NaN``, which no JSON answer can repeat), in fields of any type (``metadata``, a tool's schema)."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return path or "body"
+            return path or "body", "surrogate"
         return None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path or "body", "number")
     if isinstance(value, dict):
         for key, item in value.items():
-            if lone_surrogate(key) is not None:  # the key itself: name the object that holds it
-                return path or "body"
-            found = lone_surrogate(item, f"{path}.{key}" if path else str(key))
+            if unreadable(key) is not None:  # the key itself: name the object that holds it
+                return path or "body", "surrogate"
+            found = unreadable(item, f"{path}.{key}" if path else str(key))
             if found:
                 return found
     elif isinstance(value, list):
         for i, item in enumerate(value):
-            found = lone_surrogate(item, f"{path}[{i}]")
+            found = unreadable(item, f"{path}[{i}]")
             if found:
                 return found
     return None
 
 
 def check_text(body: BaseModel) -> None:
-    """A 400 naming the first field of `body` that holds a lone surrogate (`lone_surrogate`)."""
-    where = lone_surrogate(body.model_dump(by_alias=True, exclude_none=True))
-    if where is not None:
-        raise APIError(
-            400, "the text holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is no character", where
-        )
+    """A 400 naming the first field of `body` that holds a lone surrogate or a number that is not finite
+    (`unreadable`)."""
+    found = unreadable(body.model_dump(by_alias=True, exclude_none=True))
+    if found is None:
+        return
+    where, what = found
+    if what == "number":
+        raise APIError(400, "a number that is not finite (NaN or infinity), which JSON does not carry", where)
+    raise APIError(
+        400, "the text holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is no character", where
+    )
 
 
 def field_path(location: Any, others: Any = ()) -> str | None:

@@ -75,7 +75,7 @@ def generate_kwargs(
         if value is not None:
             kwargs[field] = value
     if request.top_k is not None and request.top_k < 1:
-        kwargs.pop("top_k")  # vLLM's -1 / 0: no top-k
+        kwargs["top_k"] = 0  # vLLM's -1 / 0: no top-k (not the generation config's, as leaving it out would)
     if request.min_tokens:
         kwargs["min_new_tokens"] = min(request.min_tokens, max_tokens)
     if request.ignore_eos:

@@ -135,6 +135,11 @@ class GrammarProcessor(LogitsProcessor):
                 matcher = self._matcher(self.rows.generated(row))
                 if matcher is not None:
                     matcher.fill_next_token_bitmask(mask, i)
+                    if not mask[i].any():  # a dead end: a sub-schema no value satisfies (a recursive $ref)
+                        raise ValueError(
+                            "the JSON schema cannot be used: the answer reached a point no token can continue "
+                            "(a part of the schema that no JSON value satisfies)"
+                        )
                     masked.append(i)
         out = scores.to(dtype=torch.float32, copy=True)
         if masked:

@@ -238,8 +238,8 @@ def test_library_hooks_and_hooks_said_to_read_packed_steps_keep_the_call_on_the_
     def steer_every_token(module, args, output):
         return output + vector
 
-    steer_every_token.hfaccel_packed = True
     model.model.layers[0].mlp.register_forward_hook(steer_every_token)
+    steer_every_token.hfaccel_packed = True  # marked after registering: read at each call
     ids = torch.tensor([[5, 6, 7], [7, 3, 4]])
     expected = model.generate(ids, max_new_tokens=4, do_sample=False)
     hfaccel.patch(model)
@@ -262,5 +262,22 @@ def test_a_model_made_in_inference_mode_is_served():
     try:
         with torch.inference_mode():
             assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), expected)
+    finally:
+        hfaccel.unpatch(model)
+
+
+def test_neftunes_noise_is_not_taken_for_a_library_hook_that_changes_nothing():
+    """transformers' NEFTune hook scales its noise by the embeddings' [B, L] size, which a packed step is
+    not: the call goes to transformers."""
+    from transformers.integrations.neftune import neftune_post_forward_hook
+
+    model = tiny_model("llama")
+    embeddings = model.get_input_embeddings()
+    embeddings.neftune_noise_alpha = 5.0
+    embeddings.register_forward_hook(neftune_post_forward_hook)
+    hfaccel.patch(model)
+    try:
+        with pytest.warns(UserWarning, match=r"a forward hook on model\.embed_tokens"):
+            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
     finally:
         hfaccel.unpatch(model)

@@ -271,3 +271,18 @@ def test_an_answer_sent_back_as_the_openai_client_gives_it_is_taken(served, clie
         served[0], "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": 2}
     )
     assert code == 200, answer
+
+
+@pytest.mark.parametrize(
+    ("top_k", "temperature", "expected"), [(-1, 0.7, 0), (0, 0.7, 0), (5, 0.7, 5), (None, 1e-45, None)]
+)
+def test_sampling_fields_as_generate_arguments(top_k, temperature, expected):
+    """vLLM's top_k of -1 or 0 is no top-k: transformers' 0, not left out (the model's generation config,
+    Qwen3's top_k=20, would then apply); a temperature too small to divide by is greedy."""
+    from hfaccel.server.protocol import ChatCompletionRequest
+    from hfaccel.server.sampling import Limits, generate_kwargs
+
+    request = ChatCompletionRequest(model=MODEL, messages=CHAT, top_k=top_k, temperature=temperature)
+    kwargs = generate_kwargs(request, 4, 10, 512, Limits(), 256)
+    assert kwargs.get("top_k") == expected
+    assert kwargs["do_sample"] is (temperature >= 1e-5)

@@ -213,6 +213,7 @@ def test_a_stop_string_ends_the_answer_and_is_left_out(served, client):
         ({"temperature": float("nan")}, 400, "temperature"),
         ({"logit_bias": {"5": float("inf")}}, 400, "logit_bias.5"),
         ({"model": None}, 400, "model"),
+        ({"metadata": {"a": float("nan")}}, 400, "metadata.a"),  # any field: no JSON answer repeats it
         ({"model": "gpt-4"}, 404, "model"),
         ({"messages": [{"role": "user", "content": "x" * 300}]}, 413, "messages"),
         ({"messages": []}, 400, "messages"),

@@ -218,3 +218,15 @@ def test_a_slow_schema_compile_does_not_stall_the_other_requests(served, monkeyp
     status, _, answer = answers["slow"]
     assert status == 200 and json.loads(answer["choices"][0]["message"]["content"])["c"] in ("yes", "no")
     assert threads and threads[0] is not threading.main_thread() and threads[0].name.startswith("asyncio")
+
+
+def test_a_schema_with_a_dead_end_past_its_start_is_a_400_not_free_text(client, served):
+    """``{"a": <a recursive $ref>}`` opens (``{``) but no token can follow ``{"a":``: the answer fails
+    with the reason, never goes on unconstrained."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}, "required": ["a"]}
+    body = {
+        "model": MODEL, "messages": CHAT, "max_tokens": 200, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    }  # fmt: skip
+    status, _, answer = post(served[0], "/v1/chat/completions", body)
+    assert status == 400 and "no token can continue" in answer["error"]["message"], answer
