@@ -250,3 +250,105 @@ def test_streamed_deltas_never_show_half_a_character(smollm2):
     deltas = [events._event(0, token, k == len(ids) - 1, None).text for k, token in enumerate(ids)]
     assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
     assert deltas[0] == "" and deltas[1] == "お"
+
+
+class _Broken:
+    """A logits processor that returns what no processor should, on the rows of one prompt."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def __call__(self, input_ids, scores):
+        return self.result(scores)
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        lambda scores: scores[:, :10],
+        lambda scores: None,
+        lambda scores: scores.tolist(),
+        lambda scores: 1 / 0,
+    ],
+    ids=["narrowed", "None", "a list", "raises"],
+)
+def test_a_processor_that_fails_fails_its_own_call_while_concurrent_callers_complete(result):
+    """Another caller's bad processor output failed every request of the step (its shape checked only
+    where the scores were written back); with errors="return" the call's other prompts come back too."""
+    import threading
+
+    from transformers import LogitsProcessorList
+
+    model = hfaccel.patch(tiny_model())
+    prompts = varied_prompts(4, seed=4)
+    results, errors = {}, {}
+
+    def good(index):
+        results[index] = hfaccel.generate(model, [prompts[index]], max_new_tokens=8, progress=False)
+
+    try:
+        threads = [threading.Thread(target=good, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        processors = LogitsProcessorList([_Broken(result)])
+        try:
+            hfaccel.generate(
+                model, [prompts[3]], max_new_tokens=8, progress=False, logits_processor=processors
+            )
+        except Exception as error:
+            errors["bad"] = error
+        for thread in threads:
+            thread.join(60)
+        assert "bad" in errors
+        for index in range(3):
+            assert results[index][0].token_ids == hf_greedy(model, prompts[index], 8)
+        returned = hfaccel.generate(
+            model, prompts[:2], max_new_tokens=8, progress=False, errors="return", logits_processor=processors
+        )
+        assert [c.finish_reason for c in returned] == ["error", "error"] and returned[0].error
+        assert model._hfaccel.loop.wait_idle(5) and model._hfaccel.engine.block_manager.num_used_blocks == 0
+    finally:
+        hfaccel.unpatch(model)
+
+
+def test_errors_return_gives_back_the_prompts_whose_own_processor_raised_beside_the_others():
+    from transformers import LogitsProcessorList
+
+    model = tiny_model()
+    prompts = varied_prompts(3, seed=5)
+
+    def only_on(prompt):
+        def processor(input_ids, scores):
+            if input_ids[0, : len(prompt)].tolist() == prompt:
+                raise ValueError("boom")
+            return scores
+
+        return processor
+
+    completions = hfaccel.generate(
+        model, prompts, max_new_tokens=6, progress=False, errors="return",
+        logits_processor=LogitsProcessorList([only_on(prompts[1])]),
+    )  # fmt: skip
+    assert [c.finish_reason == "error" for c in completions] == [False, True, False]
+    assert "boom" in completions[1].error
+    assert completions[0].token_ids == hf_greedy(model, prompts[0], 6)
+    assert completions[2].token_ids == hf_greedy(model, prompts[2], 6)
+
+
+def test_sampling_from_nan_scores_raises_as_transformers_does():
+    from transformers import LogitsProcessorList
+
+    model = tiny_model()
+
+    def nan_after_two(input_ids, scores):
+        return scores.fill_(float("nan")) if input_ids.shape[1] > 5 else scores
+
+    kwargs = {
+        "max_new_tokens": 6,
+        "do_sample": True,
+        "logits_processor": LogitsProcessorList([nan_after_two]),
+    }
+    with pytest.raises(RuntimeError, match="probability tensor contains either `inf`, `nan` or element < 0"):
+        model.generate(torch.tensor([[5, 6, 7, 8]]), **kwargs)  # transformers' own
+    with pytest.raises(RuntimeError, match="probability tensor contains either `inf`, `nan` or element < 0"):
+        hfaccel.generate(model, [[5, 6, 7, 8]], progress=False, **kwargs)

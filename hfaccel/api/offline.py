@@ -63,7 +63,10 @@ def generate(
         errors: a refused prompt (empty, longer than the context, an invalid generation argument) never
             stops the others; they complete, then ``"raise"`` raises `RequestError` (a ValueError that
             names every refused prompt and carries all completions), ``"return"`` returns them with
-            ``finish_reason="error"`` (``num_return_sequences`` of them, in the prompt's place).
+            ``finish_reason="error"`` (``num_return_sequences`` of them, in the prompt's place). A
+            request whose own logits processors or criteria raise fails alone: ``"raise"`` raises that
+            error (the call's other requests are cancelled), ``"return"`` returns it as an error
+            completion beside the others.
         seed: the random stream of sampled requests: request ``i`` (in result order) draws from its own
             generator seeded with ``seed + i``, so its samples are the same whatever else runs beside it.
             A list, one seed per prompt: prompt p's r-th request draws from ``seed[p] + r`` (each prompt
@@ -93,7 +96,7 @@ def generate(
             completions = run_data_parallel(model, state, dp, call, tokenizer, progress)
         else:
             if call.runnable:
-                state.get_loop(model).run(call.runnable, progress=progress)
+                state.get_loop(model).run(call.runnable, progress=progress, raise_errors=errors == "raise")
             completions = build_completions(call, tokenizer)
         if prompt_logprobs is not None:
             add_prompt_logprobs(model, completions, int(prompt_logprobs))
@@ -150,7 +153,7 @@ async def agenerate(
         prompt_logprobs, errors, seed, targets, adapter,
     ) as (state, call):  # fmt: skip
         if call.runnable:
-            submission = state.get_loop(model).submit_async(call.runnable)
+            submission = state.get_loop(model).submit_async(call.runnable, raise_errors=errors == "raise")
             if progress:
                 from tqdm.auto import tqdm
 

@@ -78,13 +78,16 @@ class EngineLoop:
 
     # ----------------------------------------------------------------- callers (any thread)
 
-    def submit(self, requests: Sequence[Request], *, stream: bool = False) -> Submission:
+    def submit(
+        self, requests: Sequence[Request], *, stream: bool = False, raise_errors: bool = True
+    ) -> Submission:
         """Queue `requests` (built by ``engine.make_request``) for this caller's thread to consume.
 
         `stream=True` delivers every new token; otherwise only each request's end is reported.
+        `raise_errors=False`: a request that fails finishes as an error, the others go on.
         """
         self._refuse_reentry()
-        submission = Submission(self, requests, stream)
+        submission = Submission(self, requests, stream, raise_errors=raise_errors)
         self._post("submit", submission)
         return submission
 
@@ -117,16 +120,18 @@ class EngineLoop:
             with _waits_lock:
                 _waits.pop(id(waiter), None)
 
-    def submit_async(self, requests: Sequence[Request], *, stream: bool = False) -> Submission:
+    def submit_async(
+        self, requests: Sequence[Request], *, stream: bool = False, raise_errors: bool = True
+    ) -> Submission:
         """`submit` for the running event loop: consume with ``Submission.aupdates``."""
         self._refuse_reentry()
-        submission = Submission(self, requests, stream, asyncio.get_running_loop())
+        submission = Submission(self, requests, stream, asyncio.get_running_loop(), raise_errors)
         self._post("submit", submission)
         return submission
 
-    def run(self, requests: Sequence[Request], progress: bool = False) -> None:
+    def run(self, requests: Sequence[Request], progress: bool = False, raise_errors: bool = True) -> None:
         """Submit `requests` and block until all finish (the blocking counterpart of `Engine.run`)."""
-        self.submit(requests).wait(progress)
+        self.submit(requests, raise_errors=raise_errors).wait(progress)
 
     def close(self, reason: BaseException | None = None, timeout: float | None = 10.0) -> None:
         """Stop the loop for good: requests in flight fail with `reason` (their callers get it raised),

@@ -94,16 +94,21 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             row = scores[i : i + 1]
             try:
                 processed = params.processors(ids, row)
+                if not isinstance(processed, torch.Tensor) or processed.shape != row.shape:
+                    shape = tuple(processed.shape) if isinstance(processed, torch.Tensor) else type(processed)
+                    raise ValueError(
+                        f"a logits processor returned {shape}, not scores of shape {tuple(row.shape)}"
+                    )
+                if params.output_logits and i not in masked:
+                    # HF records the very tensor its processors were given as the raw logits, so a processor
+                    # that edits its input in place shows in them: the same here (an unmasked row is it).
+                    raw[i] = row[0].to(device="cpu", copy=True)
+                scores[i : i + 1] = processed
             except BaseException as error:  # the request's own processors (a caller's): it fails alone
                 if not fails_alone(error):
                     raise
                 request.fail(error)
                 continue
-            if params.output_logits and i not in masked:
-                # HF records the very tensor its processors were given as the raw logits, so a processor
-                # that edits its input in place shows in them: the same here (an unmasked row is that tensor).
-                raw[i] = row[0].to(device="cpu", copy=True)
-            scores[i : i + 1] = processed
         if params.warpers:
             groups[id(params)].append(i)
     for rows in groups.values():
@@ -119,8 +124,15 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         noise = torch.empty_like(probs)
         for row, i in enumerate(sampled_rows):
             noise[row].exponential_(generator=request_generator(requests[i], scores.device))
-        tokens[index] = argmax_rows(probs / noise)
+        # A row whose probabilities hold NaN (scores of NaN or +inf, or all -inf) draws no token: -1,
+        # read with the others in the one copy to the host below.
+        drawn = argmax_rows(probs / noise)
+        tokens[index] = torch.where(torch.isfinite(probs).all(dim=-1), drawn, torch.full_like(drawn, -1))
     chosen = tokens.tolist()
+    for i, token in enumerate(chosen):
+        if token < 0:  # as HF's torch.multinomial raises for them; the draw would pick token 0, silently
+            requests[i].fail(RuntimeError("probability tensor contains either `inf`, `nan` or element < 0"))
+            chosen[i] = 0
     _record_outputs(logits, scores, chosen, requests, raw)
     return chosen
 

@@ -50,8 +50,12 @@ class Submission:
         requests: Sequence[Request],
         stream: bool,
         event_loop: asyncio.AbstractEventLoop | None = None,
+        raise_errors: bool = True,
     ) -> None:
         self.id = next(_submission_ids)
+        # False: a request that fails with an Exception (its own processors raised) finishes as an error
+        # and the others go on (`hfaccel.generate(errors="return")`); an interruption still raises.
+        self.raise_errors = raise_errors
         self.loop = loop
         self.requests = list(requests)
         self.stream = stream
@@ -181,7 +185,9 @@ class Submission:
         if update.finished:
             self._pending -= 1
             request = self.requests[update.index]
-            if request.finish_reason == "error":
+            if request.finish_reason == "error" and (
+                self.raise_errors or not isinstance(request.error, Exception)
+            ):
                 raise request.error or RuntimeError(f"request {request.request_id!r} failed")
         return update
 
