@@ -147,8 +147,10 @@ def weights_and_mode_reason(model: torch.nn.Module) -> str | None:
 
 def _weights_and_mode_reason(model: torch.nn.Module) -> str | None:
     own = vars(model).get("prepare_inputs_for_generation")
-    theirs = getattr(own, "__func__", None) is not type(model).prepare_inputs_for_generation
-    if own is not None and (theirs or getattr(own, "__self__", None) is not model):
+    if own is not None and (
+        getattr(own, "__func__", None) is not getattr(type(model), "prepare_inputs_for_generation", None)
+        or getattr(own, "__self__", None) is not model
+    ):
         # PEFT's prompt learning puts its own there for its generate (its virtual tokens), as may a user;
         # after its call it puts back the class's own, bound to the model: that one is the model's.
         return "prepare_inputs_for_generation replaced on the model (PEFT's prompt learning adds its tokens there)"
