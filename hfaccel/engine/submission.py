@@ -113,9 +113,12 @@ class Submission:
                 # KeyboardInterrupt (the caller gets control back at once) and on the loop thread itself:
                 # an abandoned stream's cleanup may run there (the garbage collector closes it wherever it
                 # collects), and the loop cannot wait for itself.
+                # Nor where this thread holds the loop's lock: the collector may run the cleanup inside any
+                # allocation, one in the loop's own locked sections included, and the loop needs the lock.
                 self.cancel(
                     wait=not isinstance(sys.exc_info()[1], KeyboardInterrupt)
                     and threading.current_thread() not in (self.loop._thread, self.loop._stepper)
+                    and not self.loop._cond._is_owned()
                 )
 
     async def aupdates(self) -> AsyncIterator[Update]:

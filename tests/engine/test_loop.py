@@ -416,3 +416,50 @@ def test_a_driver_never_steps_a_submission_that_arrived_before_its_step(model):
     theirs.wait()
     assert loop.is_running or loop.engine.num_steps > 0
     assert not loop.engine.has_unfinished_requests() and loop.engine.block_manager.num_used_blocks == 0
+
+
+_COLLECTED_INSIDE_THE_LOCK = """
+import asyncio, gc, threading
+import hfaccel
+from tests.helpers import tiny_model
+
+model = hfaccel.patch(tiny_model())
+busy = threading.Thread(
+    target=lambda: asyncio.run(hfaccel.agenerate(model, [[9] * 10], max_new_tokens=300, min_new_tokens=300))
+)
+busy.start()  # a coroutine caller: the loop's own thread steps
+stream = hfaccel.stream(model, [[5] * 10], max_new_tokens=300, min_new_tokens=300)
+next(stream)
+cycle = {"stream": stream}
+cycle["self"] = cycle  # only the collector frees it
+del stream, cycle
+loop = model._hfaccel.loop
+with loop._cond:
+    gc.collect()
+busy.join(60)
+assert loop.wait_idle(10) and model._hfaccel.engine.block_manager.num_used_blocks == 0
+hfaccel.unpatch(model)
+print("done")
+"""
+
+
+def test_an_abandoned_stream_collected_inside_the_loops_lock_does_not_wait_for_the_loop():
+    """The garbage collector may close an abandoned stream inside any allocation, one in the loop's own
+    locked sections included: its cleanup then cancels without waiting (the loop needs that lock). In a
+    process of its own: the deadlock this guards against would hang the interpreter's exit."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", _COLLECTED_INSIDE_THE_LOCK],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the collector's thread waited for the loop while holding its lock")
+    assert result.returncode == 0 and "done" in result.stdout, result.stderr[-2000:]
