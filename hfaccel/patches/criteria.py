@@ -43,8 +43,13 @@ class RowCriteria:
             kept = self._scores.setdefault(id(request), [])
             kept.extend(s[None].to(self.device) for s in request.scores[len(kept) :])
             scores = tuple(kept)
-        done = self.criteria(ids, scores)
-        return bool(torch.as_tensor(done).any())
+        done = torch.as_tensor(self.criteria(ids, scores))
+        if done.numel() != 1:  # HF's contract: one bool per row (its generate fails on another shape too)
+            raise ValueError(
+                f"a stopping criterion returned a tensor of shape {tuple(done.shape)} for a batch of 1 row "
+                "(the engine asks each row alone): return one bool per row of input_ids"
+            )
+        return bool(done.any())
 
 
 def builtin_types(model: Any, config: GenerationConfig) -> set[type]:

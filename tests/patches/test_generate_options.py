@@ -853,3 +853,23 @@ def test_a_static_cache_returned_is_hfs_class_and_size_sliding_layers_included()
         assert mine.keys.shape == hfs.keys.shape and mine.cumulative_length_int == hfs.cumulative_length_int
         torch.testing.assert_close(mine.keys[1], hfs.keys[1])  # row 1: no padding
         torch.testing.assert_close(mine.values[1], hfs.values[1])
+
+
+def test_a_stopping_criterion_answering_for_more_rows_than_it_was_given_is_an_error():
+    """HF's contract is one bool per row; a criterion that answers for a fixed batch (here 5 rows) was
+    read as "any of them", for each row alone, silently. HF's generate fails on it too."""
+
+    class FiveRows(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.tensor([False, False, True, False, False])
+
+    model = hfaccel.patch(tiny_model())
+    try:
+        with pytest.raises(ValueError, match=r"a stopping criterion returned a tensor of shape \(5,\)"):
+            model.generate(
+                torch.tensor([[5, 6, 7]]),
+                max_new_tokens=4,
+                stopping_criteria=StoppingCriteriaList([FiveRows()]),
+            )
+    finally:
+        hfaccel.unpatch(model)
