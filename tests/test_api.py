@@ -352,3 +352,79 @@ def test_sampling_from_nan_scores_raises_as_transformers_does():
         model.generate(torch.tensor([[5, 6, 7, 8]]), **kwargs)  # transformers' own
     with pytest.raises(RuntimeError, match="probability tensor contains either `inf`, `nan` or element < 0"):
         hfaccel.generate(model, [[5, 6, 7, 8]], progress=False, **kwargs)
+
+
+def test_errors_return_still_raises_a_fault_of_the_step():
+    """errors="return" is for a request's own failures; a failed forward (here injected) fails the step's
+    requests and the call raises, as with errors="raise"."""
+    model = hfaccel.patch(tiny_model())
+    engine = model._hfaccel.get_engine(model)
+    run, calls = engine.runner.run, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("an injected device fault")
+        return run(*args, **kwargs)
+
+    engine.runner.run = failing
+    try:
+        with pytest.raises(RuntimeError, match="an injected device fault"):
+            hfaccel.generate(model, varied_prompts(3), max_new_tokens=5, progress=False, errors="return")
+    finally:
+        engine.runner.run = run
+        hfaccel.unpatch(model)
+
+
+def test_a_failed_requests_outputs_stop_at_its_last_token_and_a_flat_row_is_taken():
+    """The step a request fails in records nothing for it (its logprobs had one entry too many); a
+    processor that returns the row flat (``[V]`` for a batch of one) is read as transformers' greedy
+    search reads it."""
+    from transformers import LogitsProcessorList
+
+    model = tiny_model()
+
+    def nan_after_two(input_ids, scores):
+        return scores.fill_(float("nan")) if input_ids.shape[1] > 5 else scores
+
+    failed = hfaccel.generate(
+        model, [[5, 6, 7, 8]], max_new_tokens=6, do_sample=True, logprobs=True, progress=False, errors="return",
+        logits_processor=LogitsProcessorList([nan_after_two]),
+    )[0]  # fmt: skip
+    assert failed.finish_reason == "error" and len(failed.logprobs) == len(failed.token_ids) == 2
+
+    def flat(input_ids, scores):
+        return scores[0]
+
+    ids = torch.tensor([[5, 6, 7, 8]])
+    expected = model.generate(
+        ids, max_new_tokens=5, do_sample=False, logits_processor=LogitsProcessorList([flat])
+    )
+    hfaccel.patch(model)
+    try:
+        out = model.generate(
+            ids, max_new_tokens=5, do_sample=False, logits_processor=LogitsProcessorList([flat])
+        )
+        assert torch.equal(out, expected)
+    finally:
+        hfaccel.unpatch(model)
+
+
+def test_speculative_verification_of_nan_scores_raises_too():
+    from transformers import LogitsProcessorList
+
+    model = hfaccel.patch(tiny_model(), speculative="ngram", num_speculative_tokens=3)
+
+    def nan_late(input_ids, scores):
+        return scores.fill_(float("nan")) if input_ids.shape[1] > 14 else scores
+
+    try:
+        with pytest.raises(
+            RuntimeError, match="probability tensor contains either `inf`, `nan` or element < 0"
+        ):
+            hfaccel.generate(
+                model, [[5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]], max_new_tokens=12, do_sample=True, progress=False,
+                logits_processor=LogitsProcessorList([nan_late]),
+            )  # fmt: skip
+    finally:
+        hfaccel.unpatch(model)

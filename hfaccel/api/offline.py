@@ -114,8 +114,8 @@ def run_data_parallel(
         dp, state.get_engine(model), [len(plans[i].prompt_token_ids) for i in indices]
     )
     mine = [i for i, o in zip(indices, owner) if o == dp.replica]
-    if mine:
-        state.get_loop(model).run([plans[i] for i in mine], progress=progress)
+    if mine:  # an error of its own comes back as an error completion: every rank reaches the gather
+        state.get_loop(model).run([plans[i] for i in mine], progress=progress, raise_errors=False)
     index_of = call.prompt_indexes
     done = data_parallel.gather(dp, {i: build_completion(plans[i], tokenizer, index_of[i]) for i in mine})
     return [

@@ -23,7 +23,7 @@ from hfaccel.api.results import Call, Done, Hypothesis, no_metrics
 from hfaccel.engine.request import Request
 from hfaccel.patches.arguments import check_generate_kwargs, normalize_cache_argument
 from hfaccel.patches.generate import warn_past_context
-from hfaccel.patches.models import reasons_held
+from hfaccel.patches.models import reasons_held, reasons_suspended
 from hfaccel.patches.params import stop_string_check
 from hfaccel.patches.patch_state import PatchState, fall_back
 from hfaccel.patches.planner import GenerateCall, beam_requests, make_requests
@@ -198,7 +198,8 @@ def plan_prompt(
         extra = dict(kwargs) if adapter is None else dict(kwargs, adapter_names=[adapter])  # PEFT's generate
         if config is not None:
             extra["generation_config"] = copy.deepcopy(config)
-        output = state.run_original(input_ids, tokenizer=tokenizer, **extra)
+        with reasons_suspended():  # the user's code it runs may generate, in another state of the model
+            output = state.run_original(input_ids, tokenizer=tokenizer, **extra)
         seconds = time.perf_counter() - start
         sequences = output.sequences if hasattr(output, "sequences") else output
         return [

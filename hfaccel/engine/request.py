@@ -197,6 +197,7 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     finish_reason: str | None = None
     error: BaseException | None = None  # why it failed (finish_reason "error"): the step's fault, or its own
+    failed_alone: bool = False  # the error is its own (`fail(alone=True)`), not the step's
     num_preemptions: int = 0
     # A LoRA adapter the executor applies to this request's tokens (None: the model as it is), and the
     # prefix-cache salt: requests with different salts never share KV blocks (set to the adapter).
@@ -335,7 +336,7 @@ class Request:
             except BaseException as error:  # the request's own callback: it fails alone
                 if not fails_alone(error):
                     raise
-                self.fail(error)
+                self.fail(error, alone=True)
                 return
             if stop:
                 self.finish("stop")
@@ -349,12 +350,19 @@ class Request:
         self.metrics.finish_time = time.perf_counter()
         self.status = RequestStatus.FINISHED  # last: a request is finished only with its reason set
 
-    def fail(self, error: BaseException) -> None:
-        """Finish with ``finish_reason="error"`` and keep `error` (the first one, if it fails twice)."""
+    def fail(self, error: BaseException, alone: bool = False) -> None:
+        """Finish with ``finish_reason="error"`` and keep `error` (the first one, if it fails twice).
+        `alone`: the request's own doing (its processors or criteria raised, its scores were NaN), which
+        ``hfaccel.generate(errors="return")`` returns beside the others; a step's fault is raised."""
         if self.is_finished and self.finish_reason == "error":
             return
         self.error = error
+        self.failed_alone = alone
         self.finish("error")
+
+
+# What transformers' torch.multinomial raises for probabilities that are not finite, and the engine with it.
+NOT_FINITE = "probability tensor contains either `inf`, `nan` or element < 0"
 
 
 def fails_alone(error: BaseException) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from hfaccel.engine.beam_search import choose_group_tokens
-from hfaccel.engine.request import Request, fails_alone, request_generator
+from hfaccel.engine.request import NOT_FINITE, Request, fails_alone, request_generator
 from hfaccel.engine.speculative.verify import verify_drafts
 from hfaccel.kernels.cpu_argmax import argmax_index, argmax_rows
 
@@ -94,11 +94,13 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             row = scores[i : i + 1]
             try:
                 processed = params.processors(ids, row)
-                if not isinstance(processed, torch.Tensor) or processed.shape != row.shape:
+                if not isinstance(processed, torch.Tensor) or processed.numel() != row.numel():
+                    # (a [V] row for a batch of one is taken, as transformers' greedy search takes it)
                     shape = tuple(processed.shape) if isinstance(processed, torch.Tensor) else type(processed)
                     raise ValueError(
                         f"a logits processor returned {shape}, not scores of shape {tuple(row.shape)}"
                     )
+                processed = processed.view(row.shape)
                 if params.output_logits and i not in masked:
                     # HF records the very tensor its processors were given as the raw logits, so a processor
                     # that edits its input in place shows in them: the same here (an unmasked row is it).
@@ -107,7 +109,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             except BaseException as error:  # the request's own processors (a caller's): it fails alone
                 if not fails_alone(error):
                     raise
-                request.fail(error)
+                request.fail(error, alone=True)
                 continue
         if params.warpers:
             groups[id(params)].append(i)
@@ -126,12 +128,13 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             noise[row].exponential_(generator=request_generator(requests[i], scores.device))
         # A row whose probabilities hold NaN (scores of NaN or +inf, or all -inf) draws no token: -1,
         # read with the others in the one copy to the host below.
+        # (softmax makes such a row NaN throughout: its first column says it)
         drawn = argmax_rows(probs / noise)
-        tokens[index] = torch.where(torch.isfinite(probs).all(dim=-1), drawn, torch.full_like(drawn, -1))
+        tokens[index] = torch.where(probs[:, 0].isfinite(), drawn, torch.full_like(drawn, -1))
     chosen = tokens.tolist()
     for i, token in enumerate(chosen):
         if token < 0:  # as HF's torch.multinomial raises for them; the draw would pick token 0, silently
-            requests[i].fail(RuntimeError("probability tensor contains either `inf`, `nan` or element < 0"))
+            requests[i].fail(RuntimeError(NOT_FINITE), alone=True)
             chosen[i] = 0
     _record_outputs(logits, scores, chosen, requests, raw)
     return chosen
@@ -195,6 +198,8 @@ def _record_outputs(
     logprobs = None
     for i, request in enumerate(requests):
         params = request.sampling
+        if request.finish_reason == "error":  # failed in this step: it emits no token to record
+            continue
         if params.output_scores:
             request.scores.append(scores[i].to(device="cpu", copy=True))
         if params.output_logits:

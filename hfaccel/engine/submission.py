@@ -53,8 +53,9 @@ class Submission:
         raise_errors: bool = True,
     ) -> None:
         self.id = next(_submission_ids)
-        # False: a request that fails with an Exception (its own processors raised) finishes as an error
-        # and the others go on (`hfaccel.generate(errors="return")`); an interruption still raises.
+        # False: a request that fails alone (its own processors raised: `Request.fail(alone=True)`)
+        # finishes as an error and the others go on (`hfaccel.generate(errors="return")`); a step's fault
+        # or an interruption still raises.
         self.raise_errors = raise_errors
         self.loop = loop
         self.requests = list(requests)
@@ -188,9 +189,7 @@ class Submission:
         if update.finished:
             self._pending -= 1
             request = self.requests[update.index]
-            if request.finish_reason == "error" and (
-                self.raise_errors or not isinstance(request.error, Exception)
-            ):
+            if request.finish_reason == "error" and (self.raise_errors or not request.failed_alone):
                 raise request.error or RuntimeError(f"request {request.request_id!r} failed")
         return update
 

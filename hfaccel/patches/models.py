@@ -133,6 +133,19 @@ def reasons_held(model: torch.nn.Module) -> Iterator[None]:
 _UNKNOWN = object()
 
 
+@contextmanager
+def reasons_suspended() -> Iterator[None]:
+    """Inside this block, in this thread, no reason is held (`reasons_held`): transformers' generate of a
+    prompt that fell back runs the user's code, which may call the model's generate under another
+    autocast, or with PEFT's method swapped in."""
+    previous = getattr(_held, "entry", None)
+    _held.entry = None
+    try:
+        yield
+    finally:
+        _held.entry = previous
+
+
 def weights_and_mode_reason(model: torch.nn.Module) -> str | None:
     """Why a call on `model` goes to transformers, as the model and the calling thread are now: a replaced
     ``prepare_inputs_for_generation``, ``torch.autocast`` around the call, activations quantized on the
@@ -200,17 +213,17 @@ def user_hooks_reason(model: torch.nn.Module, modules: list[torch.nn.Module] | N
 
     global_hooks = (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks)
     for hooks in global_hooks:
-        if not all(_library_hook(hook) for hook in hooks.values()):
+        if not all(_library_hook(hook, None) for hook in hooks.values()):
             return "a global forward hook (it would see the engine's packed steps)"
     for module in modules or all_modules(model):
         for hooks in (module._forward_hooks, module._forward_pre_hooks):
-            if hooks and not all(_library_hook(hook) for hook in hooks.values()):
+            if hooks and not all(_library_hook(hook, module) for hook in hooks.values()):
                 name = next(n for n, m in model.named_modules() if m is module) or "the model"
                 return f"a forward hook on {name} (it would see the engine's packed steps)"
     return None
 
 
-def _library_hook(hook: Any) -> bool:
+def _library_hook(hook: Any, module: torch.nn.Module | None) -> bool:
     """Whether `hook` is a library's that changes no value, or one its author marked ``hfaccel_packed``
     (on the hook or on the function a partial wraps). Asked afresh each call: a few attribute reads."""
     target = hook
@@ -221,7 +234,7 @@ def _library_hook(hook: Any) -> bool:
     if getattr(target, "hfaccel_packed", False):
         return True
     if getattr(target, "__name__", "") in _VALUE_CHANGING_LIBRARY_HOOKS:
-        return False
+        return module is not None and not module.training  # NEFTune adds its noise in train mode only
     origin = getattr(target, "__module__", None) or type(target).__module__
     return isinstance(origin, str) and origin.startswith(_LIBRARY_HOOKS)
 

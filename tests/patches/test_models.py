@@ -268,7 +268,7 @@ def test_a_model_made_in_inference_mode_is_served():
 
 def test_neftunes_noise_is_not_taken_for_a_library_hook_that_changes_nothing():
     """transformers' NEFTune hook scales its noise by the embeddings' [B, L] size, which a packed step is
-    not: the call goes to transformers."""
+    not: in train mode, where it adds noise, the call goes to transformers."""
     from transformers.integrations.neftune import neftune_post_forward_hook
 
     model = tiny_model("llama")
@@ -277,6 +277,10 @@ def test_neftunes_noise_is_not_taken_for_a_library_hook_that_changes_nothing():
     embeddings.register_forward_hook(neftune_post_forward_hook)
     hfaccel.patch(model)
     try:
+        with warnings.catch_warnings():  # in eval mode it adds nothing: served
+            warnings.simplefilter("error")
+            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+        model.train()
         with pytest.warns(UserWarning, match=r"a forward hook on model\.embed_tokens"):
             model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
     finally:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hfaccel.engine.request import Request, request_generator
+from hfaccel.engine.request import NOT_FINITE, Request, request_generator
 from hfaccel.engine.speculative.rejection import accept_greedy, accept_sampled
 from hfaccel.kernels.cpu_argmax import argmax_index
 
@@ -46,11 +46,14 @@ def verify_drafts(logits: torch.Tensor, request: Request, drafts: list[int]) -> 
         for j in range(len(drafts) + 1):
             scores[j : j + 1] = process_row(scores[j : j + 1], request, drafts[:j])
     except Exception as error:  # the request's own processors raised: it fails alone (as in `sample`)
-        request.fail(error)
+        request.fail(error, alone=True)
         return [argmax_index(scores[0])]
     if not request.sampling.do_sample:
         return accept_greedy(scores, drafts)
     probs = torch.softmax(scores, dim=-1)
+    if not bool(probs[:, 0].isfinite().all()):  # NaN scores make a whole row NaN: as `sample` fails it
+        request.fail(RuntimeError(NOT_FINITE), alone=True)
+        return [0]
     draft_probs = request.speculation.draft_probs
     if draft_probs is not None:
         draft_probs = draft_probs[: len(drafts)].to(device=probs.device, dtype=probs.dtype)
