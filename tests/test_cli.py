@@ -119,6 +119,22 @@ def test_generate_reads_stdin_one_prompt_per_line(model_folder, capsys, monkeypa
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["serve", "--response-template", "{not json"], "--response-template: Expecting property name"),
         (["serve", "--response-template", '{"fields": {}}'], "--response-template: not a response template"),
+        (
+            ["serve", "--response-template", "/no/such.json"],
+            "--response-template /no/such.json: no such file",
+        ),
+        (
+            ["serve", "--chat-template", "/no/such/template.jinja"],
+            "--chat-template /no/such/template.jinja: no such",
+        ),
+        (["serve", "--port", "70000"], "argument --port: expected a port in 0-65535"),
+        (["serve", "--api-key", ""], "argument --api-key: the key is empty"),
+        (
+            ["serve", "--kv-cache-memory", "1.5"],
+            "argument --kv-cache-memory: expected bytes (an integer > 0) or",
+        ),
+        (["serve", "--kv-cache-memory", "-1"], "argument --kv-cache-memory: expected bytes"),
+        (["serve", "/no/such/dir"], "MODEL_DIR /no/such/dir: no such folder"),
     ],
 )
 def test_bad_arguments_give_one_line_errors(argv, message, capsys):
@@ -137,6 +153,41 @@ def test_a_broken_model_folder_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"hfaccel generate: error: cannot load a model from {tmp_path}: ")
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_file_or_an_adapter_folder_is_named_for_what_it_is(tmp_path, capsys):
+    (tmp_path / "weights.gguf").write_bytes(b"GGUF")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    for path, message in (
+        (tmp_path / "weights.gguf", "a file, not a folder"),
+        (tmp_path / "adapter", "a PEFT adapter folder"),
+    ):
+        with pytest.raises(SystemExit):
+            main(["generate", "--model", str(path), "hi"])
+        assert f"--model {path}: {message}" in capsys.readouterr().err
+
+
+def test_kv_cache_memory_in_bytes_reaches_the_engine_as_an_int_and_dtype_auto_keeps_the_checkpoints(
+    tmp_path, monkeypatch
+):
+    """An integer is bytes (it was read as a float, then refused as a fraction); --dtype auto loads a
+    bfloat16 checkpoint in bfloat16, as transformers' from_pretrained(dtype="auto")."""
+    pytest.importorskip("fastapi")
+    import hfaccel.server.server as server
+
+    seen = []
+    monkeypatch.setattr(server, "run_forever", lambda *args, **options: seen.append((args, options)))
+    tiny_model().to(torch.bfloat16).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    cli.run_serve(
+        cli.build_parser().parse_args(
+            ["serve", str(tmp_path), "--kv-cache-memory", "100000000", "--dtype", "auto"]
+        )
+    )
+    (model, _), options = seen.pop()
+    assert options["kv_cache_memory"] == 100_000_000 and isinstance(options["kv_cache_memory"], int)
+    assert next(model.parameters()).dtype == torch.bfloat16
 
 
 def test_no_prompts_on_stdin(model_folder, capsys, monkeypatch):

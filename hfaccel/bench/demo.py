@@ -169,8 +169,8 @@ def run_demo(
     wanted = sum(r.new_tokens for r in requests)
     shared = sum(1 for r in requests if len(r.chat) == 2)
     print(
-        f"workload: {len(requests)} chat prompts ({shared} share a {len(requests[1].prompt_ids)}-token system "
-        f"prompt), {min(r.new_tokens for r in requests)}-{max(r.new_tokens for r in requests)} new tokens "
+        f"workload: {len(requests)} chat prompts ({shared} share a system prompt), "
+        f"{min(r.new_tokens for r in requests)}-{max(r.new_tokens for r in requests)} new tokens "
         f"each, {wanted} in all"
     )
 
