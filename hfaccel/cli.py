@@ -11,15 +11,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
 import os
 import sys
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from hfaccel.cli_loading import CommandError, load_model
+from hfaccel.cli_loading import CommandError, load_model, read_templates
+from hfaccel.cli_types import (
+    _key,
+    _memory,
+    _names_from,
+    _non_negative_float,
+    _port,
+    _positive_int,
+    _positive_ints,
+    _positive_numbers,
+)
 
 SUITES = (
     "offline", "prefix", "chunked", "batching", "concurrency", "speculative", "rollouts", "step", "start",
@@ -30,60 +37,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 _CleanError = CommandError
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in 0-65535 (0: any free one), got {value}")
-    return value
-
-
-def _memory(text: str) -> int | float:
-    """`--kv-cache-memory`: bytes (an integer), or a fraction of the free memory in (0, 1]."""
-    problem = f"expected bytes (an integer > 0) or a fraction in (0, 1], got {text!r}"
-    try:
-        value: int | float = int(text)
-    except ValueError:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(problem) from None
-        if not 0 < value <= 1:
-            raise argparse.ArgumentTypeError(problem) from None
-        return value
-    if value <= 0:
-        raise argparse.ArgumentTypeError(problem)
-    return value
-
-
-def _key(text: str) -> str:
-    if not text:  # `--api-key "$KEY"` with KEY unset would serve with no key at all
-        raise argparse.ArgumentTypeError("the key is empty (to serve without one, leave --api-key out)")
-    return text
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 def _add_device_and_weights(parser: argparse.ArgumentParser) -> None:
@@ -278,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--systems",
+        type=_names_from(("hf_static", "hf_generate_batch", "hfaccel")),
         default="hf_static,hf_generate_batch,hfaccel",
         help="offline: comma-separated systems to compare (hf_static, hf_generate_batch, hfaccel)",
     )
@@ -296,7 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch CPU threads for the run (default: torch's own choice); 1 is steadier on a shared machine",
     )
-    bench.add_argument("--callers", default="1,4,16", help="concurrency: numbers of concurrent callers")
+    bench.add_argument(
+        "--callers", type=_positive_ints, default="1,4,16", help="concurrency: numbers of concurrent callers"
+    )
     bench.add_argument(
         "--requests-per-caller", type=_positive_int, default=4, help="concurrency: requests each caller sends"
     )
@@ -309,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculative: comma-separated draft sources: ngram, self (SmolLM2 as its own draft model: "
         "the draft machinery's overhead), early-exit:N (SmolLM2's first N layers as the draft model)",
     )
-    bench.add_argument("--spec-batches", default="1,16", help="speculative: batch sizes")
-    bench.add_argument("--step-batches", default="1,8,32", help="step: batch sizes")
+    bench.add_argument("--spec-batches", type=_positive_ints, default="1,16", help="speculative: batch sizes")
+    bench.add_argument("--step-batches", type=_positive_ints, default="1,8,32", help="step: batch sizes")
     bench.add_argument("--step-rounds", type=_positive_int, default=15, help="step: interleaved rounds")
     bench.add_argument(
         "--step-per-bucket",
@@ -329,12 +285,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="step: alternated end-to-end runs of each mode (0: none)",
     )
     bench.add_argument("--spec-new-tokens", type=int, default=96, help="speculative: new tokens per request")
-    bench.add_argument("--rates", default="1,2,4,8", help="goodput: arrival rates (requests/s)")
+    bench.add_argument(
+        "--rates", type=_positive_numbers, default="1,2,4,8", help="goodput: arrival rates (requests/s)"
+    )
     bench.add_argument("--goodput-requests", type=int, default=20, help="goodput: requests per rate")
     bench.add_argument("--tpot-target-ms", type=float, default=250.0, help="goodput: TPOT target")
     bench.add_argument("--ttft-target-ms", type=float, default=2000.0, help="goodput: TTFT target")
     bench.add_argument(
-        "--goodput-systems", default="defaults,best fixed,adaptive,hf", help="goodput: systems to compare"
+        "--goodput-systems",
+        type=_names_from(("defaults", "best fixed", "adaptive", "hf")),
+        default="defaults,best fixed,adaptive,hf",
+        help="goodput: systems to compare",
     )
     bench.add_argument(
         "--goodput-repeats",
@@ -419,6 +380,7 @@ def _run(args: argparse.Namespace) -> None:
 
 
 _load = load_model  # a name tests replace
+_read_templates = read_templates  # (its old name)
 
 
 def _dtype(name: str) -> torch.dtype | None:
@@ -435,7 +397,7 @@ def run_serve(args: argparse.Namespace) -> None:
         raise _CleanError(
             f"hfaccel serve needs the serve extra: pip install 'hfaccel[serve]' ({error})"
         ) from error
-    chat_template, response_template = _read_templates(args.chat_template, args.response_template)
+    chat_template, response_template = read_templates(args.chat_template, args.response_template)
     model, tokenizer = _load(
         args.model, _dtype(args.dtype), args.weights, args.device, args.trust_remote_code, "MODEL_DIR"
     )
@@ -465,34 +427,6 @@ def run_serve(args: argparse.Namespace) -> None:
         model, tokenizer, host=args.host, port=args.port, api_key=args.api_key,
         model_id=name or "SmolLM2-135M-Instruct", limits=limits, **engine,
     )  # fmt: skip
-
-
-def _read_templates(chat: str | None, response: str | None) -> tuple[str | None, dict[str, Any] | None]:
-    """`--chat-template` and `--response-template`, each a file or the template itself; the response
-    template checked by transformers' parser before the model loads."""
-    from hfaccel.patches.reply_parsing import check_template
-
-    template = None
-    if response is not None:
-        try:
-            template = json.loads(_file_or_text(response, "--response-template"))
-            check_template(template)
-        except ValueError as error:  # JSONDecodeError included
-            raise _CleanError(f"--response-template: {error}") from error
-    return (None if chat is None else _file_or_text(chat, "--chat-template")), template
-
-
-def _file_or_text(value: str, option: str) -> str:
-    """The file's text, or `value` itself when it is the template; a value that names a file (a path or a
-    file name, no template syntax) that is not there is an error, not a template."""
-    if os.path.isfile(value):
-        return Path(value).read_text()
-    looks_like_path = "{" not in value and (
-        "/" in value or os.sep in value or value.endswith((".jinja", ".json"))
-    )
-    if looks_like_path:
-        raise _CleanError(f"{option} {value}: no such file")
-    return value
 
 
 def run_generate(args: argparse.Namespace) -> None:

@@ -3,7 +3,10 @@ with `patch(weights=...)`'s weight formats applied."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -100,3 +103,31 @@ def _load_folder(
             reason += " (hfaccel: --trust-remote-code runs it)"
         raise CommandError(f"cannot load a model from {path}: {reason}") from error
     return model.eval(), tokenizer
+
+
+def read_templates(chat: str | None, response: str | None) -> tuple[str | None, dict[str, Any] | None]:
+    """`--chat-template` and `--response-template`, each a file or the template itself; the response
+    template checked by transformers' parser before the model loads."""
+    from hfaccel.patches.reply_parsing import check_template
+
+    template = None
+    if response is not None:
+        try:
+            template = json.loads(_file_or_text(response, "--response-template"))
+            check_template(template)
+        except ValueError as error:  # JSONDecodeError included
+            raise CommandError(f"--response-template: {error}") from error
+    return (None if chat is None else _file_or_text(chat, "--chat-template")), template
+
+
+def _file_or_text(value: str, option: str) -> str:
+    """The file's text, or `value` itself when it is the template; a value that names a file (a path or a
+    file name, no template syntax) that is not there is an error, not a template."""
+    if os.path.isfile(value):
+        return Path(value).read_text()
+    looks_like_path = "{" not in value and (
+        "/" in value or os.sep in value or value.endswith((".jinja", ".json"))
+    )
+    if looks_like_path:
+        raise CommandError(f"{option} {value}: no such file")
+    return value

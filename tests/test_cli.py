@@ -135,6 +135,14 @@ def test_generate_reads_stdin_one_prompt_per_line(model_folder, capsys, monkeypa
         ),
         (["serve", "--kv-cache-memory", "-1"], "argument --kv-cache-memory: expected bytes"),
         (["serve", "/no/such/dir"], "MODEL_DIR /no/such/dir: no such folder"),
+        (["bench", "--callers", "0"], "argument --callers: expected a positive integer, got 0"),
+        (["bench", "--step-batches", "x"], "argument --step-batches: expected a positive integer, got 'x'"),
+        (["bench", "--systems", "nosuch"], "argument --systems: expected comma-separated names from"),
+        (
+            ["bench", "--goodput-systems", "nosuch"],
+            "argument --goodput-systems: expected comma-separated names",
+        ),
+        (["bench", "--rates", "0"], "argument --rates: expected comma-separated numbers > 0"),
     ],
 )
 def test_bad_arguments_give_one_line_errors(argv, message, capsys):

@@ -94,7 +94,9 @@ def serve(
         if not thread.is_alive() or time.monotonic() > deadline:
             if patched_here:
                 unpatch(model)
-            raise OSError(f"the server could not start on {host}:{port} (is the port in use, or the address not this machine's?)")
+            raise OSError(
+                f"the server could not start on {host}:{port} (the port in use? not this machine's address?)"
+            )
         time.sleep(0.02)
     # The caller (a notebook's main thread, say) goes back to its own code or idles: the engine's loop
     # thread steps faster without this thread's OpenMP pool alive beside its own.
@@ -137,7 +139,9 @@ def run_forever(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if not server.started and not asked:  # uvicorn's sys.exit(1) on a bind failure ends only its thread
-        raise OSError(f"the server could not start on {host}:{port} (is the port in use, or the address not this machine's?)")
+        raise OSError(
+            f"the server could not start on {host}:{port} (the port in use? not this machine's address?)"
+        )
 
 
 def served_model(
