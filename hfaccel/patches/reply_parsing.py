@@ -191,6 +191,12 @@ class ReplyStream:
         parts, self._pending = self._pending, []
         if self._failed:
             return parts + self._text("", end=True)
+        calls = self._fields.get("tool_calls", {})
+        if self._open == "tool_calls" and calls.get("content") != "json":
+            # The reply ended inside a call whose parameters are markup (Qwen 3.5's XML): the parser would
+            # keep the parameters it read, a call without the one cut. (A JSON call either parses whole,
+            # served as vLLM's parser serves it, or fails.)
+            return parts + self._fail(ValueError("the reply ended inside a tool call"), at_end=True)
         try:
             _, events = self._parser.finalize()
         except Exception as error:

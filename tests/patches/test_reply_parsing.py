@@ -184,3 +184,24 @@ def test_a_required_field_missing_at_the_end_sends_nothing_again():
     fields = {**template["fields"], reasoning: {**template["fields"][reasoning], "optional": False}}
     parts = streamed({**template, "fields": fields}, "Hello world<|im_end|>", 3)
     assert "".join(p.content for p in parts) == "Hello world"
+
+
+@pytest.mark.parametrize("piece", [1, 1000])
+def test_a_markup_tool_call_cut_by_the_end_is_text_not_a_call_without_its_cut_parameter(caplog, piece):
+    """Qwen 3.5's calls carry their parameters as markup: the parser, finalized inside one, keeps the
+    parameters it has read, a call without the one cut (``{"city": "Paris"}``, its "days" gone); such a
+    reply is text from the call's marker on. The whole call is read as one."""
+    model = SimpleNamespace(config=SimpleNamespace(model_type="qwen3_5"))
+    template = response_template(tiny_tokenizer(), model)
+    call = (
+        "Ok.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"
+    )
+    cut = call[: call.index("3\n</parameter>")]
+    with caplog.at_level(logging.WARNING, logger="hfaccel"):
+        parts = streamed(template, cut, piece)
+    assert not any(p.tool_call for p in parts) and "".join(p.content for p in parts) == cut.rstrip()
+    whole = streamed(template, call + "<|im_end|>", piece)
+    assert [p.tool_call for p in whole if p.tool_call] == [
+        ToolCall("get_weather", '{"city": "Paris", "days": 3}')
+    ]
