@@ -85,7 +85,6 @@ def patch(
         state: PatchState | None = getattr(model, "_hfaccel", None)
         parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
         if state is not None:
-            apply_weights(model, weights)
             if pipeline_parallel_size not in (None, 1) and parallel_layout(model).pp is None:
                 raise ValueError("pipeline parallelism is set at a model's first patch: unpatch it first")
             if expert_parallel_size not in (None, 1) and parallel_layout(model).ep is None:
@@ -113,6 +112,7 @@ def patch(
                     # loop thread) builds it from the new one.
                     state.config = new_config
                     state.release("hfaccel.patch changed the engine config: its engine was rebuilt")
+            apply_weights(model, weights)  # after the checks: a patch refused leaves the weights as they were
             if state.temporary:  # patched on purpose now: it stays patched after temporary users end,
                 state.temporary = False  # and its generate runs on the engine from now on
                 model.generate = types.MethodType(patched_generate, model)
@@ -120,7 +120,6 @@ def patch(
             state.progress = state.progress if progress is None else progress
             return model
         check_model(model)
-        apply_weights(model, weights)  # after the checks: a model patch refuses keeps its weights
         engine_config = (config or EngineConfig()).with_overrides(**overrides)
         # The parallel layout: the arguments given here, else the config's; recorded in the config.
         given = {
@@ -136,6 +135,9 @@ def patch(
         }
         engine_config = engine_config.with_overrides(**layout)
         _check_draft_model(model, engine_config)
+        # After the checks of the arguments: a mistake there leaves the weights as they were (the checks
+        # of the model as it is served, below, come after: its dtype decides the KV cache's size).
+        apply_weights(model, weights)
         tp_args = (layout["tensor_parallel_size"], device_mesh, layout["sequence_parallel"])
         setup_tensor_parallel(model, *tp_args, engine_config.batching)  # shards the model when N > 1
         setup_pipeline_parallel(

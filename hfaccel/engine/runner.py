@@ -457,8 +457,10 @@ class ModelRunner:
             raise ValueError("K/V in or out of a model with recurrent layers: they keep a state, not K/V")
 
     def _values_dtype(self) -> torch.dtype:
-        """The dtype K/V values leave the cache in: the cache's own, or the model's for an int8 cache."""
-        return self.executor.dtype if kv_quant.is_quantized(self.kv_dtype) else self.kv_dtype
+        """The dtype K/V values leave the cache in: the model's, whatever the cache holds (a returned
+        `past_key_values` is fed back to the model, as HF's is; a float16 cache's under a bfloat16 model
+        made its attention fail on mixed dtypes)."""
+        return self.executor.dtype
 
     def write_kv(
         self,

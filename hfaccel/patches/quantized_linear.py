@@ -175,6 +175,17 @@ def quantize_linears(model: nn.Module, weights: str) -> int:
             "quantize it with torchao's own configs instead (a model you quantize is served as it is)"
         )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    other = Int4Linear if weights == "int8" else Int8Linear
+    if (
+        weights == "int8"
+        and any(isinstance(m, Int4Linear) for m in model.modules())
+        or (weights == "int4" and any(isinstance(m, Int8Linear) and m is not head for m in model.modules()))
+    ):
+        kind = "int4" if other is Int4Linear else "int8"
+        raise ValueError(
+            f"weights={weights!r}: the model's linear layers are already {kind} (an earlier "
+            f"patch(weights={kind!r})); requantizing quantized weights is not served: load it again"
+        )
     takes = _int8_takes if weights == "int8" else _int4_takes
     quantizable = any(
         m is not head and (_plain(m) or (weights == "int8" and _torchao_weight_only_int8(m))) and takes(m)

@@ -54,3 +54,24 @@ def test_past_key_values_round_trip_equals_one_long_generate():
     finally:
         hfaccel.unpatch(model)
     assert torch.equal(second, expected)
+
+
+def test_a_returned_cache_is_in_the_models_dtype_whatever_the_kv_cache_holds():
+    """A bfloat16 KV cache under a float32 model: the returned past_key_values hold float32 (as HF's do),
+    and the engine serves a call continuing from it (it came back in bfloat16, which the engine then
+    refused as another dtype's cache)."""
+    import warnings
+
+    model = hfaccel.patch(tiny_model("llama"), dtype="bfloat16")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    try:
+        first = model.generate(ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        assert first.past_key_values.layers[0].keys.dtype == torch.float32
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # served, no fallback
+            warnings.simplefilter("ignore", FutureWarning)  # transformers 5.24 renames it `cache`
+            model.generate(
+                first.sequences, past_key_values=first.past_key_values, max_new_tokens=2, do_sample=False
+            )
+    finally:
+        hfaccel.unpatch(model)

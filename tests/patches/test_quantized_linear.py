@@ -195,3 +195,16 @@ def test_quantized_layers_follow_the_model_cast_to_another_dtype(cast):
         finally:
             hfaccel.unpatch(model)
         assert_same_or_near_tie(model, prompt, tokens, expected, eps=0.0625)
+
+
+def test_another_quantization_or_a_mistaken_patch_leaves_the_layers_as_they_are():
+    """Asking for int4 over hfaccel's int8 layers was ignored, silently; a patch refused for a mistaken
+    argument quantized the model anyway."""
+    model = tiny_model()
+    with pytest.raises(ValueError, match="max_num_seq"):
+        hfaccel.patch(model, weights="int8", max_num_seq=4)
+    assert type(model.model.layers[0].mlp.down_proj) is torch.nn.Linear
+    hfaccel.patch(model, weights="int8")
+    with pytest.raises(ValueError, match=r"weights='int4': the model's linear layers are already int8"):
+        hfaccel.patch(model, weights="int4")
+    hfaccel.unpatch(model)
