@@ -143,7 +143,10 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
             }
             if not messages or messages[-1].role != "assistant":
                 messages.append(ChatMessage(role="assistant", tool_calls=[], reasoning_content=reasoning))
-                reasoning = None
+            elif reasoning is not None:  # reasoning between the message and its call: the message's too
+                before = messages[-1].reasoning_content
+                messages[-1].reasoning_content = reasoning if before is None else f"{before}\n{reasoning}"
+            reasoning = None
             messages[-1].tool_calls = [*(messages[-1].tool_calls or []), call]
         elif kind == "function_call_output":
             messages.append(ChatMessage(role="tool", content=item["output"], tool_call_id=item["call_id"]))

@@ -182,6 +182,30 @@ def test_a_tool_conversations_items_become_the_chat_messages_transformers_serve_
     ]
 
 
+def test_a_reasoning_item_between_a_message_and_its_call_stays_with_that_message():
+    """The server's own output of a reply that reasons after its text ([message, reasoning, call]) sent
+    back as input: the reasoning joins the assistant message its call joins (it was dropped)."""
+    reasoning = {
+        "type": "reasoning",
+        "id": "rs_1",
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": "add"}],
+    }
+    body = ResponsesRequest(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "2+3?"},
+            {"type": "message", "role": "assistant", "content": "let me"},
+            reasoning,
+            {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 3}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "5"},
+        ],
+    )
+    assistant = _messages(body)[1]
+    assert (assistant.role, assistant.content, assistant.reasoning_content) == ("assistant", "let me", "add")
+    assert [c["id"] for c in assistant.tool_calls] == ["call_1"]
+
+
 def response_both(client, **ask):
     whole = client.responses.create(model=MODEL, input="2+3?", tools=FLAT_TOOLS, **ask)
     events = list(client.responses.create(model=MODEL, input="2+3?", tools=FLAT_TOOLS, stream=True, **ask))
