@@ -5,26 +5,26 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
+
+
+def _number(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Any:
+    """`text` read by `convert` and accepted by `ok`, else argparse's error saying what was `expected`."""
+    try:
+        value = convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+    return _number(text, int, lambda v: v > 0, "a positive integer")
 
 
 def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in 0-65535 (0: any free one), got {value}")
-    return value
+    return _number(text, int, lambda v: 0 <= v <= 65535, "a port in 0-65535 (0: any free one)")
 
 
 def _memory(text: str) -> int | float:
@@ -47,27 +47,21 @@ def _memory(text: str) -> int | float:
 
 def _positive_ints(text: str) -> str:
     """A comma-separated list of positive integers (checked here, read where it is used)."""
-    for piece in (p.strip() for p in text.split(",")):
-        if piece:
-            _positive_int(piece)
-    if not text.strip(", "):
-        raise argparse.ArgumentTypeError("expected comma-separated positive integers, got nothing")
-    return text
+    return _each(text, int, "a positive integer", "comma-separated positive integers")
 
 
 def _positive_numbers(text: str) -> str:
     """A comma-separated list of numbers > 0."""
-    for piece in (p.strip() for p in text.split(",")):
-        if not piece:
-            continue
-        try:
-            value = float(piece)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, got {piece!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"expected comma-separated numbers > 0, got {piece}")
-    if not text.strip(", "):
-        raise argparse.ArgumentTypeError("expected comma-separated numbers > 0, got nothing")
+    return _each(text, float, "comma-separated numbers > 0", "comma-separated numbers > 0")
+
+
+def _each(text: str, convert: Callable[[str], Any], each: str, whole: str) -> str:
+    """`text` when each of its comma-separated pieces is a number > 0 (`each` says what a piece is)."""
+    pieces = [p.strip() for p in text.split(",") if p.strip()]
+    if not pieces:
+        raise argparse.ArgumentTypeError(f"expected {whole}, got nothing")
+    for piece in pieces:
+        _number(piece, convert, lambda v: v > 0, each)
     return text
 
 
@@ -93,10 +87,4 @@ def _key(text: str) -> str:
 
 
 def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
+    return _number(text, float, lambda v: v >= 0, "a number >= 0")

@@ -100,7 +100,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
                     raise ValueError(
                         f"a logits processor returned {shape}, not scores of shape {tuple(row.shape)}"
                     )
-                processed = processed.view(row.shape)
+                processed = processed.reshape(row.shape)
                 if params.output_logits and i not in masked:
                     # HF records the very tensor its processors were given as the raw logits, so a processor
                     # that edits its input in place shows in them: the same here (an unmasked row is it).

@@ -133,7 +133,6 @@ def unsupported_reason(model: torch.nn.Module, names: Iterable[str | None]) -> s
                 return (
                     f"LoRA on a {type(module).__name__} layer (the engine batches LoRA on Linear layers only)"
                 )
-
             for name in sorted(held):
                 variant = module.lora_variant.get(name) if hasattr(module, "lora_variant") else None
                 if module.use_dora.get(name, False) or variant is not None:

@@ -118,28 +118,26 @@ def quantized_activations_reason(
 _held = threading.local()  # (model, its reason) while `reasons_held` runs in this thread
 
 
-@contextmanager
-def reasons_held(model: torch.nn.Module) -> Iterator[None]:
+def reasons_held(model: torch.nn.Module) -> Any:
     """Inside this block, in this thread, `weights_and_mode_reason(model)` is worked out once (a call that
     plans many prompts asks it for each; it walks every module)."""
-    previous = getattr(_held, "entry", None)
-    _held.entry = (model, _UNKNOWN)
-    try:
-        yield
-    finally:
-        _held.entry = previous
+    return _holding((model, _UNKNOWN))
+
+
+def reasons_suspended() -> Any:
+    """Inside this block, in this thread, no reason is held (`reasons_held`): transformers' generate of a
+    prompt that fell back runs the user's code, which may call the model's generate under another
+    autocast, or with PEFT's method swapped in."""
+    return _holding(None)
 
 
 _UNKNOWN = object()
 
 
 @contextmanager
-def reasons_suspended() -> Iterator[None]:
-    """Inside this block, in this thread, no reason is held (`reasons_held`): transformers' generate of a
-    prompt that fell back runs the user's code, which may call the model's generate under another
-    autocast, or with PEFT's method swapped in."""
+def _holding(entry: tuple[torch.nn.Module, Any] | None) -> Iterator[None]:
     previous = getattr(_held, "entry", None)
-    _held.entry = None
+    _held.entry = entry
     try:
         yield
     finally:
@@ -227,12 +225,12 @@ def _library_hook(hook: Any, module: torch.nn.Module | None) -> bool:
     """Whether `hook` is a library's that changes no value, or one its author marked ``hfaccel_packed``
     (on the hook or on the function a partial wraps). Asked afresh each call: a few attribute reads."""
     target = hook
-    while isinstance(target, functools.partial):
+    while True:  # the mark on the hook, or on a function a partial wraps
         if getattr(target, "hfaccel_packed", False):
             return True
+        if not isinstance(target, functools.partial):
+            break
         target = target.func
-    if getattr(target, "hfaccel_packed", False):
-        return True
     if getattr(target, "__name__", "") in _VALUE_CHANGING_LIBRARY_HOOKS:
         return module is not None and not module.training  # NEFTune adds its noise in train mode only
     origin = getattr(target, "__module__", None) or type(target).__module__

@@ -102,13 +102,18 @@ def test_a_model_with_offloaded_weights_is_refused_naming_one():
         hfaccel.patch(model)
 
 
-def test_train_mode_with_attention_dropout_goes_to_transformers():
-    """transformers applies attention dropout in train mode; the engine's kernels do not: such a call
-    falls back (in eval mode, or without dropout, it is served)."""
+def _qwen2_with_attention_dropout() -> torch.nn.Module:
     model = tiny_model("qwen2")
     model.config.attention_dropout = 0.5
     for layer in model.model.layers:
         layer.self_attn.attention_dropout = 0.5
+    return model
+
+
+def test_train_mode_with_attention_dropout_goes_to_transformers():
+    """transformers applies attention dropout in train mode; the engine's kernels do not: such a call
+    falls back (in eval mode, or without dropout, it is served)."""
+    model = _qwen2_with_attention_dropout()
     hfaccel.patch(model)
     ids = torch.tensor([[5, 6, 7, 8]])
     try:
@@ -182,9 +187,7 @@ def test_a_dropout_the_check_misses_is_refused_by_the_attention_not_skipped(monk
     """An attention module whose rate hides under a name the check does not know still hands the rate to
     the attention function, which refuses it: an error, never tokens without the dropout."""
     monkeypatch.setattr("hfaccel.patches.models._DROPOUT_NAMES", ())
-    model = tiny_model("qwen2")
-    for layer in model.model.layers:
-        layer.self_attn.attention_dropout = 0.5
+    model = _qwen2_with_attention_dropout()
     hfaccel.patch(model)
     ids = torch.tensor([[5, 6, 7, 8]])
     try:
