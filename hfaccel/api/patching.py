@@ -24,7 +24,7 @@ from hfaccel.patches.patch_state import PatchState
 from hfaccel.patches.pipeline import install_pipeline_batching
 from hfaccel.patches.recurrent import restore_mixers
 from hfaccel.patches.tp_plan import setup_tensor_parallel
-from hfaccel.patches.weights import apply_weights
+from hfaccel.patches.weights import apply_weights, planned_dtype
 
 
 def patch(
@@ -101,12 +101,13 @@ def patch(
                 state.config = state.config.with_overrides(
                     **{k: v for k, v in again.items() if v is not None}
                 )
-            if config is not None or overrides:
+            dtype = planned_dtype(model, weights)  # checked with the dtype the weights will have
+            if config is not None or overrides or weights is not None:
                 new_config = _keep_parallel_layout(
                     state.config, (config or state.config).with_overrides(**overrides)
                 )
                 _check_draft_model(model, new_config)
-                check_engine_config(model, new_config)
+                check_engine_config(model, new_config, dtype=dtype)
                 if new_config != state.config:
                     # The new config first: a call that rebuilds the engine after the release (it joins the
                     # loop thread) builds it from the new one.
@@ -135,8 +136,11 @@ def patch(
         }
         engine_config = engine_config.with_overrides(**layout)
         _check_draft_model(model, engine_config)
-        # After the checks of the arguments: a mistake there leaves the weights as they were (the checks
-        # of the model as it is served, below, come after: its dtype decides the KV cache's size).
+        sizes = [size for name, size in layout.items() if name.endswith("_size")]
+        if all(size in (None, 1) for size in sizes) and device_mesh is None:
+            # One process: the served model's checks, with the dtype its weights will have, before they
+            # change (a patch refused leaves them as they were). A parallel layout is checked once set up.
+            check_engine_config(model, engine_config, dtype=planned_dtype(model, weights))
         apply_weights(model, weights)
         tp_args = (layout["tensor_parallel_size"], device_mesh, layout["sequence_parallel"])
         setup_tensor_parallel(model, *tp_args, engine_config.batching)  # shards the model when N > 1

@@ -37,14 +37,10 @@ def apply_weights(model: Any, weights: str | None) -> torch.dtype | None:
     if weights in QUANTIZED:
         return _quantize(model, weights)
     params = list(model.parameters())
-    current = params[0].dtype
-    if weights == "auto":
-        if current != torch.float32:  # already reduced precision: the user chose it
-            return None
-        dtype = fast_dtype(params[0].device)
-    else:
-        dtype = getattr(torch, weights)
-    if current == dtype and all(p.dtype == dtype for p in params if p.is_floating_point()):
+    if weights == "auto" and params[0].dtype != torch.float32:  # reduced precision: the user chose it
+        return None
+    dtype = _cast_dtype(params[0], weights)
+    if params[0].dtype == dtype and all(p.dtype == dtype for p in params if p.is_floating_point()):
         return None
     quantized = next(
         (p for p in params if type(p) is not torch.nn.Parameter or not p.is_floating_point()), None
@@ -56,6 +52,30 @@ def apply_weights(model: Any, weights: str | None) -> torch.dtype | None:
         )
     model.to(dtype)
     return dtype
+
+
+def planned_dtype(model: Any, weights: str | None) -> torch.dtype:
+    """The dtype of `model`'s first parameter once `apply_weights(model, weights)` has run, changing
+    nothing: what the KV cache's size is checked with before the weights change (a patch refused leaves
+    them as they were). Raises ValueError for an unknown `weights`, as `apply_weights` does."""
+    if weights is not None and weights not in WEIGHTS:
+        raise ValueError(
+            f"weights={weights!r} is not one of {', '.join(map(repr, WEIGHTS))} (or None: as it is)"
+        )
+    first = next(model.parameters())
+    if weights is None:
+        return first.dtype
+    if weights in QUANTIZED:
+        return QUANTIZED_ACTIVATIONS
+    return _cast_dtype(first, weights)
+
+
+def _cast_dtype(first: torch.Tensor, weights: str) -> torch.dtype:
+    """The dtype a cast to `weights` ("auto" or a dtype's name) gives a model whose first parameter is
+    `first`: "auto" leaves reduced precision as the user chose it."""
+    if weights != "auto":
+        return getattr(torch, weights)
+    return fast_dtype(first.device) if first.dtype == torch.float32 else first.dtype
 
 
 def _quantize(model: Any, weights: str) -> torch.dtype:

@@ -55,3 +55,35 @@ def test_what_is_not_offered_raises_saying_why():
     quantization.quantize_(model, quantization.Int8WeightOnlyConfig())
     with pytest.raises(ValueError, match=r"holds quantized weights \(Int8Tensor"):
         weights_module.apply_weights(model, "bfloat16")
+
+
+def test_a_patch_refused_by_its_kv_or_context_checks_leaves_the_weights_as_they_were():
+    model = tiny_model()
+    with pytest.raises(ValueError, match="max_model_len"):
+        hfaccel.patch(model, weights="bfloat16", max_model_len=10**7)
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        hfaccel.patch(model, weights="bfloat16", kv_cache_memory=1000)
+    assert not hasattr(model, "_hfaccel")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_the_kv_check_reads_the_dtype_the_weights_will_have():
+    model = tiny_model().to(torch.bfloat16)
+    # A cache that holds one request's KV in bfloat16 but not in float32.
+    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads
+    per_token *= model.config.hidden_size // model.config.num_attention_heads
+    context = model.config.max_position_embeddings
+    memory = per_token * 2 * (context + 64)
+    hfaccel.patch(model, kv_cache_memory=memory)  # bfloat16: it fits
+    try:
+        with pytest.raises(ValueError, match="kv_cache_memory"):
+            hfaccel.patch(model, weights="float32")  # a float32 cache would not: refused, nothing cast
+        assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+        with pytest.raises(ValueError, match="weights='fp8'"):
+            hfaccel.patch(model, max_num_seqs=3, weights="fp8")  # refused before the config changes
+        assert model._hfaccel.config.max_num_seqs != 3
+    finally:
+        hfaccel.unpatch(model)
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        hfaccel.patch(model, weights="float32", kv_cache_memory=memory)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
