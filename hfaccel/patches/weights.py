@@ -87,7 +87,14 @@ def _quantize(model: Any, weights: str) -> torch.dtype:
     if adapters is not None:
         raise ValueError(
             f"weights={weights!r}: the model holds PEFT modules ({adapters}), whose adapter layers would be "
-            "quantized too: quantize the base model first, then add the adapters"
+            "quantized too, and PEFT cannot add adapters to hfaccel's quantized layers afterwards: "
+            + (
+                "quantize the base model with torchao before adding them (torchao.quantization.quantize_("
+                "model, Int8WeightOnlyConfig()), then get_peft_model, then hfaccel.patch without weights=)"
+                if weights == "int8"
+                else "PEFT adapts torchao's int8 weight-only layers only, so LoRA over int4 weights is not "
+                "served; use an int8 base (torchao's quantize_ before get_peft_model)"
+            )
         )
     for name, param in model.named_parameters():
         plain = type(param) is torch.nn.Parameter and param.is_floating_point()

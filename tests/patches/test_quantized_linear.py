@@ -4,6 +4,8 @@ and what cannot be quantized this way raises, naming it."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -155,6 +157,8 @@ def test_what_cannot_be_quantized_is_refused_before_anything_changes():
     peft_model = get_peft_model(tiny_model(), LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
     with pytest.raises(ValueError, match=r"weights='int8': the model holds PEFT modules \(Peft"):
         hfaccel.patch(peft_model, weights="int8")
+    with pytest.raises(ValueError, match=r"LoRA over int4 weights is not served"):
+        hfaccel.patch(peft_model, weights="int4")
     assert all(p.dtype == torch.float32 for p in peft_model.parameters())
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128)).eval()
     with pytest.raises(
@@ -208,3 +212,23 @@ def test_another_quantization_or_a_mistaken_patch_leaves_the_layers_as_they_are(
     with pytest.raises(ValueError, match=r"weights='int4': the model's linear layers are already int8"):
         hfaccel.patch(model, weights="int4")
     hfaccel.unpatch(model)
+
+
+def test_the_route_the_lora_refusal_advises_serves_transformers_tokens():
+    """torchao's int8 weight-only first, then PEFT's LoRA, then a patch without weights=."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_model()
+    quantization.quantize_(base, quantization.Int8WeightOnlyConfig())
+    with warnings.catch_warnings():  # PEFT's note that merging such layers needs TorchAoConfig
+        warnings.simplefilter("ignore")
+        model = get_peft_model(
+            base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        )
+    prompt = varied_prompts(1, seed=3)[0]
+    expected = hf_greedy(model, prompt, 8)
+    hfaccel.patch(model)
+    try:
+        assert hfaccel.generate(model, [prompt], max_new_tokens=8, progress=False)[0].token_ids == expected
+    finally:
+        hfaccel.unpatch(model)
