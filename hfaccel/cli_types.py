@@ -7,6 +7,11 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+# The dtypes a command's --dtype names (besides "auto": the checkpoint's own).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 def _number(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Any:
     """`text` read by `convert` and accepted by `ok`, else argparse's error saying what was `expected`."""

@@ -78,6 +78,25 @@ def test_generate_with_quantized_weights_answers_as_the_quantized_model(model_fo
     assert capsys.readouterr().out == tokenizer.decode(expected, skip_special_tokens=True).strip() + "\n"
 
 
+def test_generate_samples_as_the_model_s_generation_config_says_unless_told(tmp_path, capsys):
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    model.generation_config.do_sample, model.generation_config.temperature = True, 1.5
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    ids = ids["input_ids"]
+
+    def answer(token_ids):
+        return tokenizer.decode(token_ids, skip_special_tokens=True).strip() + "\n"
+
+    sampled = hfaccel.generate(model, [ids], max_new_tokens=8, seed=4, progress=False)[0].token_ids
+    assert sampled != hf_greedy(model, ids, 8), "the seed must sample away from the greedy answer"
+    main(["generate", "--model", str(tmp_path), "--max-new-tokens", "8", "--seed", "4", "hi"])
+    assert capsys.readouterr().out == answer(sampled)
+    main(["generate", "--model", str(tmp_path), "--max-new-tokens", "8", "--temperature", "0", "hi"])
+    assert capsys.readouterr().out == answer(hf_greedy(model, ids, 8))
+
+
 def test_generate_reads_stdin_one_prompt_per_line(model_folder, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.StringIO("first\n\nsecond\n"))
     main(["generate", "--model", str(model_folder), "--max-new-tokens", "3", "--no-chat-template"])

@@ -26,7 +26,7 @@ LAYERS = [
     ("patches",),
     ("api",),
     ("server",),
-    ("notebook", "doctor", "bench", "cli", "cli_loading", "cli_types", "__init__", "__main__"),
+    ("notebook", "doctor", "bench", "cli", "cli_bench", "cli_loading", "cli_types", "__init__", "__main__"),
 ]
 MAX_LINES = 600
 MAX_DECODE_STEP_FILES = 14
