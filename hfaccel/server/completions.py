@@ -16,12 +16,12 @@ from typing import Any
 from fastapi.sse import format_sse_event
 
 from hfaccel.api import agenerate, astream
-from hfaccel.api.detokenize import Detokenizer
+from hfaccel.api.detokenize import Detokenizer, special_tokens
 from hfaccel.patches.params import stops_in_output_only
 from hfaccel.patches.patch_state import strict_calls
 from hfaccel.patches.reply_parsing import response_template
 from hfaccel.server.chat_prompt import chat_prompt_ids
-from hfaccel.server.logprob_items import echoed_prompt_items, legacy_logprobs, logprob_items
+from hfaccel.server.logprob_items import echoed_prompt_items, legacy_logprobs, logprob_items, shown_bytes
 from hfaccel.server.protocol import APIError, ChatMessage
 from hfaccel.server.replies import (
     ReplyReading,
@@ -74,7 +74,11 @@ class ChatFlavour:
 
     @staticmethod
     def choice(
-        index: int, text: str, finish: str | None, logprobs: list[dict[str, Any]] | None
+        index: int,
+        text: str,
+        finish: str | None,
+        logprobs: list[dict[str, Any]] | None,
+        shown: list[bytes] | None = None,
     ) -> dict[str, Any]:
         lp = None if logprobs is None else {"content": logprobs}
         message = {"role": "assistant", "content": text}
@@ -87,6 +91,7 @@ class ChatFlavour:
         finish: str | None,
         logprobs: list[dict[str, Any]] | None,
         before: bytes = b"",
+        shown: list[bytes] | None = None,
     ) -> dict[str, Any]:
         delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
         lp = None if logprobs is None else {"content": logprobs}
@@ -134,8 +139,9 @@ class TextFlavour:
         finish: str | None,
         logprobs: list[dict[str, Any]] | None,
         before: bytes = b"",
+        shown: list[bytes] | None = None,
     ) -> dict[str, Any]:
-        lp = legacy_logprobs(logprobs, before)
+        lp = legacy_logprobs(logprobs, before, shown)
         return {"index": index, "text": text, "finish_reason": finish, "logprobs": lp}
 
     @staticmethod
@@ -145,10 +151,11 @@ class TextFlavour:
         finish: str | None,
         logprobs: list[dict[str, Any]] | None,
         before: bytes = b"",
+        shown: list[bytes] | None = None,
     ) -> dict[str, Any]:
         """A chunk; `before`: the bytes of the choice's text already streamed (its offsets count from the
         start of that text, as OpenAI's and vLLM's streams do)."""
-        return TextFlavour.choice(index, text or "", finish, logprobs, before)
+        return TextFlavour.choice(index, text or "", finish, logprobs, before, shown)
 
 
 @dataclass
@@ -318,8 +325,12 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
         items = logprob_items(
             tokenizer, completion.token_ids, completion.logprobs, completion.top_logprobs, call
         )
+        # The bytes each item adds to the text: an echoed prompt's own (decoded with its special tokens),
+        # none for a generated special token, which the plain text leaves out.
+        shown = None if items is None else shown_bytes(tokenizer, completion.token_ids)
         if prompts is not None and items is not None:
             items = prompts[i // call.body.n] + items
+            shown = [bytes(item["bytes"]) for item in prompts[i // call.body.n]] + shown
         if call.reading is not None:  # read with its special tokens, which mark tool calls and turn ends
             reply = call.reading.parse(
                 raw_pieces(tokenizer, completion.token_ids, call.stops if stopped else None, call.cleaned)
@@ -328,7 +339,9 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
             choices.append(reply_choice(i, reply, completion.finish_reason, items))
         else:
             choices.append(
-                call.flavour.choice(i, call.echo(tokenizer, i) + text, completion.finish_reason, items)
+                call.flavour.choice(
+                    i, call.echo(tokenizer, i) + text, completion.finish_reason, items, shown=shown
+                )
             )
         generated += len(completion.token_ids)
     metrics.finished(endpoint, "ok", call.prompt_tokens, generated, completions[0].metrics)
@@ -364,6 +377,7 @@ class Piece:
     delta: str
     finish: str | None
     items: list[dict[str, Any]] | None
+    shown: list[bytes] | None = None  # the bytes each item adds to the text (`shown_bytes`)
 
 
 async def stream_pieces(
@@ -400,8 +414,6 @@ async def stream_pieces(
         raise
     hold = max((len(s) for s in call.stops), default=1) - 1
     texts, sent = [""] * call.count, [0] * call.count
-    # A reply read by its template is streamed with its special tokens, which the reader needs; each
-    # token's raw and plain texts are kept to cut the raw text where a stop string begins in the plain.
     # A reply read by its template is streamed with its special tokens, which the reader needs; a plain
     # one keeps them beside its text only to cut a stop string where the engine found it (`cut_plain`);
     # a tokenizer that cleans up spaces is cut on its own text, so it needs no second decode per token.
@@ -412,6 +424,7 @@ async def stream_pieces(
     )
     pairs: list[list[tuple[str, str]]] = [[] for _ in range(call.count)]
     specials: list[list[tuple[int, int]]] = [[] for _ in range(call.count)]  # special tokens' raw spans
+    skipped = special_tokens(tokenizer) if call.logprobs is not False else frozenset()
     first_token, outcome = time.perf_counter(), "cancelled"
     try:
         yield None
@@ -444,8 +457,9 @@ async def stream_pieces(
             logprob = None if event.logprob is None else [event.logprob]
             top = None if event.top_logprobs is None else [event.top_logprobs]
             items = logprob_items(tokenizer, [event.token_id], logprob, top, call)
+            shown = None if items is None else shown_bytes(tokenizer, [event.token_id], skipped)
             if delta or event.finished or items:
-                yield Piece(i, delta, event.finish_reason if event.finished else None, items)
+                yield Piece(i, delta, event.finish_reason if event.finished else None, items, shown)
         outcome, call.streamed = "ok", True
     except ClientGone:  # its requests are cancelled: nothing more to send
         return
@@ -481,9 +495,13 @@ async def stream_call(
         prompts = await echoed_prompt_items(served, call)
         sent = [b""] * call.count  # the bytes of each choice's logprob tokens so far (echo's included)
 
-        def delta(index: int, text: str | None, finish: str | None, items: Any) -> dict[str, Any]:
-            part = flavour.delta(index, text, finish, items, sent[index])
-            sent[index] += b"".join(bytes(item["bytes"]) for item in items or ())
+        def delta(
+            index: int, text: str | None, finish: str | None, items: Any, shown: Any = None
+        ) -> dict[str, Any]:
+            part = flavour.delta(index, text, finish, items, sent[index], shown)
+            if shown is None:
+                shown = [bytes(item["bytes"]) for item in items or ()]
+            sent[index] += b"".join(shown)
             return part
 
         for i in range(call.count if getattr(call.body, "echo", False) else 0):
@@ -494,7 +512,7 @@ async def stream_call(
         async for piece in pieces:
             assert piece is not None
             if readers is None:
-                yield chunk(delta(piece.index, piece.delta, piece.finish, piece.items))
+                yield chunk(delta(piece.index, piece.delta, piece.finish, piece.items, piece.shown))
                 continue
             for choice in read_piece(readers[piece.index], piece, calls):
                 yield chunk(choice)

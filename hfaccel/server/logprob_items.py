@@ -9,7 +9,7 @@ import codecs
 from typing import Any
 
 from hfaccel.api import prompt_logprobs_of
-from hfaccel.api.detokenize import token_bytes
+from hfaccel.api.detokenize import special_tokens, token_bytes
 
 
 def logprob_items(
@@ -68,18 +68,30 @@ def token_item(tokenizer: Any, token: int, logprob: float | None) -> dict[str, A
     }
 
 
-def legacy_logprobs(items: list[dict[str, Any]] | None, before: bytes = b"") -> dict[str, Any] | None:
+def shown_bytes(tokenizer: Any, token_ids: list[int], skipped: frozenset[int] | None = None) -> list[bytes]:
+    """The bytes each generated token adds to a plain reply's text: its own, none for a special token,
+    which the text leaves out (`skipped`: the tokenizer's special ids, when the caller has them)."""
+    skipped = special_tokens(tokenizer) if skipped is None else skipped
+    return [b"" if token in skipped else token_bytes(tokenizer, token) for token in token_ids]
+
+
+def legacy_logprobs(
+    items: list[dict[str, Any]] | None, before: bytes = b"", shown: list[bytes] | None = None
+) -> dict[str, Any] | None:
     """The completions endpoint's logprobs layout, from the chat items; ``text_offset`` counts characters
-    from the start of the choice's text, whose first `before` bytes came earlier."""
+    from the start of the choice's text, whose first `before` bytes came earlier. `shown`: the bytes each
+    item adds to the text (`shown_bytes`; default: the item's own)."""
     if items is None:
         return None
+    if shown is None:
+        shown = [bytes(item["bytes"]) for item in items]
     # Characters counted as the tokenizer decodes: an invalid byte is one U+FFFD, and only a character
     # still unfinished at the end waits (a token inside a character starts where that character does).
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
     offsets, at = [], len(decoder.decode(before))
-    for item in items:
+    for piece in shown:
         offsets.append(at)
-        at += len(decoder.decode(bytes(item["bytes"])))
+        at += len(decoder.decode(piece))
     return {
         "tokens": [item["token"] for item in items],
         "token_logprobs": [item["logprob"] for item in items],

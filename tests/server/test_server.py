@@ -119,6 +119,21 @@ def test_text_completions_with_echo_and_logprobs(served, client):
     assert streamed == logprobs.text_offset  # counted from the start of the whole text, as not streamed
 
 
+def test_text_offset_counts_only_the_text_a_special_token_leaves_out(served, client):
+    """A generated special token (here <s>, pushed up by logit_bias) is not in the choice's text, so it
+    moves no later token's text_offset, streamed or not."""
+    server, model, tokenizer = served
+    kwargs = {"model": MODEL, "prompt": "abc", "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    choice = client.completions.create(logit_bias={"1": 2.5}, **kwargs).choices[0]
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in choice.logprobs.tokens]
+    assert 1 in ids and any(i != 1 for i in ids), "the bias must give a mix of <s> and other tokens"
+    expected = [len(tokenizer.decode(ids[:j], skip_special_tokens=True)) for j in range(len(ids))]
+    assert choice.logprobs.text_offset == expected
+    assert choice.text == tokenizer.decode(ids, skip_special_tokens=True)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, logit_bias={"1": 2.5}, **kwargs)]
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == expected
+
+
 def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(served, client):
     """What eval harnesses send to score a text (lm-eval's loglikelihood): the prompt's own logprobs, no
     new token; without echo a 400 naming max_tokens."""
