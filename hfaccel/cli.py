@@ -22,6 +22,7 @@ from hfaccel.cli_types import (
     _key,
     _memory,
     _non_negative_float,
+    _origins,
     _port,
     _positive_int,
 )
@@ -115,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_key,
         default=None,
         help="require Authorization: Bearer KEY (default: $HFACCEL_API_KEY)",
+    )
+    srv.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=(),
+        help="browser origins that may call the server (CORS), comma-separated, or '*' for any (default none)",
     )
     srv.add_argument(
         "--served-model-name", default=None, help="the model id clients name (default: the folder)"
@@ -308,7 +315,8 @@ def run_serve(args: argparse.Namespace) -> None:
     )
     run_forever(
         model, tokenizer, host=args.host, port=args.port, api_key=args.api_key,
-        model_id=name or "SmolLM2-135M-Instruct", limits=limits, **engine,
+        model_id=name or "SmolLM2-135M-Instruct", limits=limits, allowed_origins=args.allowed_origins,
+        **engine,
     )  # fmt: skip
 
 

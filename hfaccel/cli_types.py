@@ -91,5 +91,16 @@ def _key(text: str) -> str:
     return text
 
 
+def _origins(text: str) -> tuple[str, ...]:
+    """`--allowed-origins`: "*" or comma-separated origins (scheme://host[:port], as a browser sends)."""
+    origins = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = next((o for o in origins if o != "*" and ("://" not in o or o.endswith("/"))), None)
+    if not origins or bad is not None:
+        raise argparse.ArgumentTypeError(
+            f"expected '*' or comma-separated origins such as http://localhost:3000, got {bad or text!r}"
+        )
+    return origins
+
+
 def _non_negative_float(text: str) -> float:
     return _number(text, float, lambda v: v >= 0, "a number >= 0")

@@ -136,6 +136,7 @@ def test_generate_reads_stdin_one_prompt_per_line(model_folder, capsys, monkeypa
         (["serve", "--device", "cuda:64"], "--device cuda:64: this machine has"),
         (["serve", "--weights", "int8", "--device", "meta"], "--device meta: hfaccel runs on cpu or cuda"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["serve", "--allowed-origins", "localhost:3000"], "argument --allowed-origins: expected '*' or"),
         (["serve", "--response-template", "{not json"], "--response-template: Expecting property name"),
         (["serve", "--response-template", '{"fields": {}}'], "--response-template: not a response template"),
         (
@@ -210,10 +211,12 @@ def test_kv_cache_memory_in_bytes_reaches_the_engine_as_an_int_and_dtype_auto_ke
     cli.run_serve(
         cli.build_parser().parse_args(
             ["serve", str(tmp_path), "--kv-cache-memory", "100000000", "--dtype", "auto"]
+            + ["--allowed-origins", "http://a.example, https://b.example:8443"]
         )
     )
     (model, _), options = seen.pop()
     assert options["kv_cache_memory"] == 100_000_000 and isinstance(options["kv_cache_memory"], int)
+    assert options["allowed_origins"] == ("http://a.example", "https://b.example:8443")
     assert next(model.parameters()).dtype == torch.bfloat16
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from fastapi.sse import EventSourceResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -53,13 +54,15 @@ logger = logging.getLogger("hfaccel")
 @dataclass
 class ServedModel:
     """What one server serves: the model object (patched, or patched by the first request), its
-    tokenizer, the id clients name it by, the limits, and the API key (None: no key needed)."""
+    tokenizer, the id clients name it by, the limits, the API key (None: no key needed) and the origins
+    whose browser pages may call it (CORS; none by default, as a browser's same-origin rule wants)."""
 
     model: Any
     tokenizer: Any
     model_id: str
     limits: Limits
     api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers ("*": any)
 
     def engine_stats(self) -> dict[str, Any] | None:
         state = getattr(self.model, "_hfaccel", None)
@@ -182,6 +185,13 @@ def make_app(served: ServedModel) -> FastAPI:
 
     app.add_middleware(BodyLimit, max_bytes=served.limits.max_body_bytes)
     app.add_middleware(FailuresAsJSON)
+    if served.allowed_origins:  # outermost: a preflight, and every answer (errors too), gets its headers
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(served.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -221,11 +231,11 @@ def make_app(served: ServedModel) -> FastAPI:
         card = {"id": served.model_id, "object": "model", "created": int(time.time()), "owned_by": "hfaccel"}
         return {**card, "max_model_len": served.max_model_len()}
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.api_route("/v1/models", methods=["GET", "HEAD"], dependencies=[Depends(authorized)])
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"], dependencies=[Depends(authorized)])
     async def model(model_id: str) -> dict[str, Any]:
         check_model(model_id)
         return model_card()

@@ -66,6 +66,7 @@ def serve(
     model_id: str | None = None,
     limits: Limits | None = None,
     log_level: str = "warning",
+    allowed_origins: tuple[str, ...] = (),
     **patch_options: Any,
 ) -> ServerHandle:
     """Serve the live `model` object over an OpenAI-compatible HTTP API, from a background thread, and
@@ -76,9 +77,11 @@ def serve(
     was not (`patch_options` go to `hfaccel.patch`), and unpatched by ``stop()``. ``port=0`` picks a
     free port. `api_key` (default: ``HFACCEL_API_KEY``) makes every ``/v1`` call need
     ``Authorization: Bearer KEY``. `model_id` is the name clients pass as ``model`` (default: the
-    model's ``name_or_path``).
+    model's ``name_or_path``). `allowed_origins`: the origins whose browser pages may call the server
+    (CORS headers; ``("*",)``: any; none by default).
     """
     served, patched_here = served_model(model, tokenizer, api_key, model_id, limits, patch_options)
+    served.allowed_origins = tuple(allowed_origins)
     config = uvicorn.Config(
         make_app(served),
         host=host,
@@ -106,13 +109,14 @@ def serve(
 
 def run_forever(
     model: Any, tokenizer: Any, *, host: str, port: int, api_key: str | None, model_id: str | None,
-    limits: Limits, log_level: str = "info", **patch_options: Any,
+    limits: Limits, log_level: str = "info", allowed_origins: tuple[str, ...] = (), **patch_options: Any,
 ) -> None:  # fmt: skip
     """Serve until Ctrl-C or SIGTERM (then uvicorn's graceful shutdown; a second one forces it). uvicorn
     runs in a thread of its own and this (main) thread steps the engine for every request: a torch op
     runs several times slower in a second thread while the main thread's OpenMP pool lives
     (`engine/loop.py`), and a server's main thread has nothing else to do."""
     served, _ = served_model(model, tokenizer, api_key, model_id, limits, patch_options)
+    served.allowed_origins = tuple(allowed_origins)
     config = uvicorn.Config(
         make_app(served),
         host=host,

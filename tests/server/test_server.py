@@ -442,6 +442,35 @@ def test_an_api_key_is_required_when_set_and_compared_whole():
         assert post(server, "/tokenize", {"prompt": "x"})[0] == 401
 
 
+def test_allowed_origins_get_cors_headers_on_answers_errors_and_preflights(served):
+    page = {"Origin": "http://localhost:3000"}
+    # By default no origin is allowed: a browser page elsewhere cannot read the answers.
+    assert "access-control-allow-origin" not in send(served[0], "GET", "/v1/models", None, page)[1]
+    assert send(served[0], "HEAD", "/v1/models")[0] == 200  # a load balancer's check
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    with hfaccel.serve(
+        model, tokenizer, port=0, model_id=MODEL, api_key="sesame", kv_cache_memory=4_000_000,
+        allowed_origins=("http://localhost:3000",),
+    ) as server:  # fmt: skip
+        preflight = {
+            **page,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        }
+        status, headers, _ = send(server, "OPTIONS", "/v1/chat/completions", None, preflight)
+        assert status == 200 and headers["access-control-allow-origin"] == "http://localhost:3000"
+        assert "POST" in headers["access-control-allow-methods"]
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+        status, headers, _ = post(server, "/v1/chat/completions", body, page)  # no key: a 401 it can read
+        assert status == 401 and headers["access-control-allow-origin"] == "http://localhost:3000"
+        status, headers, _ = post(
+            server, "/v1/chat/completions", body, {**page, "Authorization": "Bearer sesame"}
+        )
+        assert status == 200 and headers["access-control-allow-origin"] == "http://localhost:3000"
+        other = send(server, "GET", "/health", None, {"Origin": "http://evil.example"})[1]
+        assert "access-control-allow-origin" not in other
+
+
 def test_a_full_queue_answers_429_with_retry_after():
     model, tokenizer = tiny_model("llama"), tiny_tokenizer()
     limits = Limits(max_pending=2)
