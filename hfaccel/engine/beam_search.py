@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hfaccel.engine.block_manager import blocks_for
-from hfaccel.engine.request import Request, RequestStatus, request_generator
+from hfaccel.engine.request import Request, RequestStatus, fails_alone, request_generator
 
 if TYPE_CHECKING:
     from hfaccel.engine.block_manager import BlockManager
@@ -325,6 +325,15 @@ class BeamGroup:
         if self.search.done:
             self.finish()
 
+    def fail(self, error: BaseException) -> None:
+        """The request's own doing (its processors raised, its sampled scores were NaN): the request fails
+        alone with `error` and every slot finishes; nothing is pending."""
+        self.pending = None
+        self.handle.fail(error, alone=True)
+        for slot in self.slots:
+            if not slot.is_finished:
+                slot.finish("error")
+
     def finish(self) -> None:
         """The search is over: the request carries the best hypothesis; every slot finishes."""
         self.results = self.search.results()
@@ -389,6 +398,14 @@ def choose_group_tokens(
         # The scheduler runs a group's beams together: every slot has its row in this step.
         positions = [where[id(s)] for s in group.slots]
         index = torch.tensor([offsets[i] for i in positions], device=logits.device)
-        group.choose(logits.index_select(0, index))
+        try:
+            group.choose(logits.index_select(0, index))
+        except BaseException as error:  # its processors raised, or beam sampling drew from NaN
+            if not fails_alone(error):
+                raise
+            group.fail(error)  # the group fails alone; the step's other requests go on
+            for i in positions:
+                result[i] = [0] if nested else 0  # ignored: a failed group is not advanced
+            continue
         for i, token in zip(positions, group.pending[1]):
             result[i] = [token] if nested else token

@@ -241,6 +241,8 @@ class Scheduler:
                 if request.is_finished:  # a stop inside the accepted drafts: the rest is dropped
                     break
         for group in groups.values():
+            if group.pending is None:  # it failed in sampling (`BeamGroup.fail`): its slots are finished
+                continue
             created = group.new_slots()
             for beam in created:  # the first step forks the prompt into num_beams sequences
                 self.live[id(beam)] = beam

@@ -325,3 +325,31 @@ def test_beam_requests_that_cannot_be_served_are_refused():
     with pytest.raises(ValueError, match="SamplingParams.do_sample must be its BeamParams.do_sample"):
         engine.add_request([5, 6], StoppingParams(max_new_tokens=3), sampled)
     run(engine, [request])
+
+
+@pytest.mark.parametrize("fault", ["nan", "raise"])
+def test_a_beam_groups_own_fault_fails_it_alone(fault):
+    """Beam sampling from NaN scores (torch's multinomial raises, as in transformers) or the request's
+    own processor raising fails that request alone: the step's other requests (a second beam group, a
+    plain one) go on to HF's tokens, and no block leaks."""
+    from transformers import LogitsProcessorList
+
+    def faulty(input_ids, scores):
+        if input_ids.shape[1] > 2:  # after the group has forked
+            if fault == "raise":
+                raise ValueError("boom")
+            return scores.fill_(float("nan"))
+        return scores
+
+    eos = eos_token()
+    engine = Engine(MODEL, EngineConfig(block_size=4, kv_cache_memory=2_000_000, max_num_seqs=32))
+    beams = BeamParams(2, do_sample=True)
+    params = SamplingParams(do_sample=True, beam=beams, processors=LogitsProcessorList([faulty]))
+    bad = engine.add_request(PROMPTS[0], StoppingParams(max_new_tokens=8), params)
+    good = beam_requests(engine, 2, 8, eos, prompts=PROMPTS[1:2])
+    plain = engine.add_request([40, 41, 42], StoppingParams(max_new_tokens=6))
+    run(engine, [bad, *good, plain])
+    assert bad.finish_reason == "error" and bad.failed_alone
+    assert ("boom" if fault == "raise" else "probability tensor contains either") in str(bad.error)
+    check_against_hf(good, PROMPTS[1:2], 8, eos, 2)
+    assert len(plain.output_token_ids) == 6
