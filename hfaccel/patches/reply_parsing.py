@@ -132,10 +132,9 @@ class ReplyStream:
                 **template,
                 "fields": {k: v for k, v in template.get("fields", {}).items() if k != "tool_calls"},
             }
-        self._special = special
-        self._special_re: Any = None  # built when a reply fails (`_text`)
-        self._prefixes: set[str] = set()
-        self._longest = 0
+        # Each kind of text without the special tokens' texts (a plain decode leaves them out), then
+        # without the whitespace around it.
+        self._filters = {"content": _SpecialTexts(special), "reasoning": _SpecialTexts(special)}
         self._trims = {"content": _Trim(), "reasoning": _Trim()}
         self._parser = ResponseParser(template, prefix=prompt, tools=tools)
         self._fields = {k: v for k, v in template.get("fields", {}).items() if isinstance(v, dict)}
@@ -151,21 +150,29 @@ class ReplyStream:
 
     def finish(self) -> list[ReplyPart]:
         """What is left at the reply's end (a field closed by the end of the text)."""
-        return self._trimmed(self._finish())
+        return self._trimmed(self._finish(), end=True)
 
-    def _trimmed(self, parts: list[ReplyPart]) -> list[ReplyPart]:
-        """The parts trimmed, and those of one kind that follow each other joined (one a token)."""
+    def _trimmed(self, parts: list[ReplyPart], end: bool = False) -> list[ReplyPart]:
+        """The parts without special tokens' texts, trimmed, and those of one kind that follow each other
+        joined (one a token). At the `end`, what the filters held back comes out too."""
         out: list[ReplyPart] = []
-        for part in parts:
-            if part.tool_call is not None:
-                out.append(part)
-                continue
-            kind = "reasoning" if part.reasoning else "content"
-            text = self._trims[kind].add(getattr(part, kind))
+
+        def add(kind: str, text: str, last: bool = False) -> None:
+            text = self._trims[kind].add(self._filters[kind].add(text, end=last))
             if text and out and getattr(out[-1], kind):
                 out[-1] = ReplyPart(**{kind: getattr(out[-1], kind) + text})
             elif text:
                 out.append(ReplyPart(**{kind: text}))
+
+        for part in parts:
+            if part.tool_call is not None:
+                out.append(part)
+            else:
+                kind = "reasoning" if part.reasoning else "content"
+                add(kind, getattr(part, kind))
+        if end:
+            for kind in ("reasoning", "content"):
+                add(kind, "", last=True)
         return out
 
     def _feed(self, text: str) -> list[ReplyPart]:
@@ -190,7 +197,7 @@ class ReplyStream:
     def _finish(self) -> list[ReplyPart]:
         parts, self._pending = self._pending, []
         if self._failed:
-            return parts + self._text("", end=True)
+            return parts
         calls = self._fields.get("tool_calls", {})
         if self._open == "tool_calls" and calls.get("content") != "json":
             # The reply ended inside a call whose parameters are markup (Qwen 3.5's XML): the parser would
@@ -211,10 +218,28 @@ class ReplyStream:
             "the field that failed on",
             error,
         )
-        self._failed, self._held = True, ""
+        self._failed = True
         if self._open is None or self._open in REASONING_FIELDS or self._open == "content":
-            return self._text("", end=True) if at_end else []  # what it read was served as it came
-        return self._text(self._raw[self._field_start :], end=at_end)
+            # What it read was served as it came, but for a marker the parser held back at the end (a
+            # reply cut right after "<tool_call>": the field opens, and fails, only when finalized).
+            return self._text(self._raw[self._held_marker() :]) if at_end else []
+        return self._text(self._raw[self._field_start :])
+
+    def _held_marker(self) -> int:
+        """Where an opening marker the parser still holds begins (the reply's length: none). Outside any
+        explicit field the parser watches every field's opening marker and opens a field only once its
+        marker can grow no more, so a whole marker past where the last field closed is still held."""
+        content = self._fields.get("content", {})
+        explicit_content = "open" in content or "open_pattern" in content
+        if self._open in REASONING_FIELDS or (self._open == "content" and explicit_content):
+            return len(self._raw)  # inside an explicit field: only its close is watched
+        starts = [
+            start
+            for name in self._fields
+            if name != "content"
+            for start, _ in self._markers(name, "open", self._floor)
+        ]
+        return min(starts, default=len(self._raw))
 
     def _marker_start(self, name: str, floor: int) -> int:
         """Where field `name`'s opening marker, which has just ended, begins: its latest match past `floor`
@@ -238,23 +263,9 @@ class ReplyStream:
         text = self._raw[start:]
         return [(start + m.start(), start + m.end()) for p in patterns for m in regex.finditer(p, text)]
 
-    def _text(self, text: str, end: bool = False) -> list[ReplyPart]:
-        """Text served as it is, but for the special tokens' texts (the start of one at the end waits for
-        the next text). Only a reply that failed comes here: what it needs is built then."""
-        if self._special_re is None and self._special:
-            self._special_re = regex.compile(
-                "|".join(map(regex.escape, sorted(self._special, key=len)[::-1]))
-            )
-            self._prefixes = {t[:k] for t in self._special for k in range(1, len(t))}
-            self._longest = max(map(len, self._prefixes), default=0)
-        text, self._held = self._held + text, ""
-        if self._special_re is not None:
-            text = self._special_re.sub("", text)
-        if not end and self._prefixes:
-            cut = next(
-                (k for k in range(min(self._longest, len(text)), 0, -1) if text[-k:] in self._prefixes), 0
-            )
-            text, self._held = text[: len(text) - cut], text[len(text) - cut :]
+    def _text(self, text: str) -> list[ReplyPart]:
+        """Text served as it is (only a reply that failed comes here; `_trimmed` leaves out the special
+        tokens' texts, as from any content)."""
         return [ReplyPart(content=text)] if text else []
 
     def _parts(self, events: list[dict[str, Any]], in_reply: bool = True) -> list[ReplyPart]:
@@ -286,6 +297,30 @@ class ReplyStream:
 
 
 _WHOLE = 8  # characters fed to the parser at once: no field opens, fails and closes within them
+
+
+class _SpecialTexts:
+    """One kind of streamed text without the special tokens' texts (an end of turn inside an unclosed
+    ``<think>``), as a plain decode leaves them out; the start of one at the end of a text waits for the
+    next text, or the end."""
+
+    def __init__(self, special: tuple[str, ...]) -> None:
+        texts = sorted((t for t in special if t), key=len, reverse=True)
+        self._pattern = regex.compile("|".join(map(regex.escape, texts))) if texts else None
+        self._prefixes = {t[:k] for t in texts for k in range(1, len(t))}
+        self._longest = max(map(len, self._prefixes), default=0)
+        self._held = ""
+
+    def add(self, text: str, end: bool = False) -> str:
+        if self._pattern is None:
+            return text
+        text, self._held = self._pattern.sub("", self._held + text), ""
+        if not end:
+            cut = next(
+                (k for k in range(min(self._longest, len(text)), 0, -1) if text[-k:] in self._prefixes), 0
+            )
+            text, self._held = text[: len(text) - cut], text[len(text) - cut :]
+        return text
 
 
 class _Trim:

@@ -205,3 +205,31 @@ def test_a_markup_tool_call_cut_by_the_end_is_text_not_a_call_without_its_cut_pa
     assert [p.tool_call for p in whole if p.tool_call] == [
         ToolCall("get_weather", '{"city": "Paris", "days": 3}')
     ]
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_special_tokens_texts_stay_out_of_reasoning_and_content_however_the_text_comes(piece):
+    """An end of turn inside an unclosed <think> (a reply cut there), or one after the content: the texts
+    of special tokens are left out, as a plain decode leaves them out (transformers serve keeps them);
+    the start of one's text at a piece's end waits for the next piece."""
+    model, tokenizer = qwen()
+    template = response_template(tokenizer, model)
+    parts = streamed(template, "<think>Paris, then<|im_end|>", piece)
+    assert "".join(p.reasoning for p in parts) == "Paris, then"
+    assert "".join(p.content for p in parts) == ""
+    parts = streamed(template, "<think>a</think>Sunny.<|im_end|> And <|im_end", piece)
+    assert "".join(p.content for p in parts) == "Sunny. And <|im_end"  # a start that never came whole
+    assert parse_reply(template, PROMPT, ["<think>x<|im_end|>"], TOOLS, SPECIAL).reasoning == "x"
+
+
+@pytest.mark.parametrize("pieces", [["Ok.", "<tool_call>"], ["Ok.<tool_call>"], ["Ok. ", "<tool_call>"]])
+def test_a_reply_cut_right_after_a_call_marker_keeps_the_marker(pieces, caplog):
+    """The parser holds "<tool_call>" back until it knows the marker is whole, and opens the call only
+    when finalized, where the empty call fails: the marker is served as text, not lost."""
+    model, tokenizer = qwen()
+    template = response_template(tokenizer, model)
+    with caplog.at_level(logging.WARNING, logger="hfaccel"):
+        stream = ReplyStream(template, PROMPT, TOOLS, SPECIAL)
+        parts = [part for piece in pieces for part in stream.feed(piece)] + stream.finish()
+    assert "".join(p.content for p in parts) == "".join(pieces)
+    assert parse_reply(template, PROMPT, pieces, TOOLS, SPECIAL).content == "".join(pieces)
