@@ -285,8 +285,11 @@ class ReplyStream:
             elif kind == "region_close":
                 if name == "tool_calls":
                     call = _tool_call(event.get("value"))
-                    if call is None:  # no function name: served as its text, not dropped
-                        logger.warning("a tool call without a function name is served as text")
+                    if call is None:  # no function name, or arguments not an object: its text, not dropped
+                        logger.warning(
+                            "a tool call without a function name, or whose arguments are not a JSON object, "
+                            "is served as text"
+                        )
                         text = self._raw[self._field_start : self._close_end(name)] if in_reply else ""
                         parts.append(ReplyPart(content=text or json.dumps(event.get("value"))))
                     else:
@@ -339,11 +342,19 @@ class _Trim:
 
 
 def _tool_call(value: Any) -> ToolCall | None:
-    """``{"type": "function", "function": {"name", "arguments"}}`` (or the function alone) as a call."""
+    """``{"type": "function", "function": {"name", "arguments"}}`` (or the function alone) as a call; None
+    without a function name, or with arguments that are not a JSON object (as OpenAI's always are, and
+    as a chat template reads them when the conversation goes on: such a call would be refused then)."""
     if not isinstance(value, dict):
         return None
     function = value.get("function", value)
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         return None
     arguments = function.get("arguments", {})
-    return ToolCall(function["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+    if isinstance(arguments, str):  # JSON text already (some models write the arguments as a string)
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return None
+        return ToolCall(function["name"], arguments) if isinstance(parsed, dict) else None
+    return ToolCall(function["name"], json.dumps(arguments)) if isinstance(arguments, dict) else None

@@ -113,6 +113,15 @@ def streamed(template, text, piece=1, tools=TOOLS):
             'Hi<tool_call>{"arguments": {}}</tool_call><|im_end|>',
             'Hi<tool_call>{"arguments": {}}</tool_call>',
         ),
+        # arguments that are not a JSON object (a client sending the call back would be refused)
+        (
+            'Hi<tool_call>{"name": "get_weather", "arguments": ["Paris"]}</tool_call><|im_end|>',
+            'Hi<tool_call>{"name": "get_weather", "arguments": ["Paris"]}</tool_call>',
+        ),
+        (
+            'Hi<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call><|im_end|>',
+            'Hi<tool_call>{"name": "get_weather", "arguments": "Paris"}</tool_call>',
+        ),
     ],
 )
 @pytest.mark.parametrize("piece", [1, 4, 1000])
@@ -233,3 +242,12 @@ def test_a_reply_cut_right_after_a_call_marker_keeps_the_marker(pieces, caplog):
         parts = [part for piece in pieces for part in stream.feed(piece)] + stream.finish()
     assert "".join(p.content for p in parts) == "".join(pieces)
     assert parse_reply(template, PROMPT, pieces, TOOLS, SPECIAL).content == "".join(pieces)
+
+
+def test_arguments_written_as_json_text_of_an_object_are_a_call():
+    model, tokenizer = qwen()
+    text = (
+        '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call><|im_end|>'
+    )
+    reply = parse_reply(response_template(tokenizer, model), PROMPT, [text], TOOLS, SPECIAL)
+    assert reply.tool_calls == [ToolCall("get_weather", '{"city": "Paris"}')]
