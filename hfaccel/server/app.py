@@ -275,8 +275,8 @@ def make_app(served: ServedModel) -> FastAPI:
         streamed: Callable[[], AsyncIterator[bytes]],
         answer: Callable[[dict[str, Any]], dict[str, Any]] = lambda result: result,
     ) -> Response:
-        """Admit `call` and answer it: `streamed()`'s events, or `run_call`'s body through `answer`."""
-        admission.enter(call.count)
+        """Answer `call`, admitted (`prepared`): `streamed()`'s events, or `run_call`'s body through
+        `answer`."""
         if body.stream:
             chunks = streamed()
             try:  # the first chunk once the first token is known: a refusal is still a plain error
@@ -292,13 +292,31 @@ def make_app(served: ServedModel) -> FastAPI:
             admission.leave(call.count)
         return JSONResponse(answer(result))
 
+    async def prepared(prepare: Callable[[], Awaitable[CompletionCall]]) -> CompletionCall:
+        """`prepare()`'s call, admitted: a request holds a seat while it is prepared (tokenized, its
+        schema compiled), so a flood of them is answered 429 at once instead of queueing for the worker
+        threads, and its choices hold theirs once it is (a 429 too beyond the limit)."""
+        admission.enter(1)
+        try:
+            call = await prepare()
+            admission.enter(call.count - 1)
+        except BaseException:
+            admission.leave(1)
+            raise
+        return call
+
     async def completion(request: Request, body: Any, flavour: Any) -> Response:
         check_model(body.model)
         check_text(body)
-        # Off the event loop, as every step that grows with the body: tokenizing (a 4 MB prompt takes 2 s;
-        # the tokenizer lets go of the GIL) and the schema's compile.
-        call = await asyncio.to_thread(prepare_call, served, body, flavour)
-        await compile_grammar(call)
+
+        async def prepare() -> CompletionCall:
+            # Off the event loop, as every step that grows with the body: tokenizing (a 4 MB prompt takes
+            # 2 s; the tokenizer lets go of the GIL) and the schema's compile.
+            call = await asyncio.to_thread(prepare_call, served, body, flavour)
+            await compile_grammar(call)
+            return call
+
+        call = await prepared(prepare)
         return await complete(
             request, body, call, lambda: stream_call(served, call, metrics, request.is_disconnected)
         )
@@ -315,7 +333,7 @@ def make_app(served: ServedModel) -> FastAPI:
     async def responses(request: Request, body: ResponsesRequest) -> Response:
         check_model(body.model)
         check_text(body)
-        call = await prepare_response(served, body)
+        call = await prepared(lambda: prepare_response(served, body))
         return await complete(
             request,
             body,

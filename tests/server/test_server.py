@@ -497,6 +497,43 @@ def test_a_full_queue_answers_429_with_retry_after():
         assert code == 400 and answer["error"]["param"] == "n", answer
 
 
+def test_requests_being_prepared_hold_their_seats(monkeypatch):
+    """Tokenizing runs in worker threads; a request holds a seat while it waits for one, so a flood of
+    requests beyond the limit is a 429 at once, not a queue of tokenizations."""
+    import hfaccel.server.app as app_module
+
+    release, entered = threading.Event(), threading.Semaphore(0)
+    real = app_module.prepare_call
+
+    def slow_prepare(*args):
+        entered.release()
+        release.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(app_module, "prepare_call", slow_prepare)
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    with hfaccel.serve(
+        model, tokenizer, port=0, model_id=MODEL, limits=Limits(max_pending=2), kv_cache_memory=4_000_000
+    ) as server:
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+        codes = []
+        waiting = [
+            threading.Thread(target=lambda: codes.append(post(server, "/v1/chat/completions", body)[0]))
+        ]
+        waiting.append(threading.Thread(target=waiting[0]._target))
+        for thread in waiting:
+            thread.start()
+        assert entered.acquire(timeout=30) and entered.acquire(timeout=30)  # both are being prepared
+        start = time.monotonic()
+        assert post(server, "/v1/chat/completions", body)[0] == 429
+        assert time.monotonic() - start < 5
+        release.set()
+        for thread in waiting:
+            thread.join(60)
+        assert codes == [200, 200]
+        assert server._server.config.app.state.admission.pending == 0
+
+
 def test_stop_lets_a_stream_in_flight_end_and_unpatches():
     model, tokenizer = tiny_model("llama"), tiny_tokenizer()
     server = hfaccel.serve(model, tokenizer, port=0, model_id=MODEL, kv_cache_memory=4_000_000)
