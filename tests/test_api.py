@@ -100,7 +100,10 @@ BAD = [
     ([5] * 600, {}, r"max_model_len"),
     ([5, 6], {"max_new_tokens": -1}, "max_new_tokens"),
     ([5, 6], {"do_sample": True, "temperature": -0.5}, "temperature must be a strictly positive float"),
-    ([5, 6], {"do_sample": True, "top_p": 1.5}, r"top_p must be in \[0, 1\]"),
+    ([5, 6], {"do_sample": True, "top_p": -0.5}, r"top_p must be in \[0, 1\]"),
+    ([5, 6], {"do_sample": True, "temperature": "0.5"}, r"temperature must be a number, got '0.5' \(str\)"),
+    ([5, 6], {"top_k": 2.5}, r"top_k must be an integer, got 2.5 \(float\)"),
+    ([5, 6], {"num_beams": 0}, "num_beams must be >= 1, got 0"),
     ([5, 6], {"do_sample": True, "top_k": -3}, "top_k must be >= 0"),
     ([5, 6], {"do_sample": True, "num_return_sequences": -1}, "num_return_sequences must be >= 1"),
 ]
@@ -128,6 +131,16 @@ def test_a_bad_request_fails_alone_and_the_others_complete(prompt, kwargs, messa
     )
     assert [c.finish_reason == "error" for c in returned] == [False, True, False]
     assert not hasattr(model, "_hfaccel")
+
+
+@pytest.mark.parametrize("top_p", [1.5, float("nan")])
+def test_a_top_p_of_one_or_more_filters_nothing_as_in_transformers(top_p):
+    """transformers builds no top-p warper unless top_p < 1: 1.5 (or NaN) samples as 1.0 does."""
+    model = tiny_model()
+    prompts = varied_prompts(2, seed=4)
+    kwargs = {"max_new_tokens": 8, "do_sample": True, "seed": 11, "progress": False}
+    expected = [c.token_ids for c in hfaccel.generate(model, prompts, top_p=1.0, **kwargs)]
+    assert [c.token_ids for c in hfaccel.generate(model, prompts, top_p=top_p, **kwargs)] == expected
 
 
 def test_stream_yields_every_token_of_every_request():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import numbers
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -83,8 +84,29 @@ def prepare_special_tokens(
     model._prepare_special_tokens(config, has_attention_mask, device=device)
 
 
+# Numeric fields a call may set: a value of another type (``temperature="0.5"``) fails deep inside a
+# processor with a bare TypeError, or never; it is refused here, named.
+_REAL_FIELDS = (
+    "temperature", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "repetition_penalty",
+    "encoder_repetition_penalty", "length_penalty", "diversity_penalty", "max_time",
+)  # fmt: skip
+_INTEGER_FIELDS = (
+    "max_new_tokens", "min_new_tokens", "max_length", "min_length", "top_k", "num_beams", "num_beam_groups",
+    "num_return_sequences", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+)  # fmt: skip
+
+
 def validate_values(config: GenerationConfig) -> None:
     """Raise ValueError naming the parameter for values HF would only reject late (or never)."""
+    for name, kind, expected in [
+        *((n, numbers.Real, "a number") for n in _REAL_FIELDS),
+        *((n, numbers.Integral, "an integer") for n in _INTEGER_FIELDS),
+    ]:
+        value = getattr(config, name, None)
+        if value is not None and not isinstance(value, (kind, torch.Tensor)):
+            raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+    if config.num_beams is not None and config.num_beams < 1:  # transformers divides by it
+        raise ValueError(f"num_beams must be >= 1, got {config.num_beams}")
     if config.num_return_sequences is not None and config.num_return_sequences < 0:
         # 0 is served as 1, as HF does
         raise ValueError(f"num_return_sequences must be >= 1, got {config.num_return_sequences}")
@@ -93,7 +115,8 @@ def validate_values(config: GenerationConfig) -> None:
     if config.do_sample:
         if config.temperature is not None and not config.temperature > 0:
             raise ValueError(f"temperature must be a strictly positive float, got {config.temperature}")
-        if config.top_p is not None and not 0 <= config.top_p <= 1:  # 0 keeps the top token, as in HF
+        # 0 keeps the top token, as in HF; 1 or more (or NaN) filters nothing, as HF builds no top-p warper
+        if config.top_p is not None and config.top_p < 0:
             raise ValueError(f"top_p must be in [0, 1], got {config.top_p}")
         if config.top_k is not None and config.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {config.top_k}")
