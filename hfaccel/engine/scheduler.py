@@ -240,9 +240,7 @@ class Scheduler:
                 request.append_token(token_id, self.max_model_len, now)
                 if request.is_finished:  # a stop inside the accepted drafts: the rest is dropped
                     break
-        for group in groups.values():
-            if group.pending is None:  # it failed in sampling (`BeamGroup.fail`): its slots are finished
-                continue
+        for group in (g for g in groups.values() if g.pending is not None):  # None: failed (`BeamGroup.fail`)
             created = group.new_slots()
             for beam in created:  # the first step forks the prompt into num_beams sequences
                 self.live[id(beam)] = beam

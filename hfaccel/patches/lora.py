@@ -256,3 +256,17 @@ def _per_token_forward(
         else:
             flat.index_add_(0, index, delta.to(out_dtype))
     return result
+
+
+def check_call_adapter_names(model: torch.nn.Module, names: Any, rows: int) -> None:
+    """PEFT's own checks of ``adapter_names``, with its messages (it raises them before generating)."""
+    if not isinstance(names, (list, tuple)):
+        raise TypeError(f"Got adapter names of type {type(names)}, expected a list of str.")
+    if len(names) != rows:
+        raise ValueError(
+            "Length of `adapter_names` should be the same as the number of inputs, but got "
+            f"{len(names)} and {rows} respectively."
+        )
+    if model.training:
+        raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
+    check_adapter_names(model, names)

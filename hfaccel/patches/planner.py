@@ -288,7 +288,7 @@ def _adapters_gate(call: GenerateCall) -> str | None:
     if (names := call.adapter_names) is None:  # a PeftModel over the patched base may hand its own in
         hooked = hasattr(call.model, "peft_config") and lora.peft_row_hooks(call.model)
         return "a PeftModel's adapter_names over the patched base" if hooked else None
-    check_adapter_names(call.model, names, call.ids.shape[0])
+    lora.check_call_adapter_names(call.model, names, call.ids.shape[0])
     return lora.unsupported_reason(call.model, names)
 
 
@@ -381,7 +381,10 @@ def _padding_gate(call: GenerateCall) -> str | None:
     either way: left padding, or holes anywhere before the last token (transformers' own random masks,
     some collators). The processors see the row as HF shows it (`make_requests`). A masked last token
     (right padding) is fed once for its logits, as HF does (`Request.masked_last`). A returned cache
-    holds the kept tokens in their columns (`outputs.dynamic_cache`)."""
+    holds the kept tokens in their columns (`outputs.dynamic_cache`). A mask of other values (segment
+    ids 1, 1, 2, 2) is HF's alone: it numbers positions by the mask's running sum."""
+    if not bool(((call.mask == 0) | (call.mask == 1)).all()):
+        return "an attention mask with values other than 0 and 1 (transformers numbers positions by its sum)"
     mask = call.mask.bool()
     masked_last = not bool(mask[:, -1].all())
     if not masked_last and is_left_padding(mask):
@@ -583,17 +586,3 @@ def is_left_padding(attention_mask: torch.Tensor) -> bool:
     """Whether every row of a 2-D mask is zeros then ones (left padding), with at least one token."""
     mask = attention_mask.bool()
     return bool((mask[:, 1:] >= mask[:, :-1]).all()) and bool(mask[:, -1].all())
-
-
-def check_adapter_names(model: torch.nn.Module, names: Any, rows: int) -> None:
-    """PEFT's own checks of ``adapter_names``, with its messages (it raises them before generating)."""
-    if not isinstance(names, (list, tuple)):
-        raise TypeError(f"Got adapter names of type {type(names)}, expected a list of str.")
-    if len(names) != rows:
-        raise ValueError(
-            "Length of `adapter_names` should be the same as the number of inputs, but got "
-            f"{len(names)} and {rows} respectively."
-        )
-    if model.training:
-        raise ValueError("Cannot pass `adapter_names` when the model is in training mode.")
-    lora.check_adapter_names(model, names)

@@ -117,6 +117,28 @@ def test_masks_with_holes_and_right_padding_are_served_with_hf_tokens(masks, fam
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("dtype", [torch.long, torch.float32])
+def test_a_mask_of_other_values_goes_to_transformers_with_its_tokens(dtype):
+    """Segment ids (1, 1, 2, 2): transformers attends to every nonzero and numbers positions by the
+    mask's running sum, so its tokens differ from a mask of ones: such a call falls back, warned. A float
+    mask of 0.0 and 1.0 is served."""
+    model = tiny_model()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [7, 8, 9, 10, 11, 12]])
+    mask = torch.tensor([[1, 1, 1, 2, 2, 2], [1, 1, 1, 1, 1, 1]], dtype=dtype)
+    expected = type(model).generate(model, input_ids=ids, attention_mask=mask, max_new_tokens=6)
+    assert not torch.equal(expected, type(model).generate(model, input_ids=ids, max_new_tokens=6))
+    hfaccel.patch(model)
+    try:
+        with pytest.warns(UserWarning, match="an attention mask with values other than 0 and 1"):
+            assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6), expected)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # served: no fallback warning
+            ones = torch.ones(2, 6, dtype=dtype)
+            model.generate(input_ids=ids, attention_mask=ones, max_new_tokens=6)
+    finally:
+        hfaccel.unpatch(model)
+
+
 @pytest.mark.parametrize("masks", ["holes", "right-padding"])
 @pytest.mark.parametrize(
     "options",
