@@ -154,13 +154,13 @@ def test_bad_input_raises_and_model_still_generates(patched):
     prompt = varied_prompts(3)[2]
     with pytest.raises(ValueError, match="max_length"):
         patched.generate(torch.tensor([prompt]), max_length=len(prompt))
-    with pytest.raises(
-        ValueError, match=r"prompt has 600 tokens, but the model's context \(max_model_len\) is 512"
-    ):
-        patched.generate(torch.tensor([[5] * 600]), max_new_tokens=2)
+    # A prompt over the context: transformers generates from it (RoPE has no hard end), so it serves it.
+    with pytest.warns(UserWarning, match=r"a prompt of 600 tokens, over the engine's max_model_len \(512\)"):
+        out = patched.generate(torch.tensor([[5] * 600]), max_new_tokens=2)
+    assert out[0, 600:].tolist() == hf_greedy(patched, [5] * 600, 2)
     with pytest.raises(ValueError, match="attention_mask has shape"):
         patched.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, 2, dtype=torch.long))
-    engine = patched._hfaccel.engine
+    engine = patched._hfaccel.get_engine(patched)
     assert engine.block_manager.num_free_blocks == engine.num_blocks
     assert patched.generate(torch.tensor([prompt]), max_new_tokens=6)[0, len(prompt) :].tolist() == hf_greedy(
         patched, prompt, 6
