@@ -25,6 +25,7 @@ import torch
 from transformers import LogitsProcessor
 
 from hfaccel.server.prompt_rows import PromptRows
+from hfaccel.server.schema_checks import check_schema
 
 # Whitespace between JSON tokens is free, but a run of it is capped: a small model left free to write
 # spaces can write them until max_tokens (vLLM's "any whitespace" issue).
@@ -78,6 +79,7 @@ def compile_format(
     else:
         spec = response_format.json_schema
         schema, strict = spec.json_schema, bool(spec.strict)
+        check_schema(schema)  # what the grammar would not enforce, and OpenAI's size limits
     try:
         grammar = compiler.compile_json_schema(
             schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE, strict_mode=strict
@@ -85,20 +87,24 @@ def compile_format(
     except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's refusals of a schema
         reason = re.sub(r"^\[[^\]]*\] \S+:\d+: ", "", str(error)).strip()  # its C++ log prefix
         raise ValueError(f"the JSON schema cannot be used: {reason}") from error
-    if not _opens(grammar, vocab_size):
+    if not _opens(grammar, vocab_size, stop_ids):
         # A schema no value satisfies (``{"$ref": "#"}`` compiles to ``root ::= root``): the processor
         # would leave an answer that can never start unmasked.
         raise ValueError("the JSON schema cannot be used: no JSON value satisfies it")
     return grammar
 
 
-def _opens(grammar: Any, vocab_size: int) -> bool:
-    """Whether some token can begin an answer in `grammar`."""
+def _opens(grammar: Any, vocab_size: int, stop_ids: Sequence[int]) -> bool:
+    """Whether some token besides the stop tokens can begin an answer in `grammar` (``{"anyOf": []}``
+    compiles to a grammar that takes the empty answer only)."""
     import xgrammar
 
     mask = xgrammar.allocate_token_bitmask(1, vocab_size)
     xgrammar.GrammarMatcher(grammar).fill_next_token_bitmask(mask, 0)
-    return bool(mask.any())
+    scores = torch.zeros(1, vocab_size)
+    xgrammar.apply_token_bitmask_inplace(scores, mask)  # -inf where the grammar refuses the token
+    scores[0, [t for t in stop_ids if 0 <= t < vocab_size]] = -float("inf")
+    return bool(scores.isfinite().any())
 
 
 class GrammarProcessor(LogitsProcessor):

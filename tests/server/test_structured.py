@@ -230,3 +230,90 @@ def test_a_schema_with_a_dead_end_past_its_start_is_a_400_not_free_text(client, 
     }  # fmt: skip
     status, _, answer = post(served[0], "/v1/chat/completions", body)
     assert status == 400 and "no token can continue" in answer["error"]["message"], answer
+
+
+# Each schema refused, with an instance that breaks it: the grammar (xgrammar 0.2) accepts the instance,
+# which is why it is refused. If a later xgrammar enforces one, its row here fails: move it to SERVED.
+UNENFORCED = [
+    ({"not": {"type": "object"}}, "{}", "uses not"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1,1]", "uses uniqueItems"),
+    ({"type": "object", "required": ["zz"]}, "{}", "requires 'zz'"),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, '"a"', "allOf of more than one schema"),
+    (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "dependentRequired": {"a": ["b"]},
+        },
+        '{"a": 1}',
+        "uses dependentRequired",
+    ),
+    (  # deep inside: the path says where
+        {"type": "object", "properties": {"tags": {"type": "array", "items": {}, "uniqueItems": True}}},
+        '{"tags":[1,1]}',
+        r"schema.properties.tags uses uniqueItems",
+    ),
+]
+# Served: keywords the grammar does enforce, and names that are keywords only as property names.
+SERVED = [
+    {"type": "integer", "multipleOf": 7},
+    {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+    {"type": "object", "properties": {"not": {"type": "integer"}, "allOf": {"type": "string"}}},
+    {"oneOf": [{"type": "string"}, {"type": "integer"}]},
+]
+
+
+def _tiny_compiler():
+    from tests.helpers import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    info = xgrammar.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=len(tokenizer), stop_token_ids=[tokenizer.eos_token_id]
+    )
+    return xgrammar.GrammarCompiler(info)
+
+
+@pytest.mark.parametrize(("schema", "instance", "message"), UNENFORCED, ids=[u[2] for u in UNENFORCED])
+def test_a_schema_the_grammar_would_not_enforce_is_refused(schema, instance, message):
+    from hfaccel.server.schema_checks import check_schema
+
+    grammar = _tiny_compiler().compile_json_schema(schema, strict_mode=True)
+    matcher = xgrammar.GrammarMatcher(grammar, terminate_without_stop_token=True)
+    assert matcher.accept_string(instance) and matcher.is_terminated(), "xgrammar enforces it now"
+    with pytest.raises(ValueError, match=message):
+        check_schema(schema)
+
+
+@pytest.mark.parametrize("schema", SERVED)
+def test_keywords_the_grammar_enforces_are_served(schema):
+    from hfaccel.server.schema_checks import check_schema
+
+    check_schema(schema)
+
+
+def test_schemas_over_openais_limits_are_refused_before_they_compile(served):
+    big_enum = {"enum": [f"value {i}" for i in range(1001)]}
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5001)}}
+    long_const = {"anyOf": [{"const": "x" * 60_001}, {"const": "y" * 60_000}]}
+    for schema, message in [
+        (big_enum, "1,001 enum values, over OpenAI's structured-output limit of 1,000"),
+        (wide, "5,001 properties"),
+        (long_const, "120,001 characters"),
+        (True, "must be a JSON object"),
+    ]:
+        body = {
+            "model": MODEL, "messages": CHAT, "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        }  # fmt: skip
+        status, _, answer = post(served[0], "/v1/chat/completions", body)
+        assert status == 400 and answer["error"]["param"] == "response_format.json_schema.schema", answer
+        assert message in answer["error"]["message"]
+
+
+def test_a_schema_that_takes_only_the_empty_answer_is_a_400(served):
+    body = {
+        "model": MODEL, "messages": CHAT, "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"anyOf": []}}},
+    }  # fmt: skip
+    status, _, answer = post(served[0], "/v1/chat/completions", body)
+    assert status == 400 and "no JSON value satisfies it" in answer["error"]["message"], answer

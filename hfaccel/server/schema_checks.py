@@ -1,0 +1,98 @@
+"""What of a ``response_format`` JSON schema is served, checked before xgrammar compiles it.
+
+Two kinds of schema are refused (a 400 naming where in the schema), each found by walking the schema's
+subschemas (never a property that happens to be named like a keyword):
+
+- **Keywords the grammar would not enforce.** xgrammar 0.2 compiles these and ignores them, so an
+  answer could break them with no error (found by compiling a schema with and without each keyword and
+  asking its matcher to accept an instance that breaks it; ``tests/server/test_structured.py`` keeps the
+  list honest): ``not``, ``uniqueItems``, ``dependentRequired``, an ``allOf`` of more than one
+  subschema, and ``required`` naming a property that ``properties`` does not list. ``oneOf`` is served
+  as ``anyOf`` (xgrammar's reading, and vLLM's): an answer matching two of its branches is possible.
+- **Schemas over OpenAI's Structured Outputs limits**: 1,000 enum values in all, 5,000 object
+  properties, 120,000 characters of property names, definition names, enum and const values. A
+  grammar's compile time grows with the square of its enum values (10,000 strings: 5 s on two cores,
+  30,000: 55 s, every core busy meanwhile), so the limits that keep a client within OpenAI's also
+  keep one request from stalling the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_ENUM_VALUES = 1_000
+MAX_PROPERTIES = 5_000
+MAX_STRING_CHARS = 120_000
+
+# Where a schema holds subschemas: one, a list of them, or a map of names to them.
+_ONE = ("items", "additionalProperties", "contains", "propertyNames", "if", "then", "else", "not")
+_MANY = ("anyOf", "oneOf", "allOf", "prefixItems")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def check_schema(schema: Any) -> None:
+    """Raise ValueError, saying where and why, for a schema the grammar would not enforce whole or one
+    over OpenAI's size limits (see the module doc)."""
+    if not isinstance(schema, dict):
+        raise ValueError(f"the JSON schema must be a JSON object, got {schema!r}")
+    totals = {"enum values": 0, "properties": 0, "characters": 0}
+    _walk(schema, "schema", totals)
+    for name, (count, limit) in {
+        "enum values": (totals["enum values"], MAX_ENUM_VALUES),
+        "properties": (totals["properties"], MAX_PROPERTIES),
+        "characters of names, enum and const values": (totals["characters"], MAX_STRING_CHARS),
+    }.items():
+        if count > limit:
+            raise ValueError(
+                f"the JSON schema cannot be used: it has {count:,} {name}, over OpenAI's structured-output "
+                f"limit of {limit:,}"
+            )
+
+
+def _walk(node: Any, where: str, totals: dict[str, int]) -> None:
+    if not isinstance(node, dict):
+        return  # a boolean subschema (true / false), or a malformed one xgrammar reports
+    _check_keywords(node, where)
+    for value in node.get("enum") or []:
+        totals["enum values"] += 1
+        totals["characters"] += len(value) if isinstance(value, str) else 0
+    if isinstance(node.get("const"), str):
+        totals["characters"] += len(node["const"])
+    for key in _ONE:
+        _walk(node.get(key), f"{where}.{key}", totals)
+    for key in _MANY:
+        for i, sub in enumerate(node.get(key) or []):
+            _walk(sub, f"{where}.{key}[{i}]", totals)
+    for key in _NAMED:
+        named = node.get(key)
+        if not isinstance(named, dict):
+            continue
+        if key == "properties":
+            totals["properties"] += len(named)
+        totals["characters"] += sum(map(len, named))
+        for name, sub in named.items():
+            _walk(sub, f"{where}.{key}.{name}", totals)
+
+
+def _check_keywords(node: dict[str, Any], where: str) -> None:
+    """Refuse the keywords xgrammar compiles without enforcing (see the module doc)."""
+    unenforced = [k for k in ("not", "dependentRequired") if k in node]
+    if node.get("uniqueItems") is True:
+        unenforced.append("uniqueItems")
+    if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+        unenforced.append("allOf of more than one schema")
+    if unenforced:
+        raise ValueError(
+            f"the JSON schema cannot be used: {where} uses {', '.join(unenforced)}, which the grammar "
+            "does not enforce (an answer could break it)"
+        )
+    required, listed = node.get("required"), node.get("properties") or {}
+    # (only where the node describes an object: an `if` of {"required": [...]} alone is enforced)
+    is_object = "properties" in node or node.get("type") == "object"
+    if is_object and isinstance(required, list) and isinstance(listed, dict):
+        missing = [name for name in required if name not in listed]
+        if missing:
+            raise ValueError(
+                f"the JSON schema cannot be used: {where} requires {', '.join(map(repr, missing))}, "
+                "which its properties do not list (the grammar does not enforce it)"
+            )
