@@ -481,10 +481,14 @@ async def stream_call(
     options = call.body.stream_options
     continuous = options is not None and options.continuous_usage_stats
 
+    usage_asked = options is not None and options.include_usage
+
     def chunk(choice: dict[str, Any]) -> bytes:
         body = call.envelope([choice], chunk=True)
         if continuous:  # vLLM's extra: every chunk carries the usage so far
             body["usage"] = call.usage(call.generated)
+        elif usage_asked:  # OpenAI's: null on every chunk but the last, which carries it
+            body["usage"] = None
         return _sse(body)
 
     try:
@@ -518,7 +522,7 @@ async def stream_call(
                 yield chunk(choice)
         if not call.streamed:
             return  # the client went: no closing chunks
-        if options is not None and options.include_usage:
+        if usage_asked:
             yield _sse({**call.envelope([], chunk=True), "usage": call.usage(call.generated)})
         yield format_sse_event(data_str="[DONE]")
     finally:

@@ -130,7 +130,9 @@ def reply_choice(
     index: int, reply: Reply, finish: str | None, logprobs: list[dict[str, Any]] | None
 ) -> dict[str, Any]:
     """A chat choice of a read reply; finish_reason ``"tool_calls"`` when it calls any."""
-    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    # With tool calls and no text, content is null, as OpenAI's and vLLM's are.
+    content = None if reply.tool_calls and not reply.content else reply.content
+    message: dict[str, Any] = {"role": "assistant", "content": content}
     if reply.reasoning is not None:
         message["reasoning_content"] = reply.reasoning
     if reply.tool_calls:

@@ -28,6 +28,15 @@ def test_a_reply_with_tool_calls_gives_openais_tool_calls(client, scripted):
     assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
 
 
+def test_a_reply_of_tool_calls_only_has_null_content(client, scripted):
+    scripted('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    message = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS).choices[0].message
+    assert message.content is None and message.tool_calls[0].function.name == "add"
+    scripted("Just text.")
+    message = client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS).choices[0].message
+    assert message.content == "Just text." and not message.tool_calls
+
+
 def test_a_streamed_reply_with_tool_calls_gives_them_whole_and_numbered(client, scripted):
     chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]

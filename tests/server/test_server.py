@@ -60,6 +60,18 @@ def test_streamed_deltas_join_to_the_whole_answer(served, client):
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == [whole.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    # OpenAI: with include_usage every chunk has the field, null but on the last
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "stream": True}
+    raw = send(
+        served[0],
+        "POST",
+        "/v1/chat/completions",
+        json.dumps({**body, "stream_options": {"include_usage": True}}),
+    )
+    events = [json.loads(line[6:]) for line in raw[2].decode().splitlines() if line.startswith("data: {")]
+    assert all("usage" in e and e["usage"] is None for e in events[:-1]) and events[-1]["usage"]
+    raw = send(served[0], "POST", "/v1/chat/completions", json.dumps(body))
+    assert '"usage"' not in raw[2].decode()  # not asked: no field
 
 
 @pytest.mark.parametrize("stream", [False, True])
