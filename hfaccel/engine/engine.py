@@ -23,6 +23,7 @@ from hfaccel.engine.decode_buckets import resolve_compile_mode
 from hfaccel.engine.executor import ModelExecutor, make_executor
 from hfaccel.engine.limits import Limits, counting_blocks, free_memory_bytes, resolve_limits
 from hfaccel.engine.metrics import StepStats
+from hfaccel.engine.model_watch import ModelWatch
 from hfaccel.engine.prompt_inputs import write_imported_kv
 from hfaccel.engine.request import GREEDY, Request, SamplingParams, StoppingParams
 from hfaccel.engine.runner import ModelRunner, kv_bytes_per_token
@@ -137,12 +138,11 @@ class Engine:
             )
         asynchronous = resolve_async_scheduling(self.config.async_scheduling, self.device)
         self._async = AsyncStepper(self) if asynchronous else None
-        model_state = model_state or self.executor.state_token
-        # The fingerprint is watched where something outlives a model change: the prefix cache's KV, and
-        # captured CUDA graphs (they replay the weights' addresses and the adapters' control flow).
+        # The model is watched where something outlives a change: the prefix cache's KV, and captured
+        # CUDA graphs (they replay the weights' addresses and the adapters' control flow).
         watched = self.config.enable_prefix_caching or self.runner.cuda_graphs
-        self._model_state = model_state if watched else None
-        self._model_token = model_state() if self._model_state is not None else None
+        sentinel = None if model_state else getattr(self.executor, "state_sentinel", None)
+        self._watch = ModelWatch((model_state or self.executor.state_token) if watched else None, sentinel)
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
@@ -372,8 +372,9 @@ class Engine:
 
     def _step(self, draining: bool) -> list[Request]:
         start = time.perf_counter()
-        if self.scheduler.waiting or self.scheduler.forming:
+        if self.scheduler.waiting or self.scheduler.forming or self._watch.sentinel_moved():
             self.check_model_state()
+        mark = self._watch.sentinel
         preemptions_before = self.scheduler.num_preemptions
         hits_before = self.block_manager.stats.hit_tokens
         num_waiting = len(self.scheduler.waiting) + len(self.scheduler.forming)
@@ -407,6 +408,8 @@ class Engine:
         for request in finished:  # freed just now, not reused yet: copy the KV out for the caller
             if id(request) in kept:
                 snapshot_kv(request, kept, self.runner.gather_kv)
+        if self._watch.moved_during(mark):  # the model changed during the step: its blocks may be either's
+            self.block_manager.reset_prefix_cache()
         if self.proposer is not None or self._requests_bring_proposers:
             propose_drafts(self.scheduler, self.proposer, self.config, self.max_model_len, self.cost_model())
         num_decode = sum(1 for n in step.num_tokens if n == 1)
@@ -461,13 +464,10 @@ class Engine:
     def check_model_state(self) -> bool:
         """Forget the prefix cache and the captured CUDA graphs if `model_state` says the model changed
         since the last check; returns whether it did. Requests already running finish on the KV they
-        hold but never register it."""
-        if self._model_state is None:
+        hold but never register it (`engine/model_watch.py`)."""
+        if (change := self._watch.new_token()) is None:
             return False
-        token = self._model_state()
-        if token == self._model_token:
-            return False
-        previous, self._model_token = self._model_token, token
+        previous, token = change
         # Graphs survive a change of values only (an optimizer step in place: the same addresses), where
         # the token can tell (`same_structure`, as `HFExecutor`'s has); anything else drops them.
         same_structure = getattr(token, "same_structure", None)

@@ -201,6 +201,11 @@ class HFExecutor(ExecutorBase):
         self.recorded = (output.hidden_states, output.attentions)
         return output.logits[0]
 
+    def state_sentinel(self) -> Hashable:
+        """What model-wide changes are cheaply seen by, at every step (`ModelStateTracker.sentinel`);
+        None in a parallel model, whose ranks must all check their state at the same steps."""
+        return self._state.sentinel() if type(self) is HFExecutor else None
+
     def state_token(self) -> Hashable:
         """Weights, optimizer steps and adapters, fingerprinted (see `ModelStateTracker`)."""
         token = self._state.token()

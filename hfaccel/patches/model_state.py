@@ -34,6 +34,7 @@ only recomputation, never correctness).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Hashable
 from typing import Any, NamedTuple
 
@@ -43,6 +44,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 # Sampled elements per tensor: enough to see a dense update; the count barely changes the cost (one
 # view per tensor dominates): about 0.7 ms a call on SmolLM2-135M (docs/architecture.md, "Model changes").
 DEFAULT_SAMPLES = 16
+# Tensors, evenly spread over the model, whose storages `ModelStateTracker.sentinel` reads at every step
+# (weights swapped by ``p.data = other``, then back).
+SENTINEL_TENSORS = 8
 
 _optimizer_steps = 0
 _hook_installed = False
@@ -76,16 +80,19 @@ class ModelToken(NamedTuple):
     adapters: tuple
     checksum: bytes
     config: tuple  # `config_fingerprint` of the model's config
+    hooks: tuple  # per module with any: its forward (pre-)hooks' handle ids
 
     def same_structure(self, other: Hashable) -> bool:
         """Whether `other` differs from this token in tensor values only: the same tensors at the same
-        addresses, the same adapter state, training flag and config (what a captured CUDA graph bakes
-        in)."""
-        return isinstance(other, ModelToken) and (self.training, self.layout, self.adapters, self.config) == (
+        addresses, the same adapter state, hooks, training flag and config (what a captured CUDA graph
+        bakes in)."""
+        mine = (self.training, self.layout, self.adapters, self.config, self.hooks)
+        return isinstance(other, ModelToken) and mine == (
             other.training,
             other.layout,
             other.adapters,
             other.config,
+            other.hooks,
         )
 
 
@@ -106,19 +113,26 @@ class ModelStateTracker:
         self._layout: tuple[Hashable, ...] | None = None  # the tensors' structure the plan was made for
         # Per dtype/device group: (tensor index, count, stride, storage offset) of the sampled elements.
         self._plan: list[list[tuple[int, int, int, int]]] = []
+        self._first_tuner: weakref.ref | None = None  # `sentinel`'s adapter layer, found by `token`
+        self._watched: list[weakref.ref] = []  # `sentinel`'s tensors, whose storages it reads
 
     def token(self) -> ModelToken:
-        """A hashable fingerprint of the weights, buffers and adapter state (holds no tensor)."""
+        """A hashable fingerprint of the weights, buffers, adapter state and hooks (holds no tensor)."""
         tensors: list[torch.Tensor | None] = []
         adapters: list[Hashable] = []
+        hooks: list[Hashable] = []
+        first_tuner = None
         # model.modules() without its generator and name bookkeeping: twice as fast on a LoRA model.
         modules = [self.model]
         seen = {id(self.model)}
         for module in modules:  # grows as it goes: breadth first
             tensors += module._parameters.values()
             tensors += module._buffers.values()
+            if module._forward_hooks or module._forward_pre_hooks:  # a packed hook opted in changes values
+                hooks.append((id(module), tuple(module._forward_hooks), tuple(module._forward_pre_hooks)))
             if _is_tuner_layer(type(module)):
                 adapters.append(_adapter_state(module))
+                first_tuner = first_tuner or module
             for child in module._modules.values():
                 if child is not None and id(child) not in seen:
                     seen.add(id(child))
@@ -128,7 +142,7 @@ class ModelStateTracker:
         if layout != self._layout:
             self._plan = _sampling_plan(present, self.samples)
             self._layout = layout
-        return ModelToken(
+        token = ModelToken(
             _optimizer_steps,
             self.model.training,
             layout,
@@ -136,6 +150,28 @@ class ModelStateTracker:
             tuple(adapters),
             _checksum(present, self._plan),
             config_fingerprint(getattr(self.model, "config", None)),
+            tuple(hooks),
+        )
+        self._first_tuner = None if first_tuner is None else weakref.ref(first_tuner)
+        every = max(1, len(present) // SENTINEL_TENSORS)
+        self._watched = [weakref.ref(t) for t in present[::every][:SENTINEL_TENSORS]]
+        return token
+
+    def sentinel(self) -> Hashable:
+        """What changes with the model-wide changes cheaply seen (a few us, against `token`'s ~1 ms): the
+        process's optimizer steps, the training flag, the adapter state of the first adapter layer
+        `token` found (PEFT's ``set_adapter``, ``disable_adapter()``, merging act on every layer at
+        once), and the storages of `SENTINEL_TENSORS` weights spread over the model. The engine
+        compares it at every step, so a change made and undone while requests run (another thread's
+        ``with model.disable_adapter(): model(x)``) is seen, where the token, read before and after,
+        would be the same."""
+        tuner = None if self._first_tuner is None else self._first_tuner()
+        storages = tuple(None if (t := ref()) is None else t.data_ptr() for ref in self._watched)
+        return (
+            _optimizer_steps,
+            self.model.training,
+            None if tuner is None else _adapter_state(tuner),
+            storages,
         )
 
 

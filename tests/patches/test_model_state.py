@@ -435,3 +435,85 @@ def test_a_torchao_int8_weight_only_model_gives_hfs_tokens_on_the_engine():
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     completions = hfaccel.generate(model, prompts, max_new_tokens=8, progress=False)
     assert [c.token_ids for c in completions] == [hf_greedy(model, p, 8) for p in prompts]
+
+
+# ------------------------------------------------------------------ changes made and undone mid-call
+
+
+def _while_running(model, at_calls, change):
+    """A logits processor that calls `change(k)` at its k-th call, for k in `at_calls`: a stand-in for
+    another thread changing the model while requests run (deterministic, between steps)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class During(LogitsProcessor):
+        calls = 0
+
+        def __call__(self, input_ids, scores):
+            During.calls += 1
+            if During.calls in at_calls:
+                change(During.calls)
+            return scores
+
+    return LogitsProcessorList([During()])
+
+
+def _long_prompt_after_a_window(model, change, prompt_len=160):
+    """A short request samples (its processor makes the change at its 2nd call, undoes it at its 4th)
+    while a long prompt is prefilled in 32-token chunks, its blocks registered as they fill; the model
+    ends as it was. Then the long prompt again, which the prefix cache serves: HF's tokens?"""
+    g = torch.Generator().manual_seed(3)
+    long = torch.randint(3, VOCAB, (prompt_len,), generator=g).tolist()
+    expected = hf_greedy(model, long, NEW_TOKENS)
+    hfaccel.patch(model, max_num_batched_tokens=32, block_size=16, kv_cache_memory=4_000_000)
+    try:
+        processors = _while_running(model, (2, 4), change)
+        hfaccel.generate(
+            model, [[5, 6, 7], long], max_new_tokens=30, do_sample=False, logits_processor=processors,
+            progress=False,
+        )  # fmt: skip
+        assert hf_greedy(model, long, NEW_TOKENS) == expected, "the model must end as it was"
+        # (Before every step read the sentinel, the blocks prefilled in the window were served here.)
+        again = hfaccel.generate(model, [long], max_new_tokens=NEW_TOKENS, progress=False)[0].token_ids
+        assert again == expected
+    finally:
+        hfaccel.unpatch(model)
+
+
+def test_weights_swapped_and_swapped_back_mid_call_leave_no_stale_kv():
+    model, other = tiny_model("llama"), tiny_model("llama", seed=7)
+    pairs = list(zip(model.parameters(), other.parameters()))
+
+    def swap(_):
+        for p, q in pairs:
+            p.data, q.data = q.data, p.data
+
+    _long_prompt_after_a_window(model, swap)
+
+
+def test_an_adapter_disabled_and_enabled_mid_call_leaves_no_stale_kv(two_adapters):
+    """PEFT's disable_adapter() around a reference pass, in another thread while requests run."""
+
+    def toggle(k):
+        (
+            two_adapters.base_model.disable_adapter_layers
+            if k == 2
+            else two_adapters.base_model.enable_adapter_layers
+        )()
+
+    _long_prompt_after_a_window(two_adapters, toggle)
+
+
+def test_a_packed_hook_added_or_removed_forgets_the_prefix_cache(llama):
+    """A forward hook marked ``hfaccel_packed`` is served by the engine: adding or removing one changes
+    what the layers compute, so the KV cached without it (or with it) is not served."""
+    ps = warm(llama)
+    before = hf_all(llama, ps)
+
+    def steer(module, args, output):
+        return output * -3.0 + 5.0
+
+    steer.hfaccel_packed = True
+    handle = llama.model.layers[0].register_forward_hook(steer)
+    assert_matches_hf(llama, ps, before)
+    handle.remove()
+    assert_matches_hf(llama, ps)
