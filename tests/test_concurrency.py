@@ -669,3 +669,55 @@ def test_a_fallback_that_reenters_the_same_models_generate_completes():
         expected = hf(model, input_ids=ids, **kwargs).sequences
     assert outputs["ours"].tolist() == expected.tolist()
     hfaccel.unpatch(model)
+
+
+def test_a_fallback_and_an_engine_step_whose_processors_generate_do_not_wait_on_each_other():
+    """Thread 1's call falls back (transformers' beam search with its own processor, holding the fallback
+    lock), and its processor generates; thread 2's call runs on the engine, and its processor
+    generates from inside the step (which falls back, so needs that lock). A call from inside a
+    fallback runs on transformers too, so neither waits on the other (it deadlocked)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    model = hfaccel.patch(tiny_model())
+    prompts = varied_prompts(4)
+    model.generate(torch.tensor([prompts[0]]), max_new_tokens=2)  # the engine is built
+    first_in, second_in = threading.Event(), threading.Event()
+
+    def generating(mine: threading.Event, other: threading.Event, prompt: list[int]):
+        class Generating(LogitsProcessor):
+            done = False
+
+            def __call__(self, input_ids, scores):
+                if not Generating.done:
+                    Generating.done = True
+                    mine.set()
+                    other.wait(10)
+                    model.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=False)
+                return scores
+
+        return LogitsProcessorList([Generating()])
+
+    results = {}
+
+    def first():
+        processors = generating(first_in, second_in, prompts[1])
+        results["first"] = model.generate(
+            torch.tensor([prompts[0]]), max_new_tokens=4, num_beams=2, logits_processor=processors
+        )
+
+    def second():
+        processors = generating(second_in, first_in, prompts[2])
+        results["second"] = model.generate(
+            torch.tensor([prompts[3]]), max_new_tokens=4, logits_processor=processors
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        threads = [threading.Thread(target=target, daemon=True) for target in (first, second)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    assert set(results) == {"first", "second"}, "the two calls waited on each other"
+    assert results["second"][0, len(prompts[3]) :].tolist() == hf_greedy(model, prompts[3], 4)
+    hfaccel.unpatch(model)

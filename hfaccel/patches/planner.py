@@ -450,7 +450,11 @@ def _reentry_gate(call: GenerateCall) -> str | None:
     """A call from inside the model's own engine step (a processor or criterion that generates), or one
     that would close a cycle of models waiting on each other, runs on transformers: it completes."""
     reentered = call.state.loop is not None and call.state.loop.reentry_reason() is not None
-    return "a generate call from inside an engine step (a processor or criterion)" if reentered else None
+    if reentered:
+        return "a generate call from inside an engine step (a processor or criterion)"
+    # Inside a fallback it holds the fallback lock: waiting on the engine could close a cycle with an
+    # engine step whose processor falls back, waiting on that lock.
+    return "a generate call from inside transformers' generate" if call.state.inside_fallback() else None
 
 
 GATES: tuple[tuple[str, Callable[[GenerateCall], str | None]], ...] = (
