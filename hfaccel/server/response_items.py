@@ -34,16 +34,17 @@ def function_call_item(call_id: str, call: ToolCall) -> dict[str, Any]:
 
 
 class OutputStream:
-    """The items of one streamed answer, each announced (``output_item.added``) when its first part comes
-    and completed when the next kind begins or the answer ends; `emit(kind, **fields)` makes an event.
-    The message is announced at its first text or first function call, so its index comes before the
-    calls'; text after a call goes on in the same message."""
+    """The items of one streamed answer, in order, each announced (``output_item.added``) when its first
+    part comes and completed (``output_item.done``) before the next one is announced, as OpenAI's
+    stream goes: reasoning, a message, a function call, text after it in a message of its own. A reply
+    of function calls only has no message item; one with nothing at all has an empty message.
+    `emit(kind, **fields)` makes an event."""
 
     def __init__(self, response_id: str, emit: Callable[..., bytes]) -> None:
         self.id, self.emit = response_id, emit
         self.items: list[dict[str, Any]] = []  # by output index, as each is completed or announced
         self.reasoning: int | None = None  # the open reasoning item's index
-        self.message: int | None = None  # the message's index, once announced
+        self.message: int | None = None  # the open message's index
         self.text = ""
         self.reasoning_text = ""
 
@@ -57,28 +58,22 @@ class OutputStream:
     def text_delta(self, text: str) -> list[bytes]:
         events = self._open_message()
         self.text += text
-        where = {"item_id": f"msg_{self.id}", "output_index": self.message, "content_index": 0}
+        where = {"item_id": self.items[self.message]["id"], "output_index": self.message, "content_index": 0}
         return [*events, self.emit("response.output_text.delta", **where, delta=text, logprobs=[])]
 
     def finish(self, status: str) -> list[bytes]:
-        """Complete every open item (announcing an empty message if none came); the final items."""
-        events = self._open_message()
-        where = {"item_id": f"msg_{self.id}", "output_index": self.message, "content_index": 0}
-        part = {"type": "output_text", "text": self.text, "annotations": []}
-        item = message_item(f"msg_{self.id}", self.text, status)
-        self.items[self.message] = item
-        return [
-            *events,
-            self.emit("response.output_text.done", **where, text=self.text, logprobs=[]),
-            self.emit("response.content_part.done", **where, part=part),
-            self.emit("response.output_item.done", output_index=self.message, item=item),
-        ]
+        """Complete every open item (announcing an empty message if no message or call came); the
+        final items are then `items`."""
+        events = self._close_reasoning()
+        if self.message is None and not any(i["type"] in ("message", "function_call") for i in self.items):
+            events += self._open_message()
+        return events + self._close_message(status)
 
     def _reasoning(self, text: str) -> list[bytes]:
-        events = []
+        events = self._close_message()
         if self.reasoning is None:
             self.reasoning, self.reasoning_text = len(self.items), ""
-            item = reasoning_item(self._reasoning_id(), None, "in_progress")
+            item = reasoning_item(self._next_id("rs", "reasoning"), None, "in_progress")
             self.items.append(item)
             events.append(self.emit("response.output_item.added", output_index=self.reasoning, item=item))
         self.reasoning_text += text
@@ -89,9 +84,10 @@ class OutputStream:
         }
         return [*events, self.emit("response.reasoning_text.delta", **where, delta=text)]
 
-    def _reasoning_id(self) -> str:
-        count = sum(item["type"] == "reasoning" for item in self.items)
-        return f"rs_{self.id}" + (f"_{count}" if count else "")
+    def _next_id(self, prefix: str, kind: str) -> str:
+        """The id of the answer's next item of `kind`: ``{prefix}_{id}``, then ``_1``, ``_2``..."""
+        count = sum(item["type"] == kind for item in self.items)
+        return f"{prefix}_{self.id}" + (f"_{count}" if count else "")
 
     def _close_reasoning(self) -> list[bytes]:
         if self.reasoning is None:
@@ -109,8 +105,8 @@ class OutputStream:
         events = self._close_reasoning()
         if self.message is not None:
             return events
-        self.message = len(self.items)
-        item = message_item(f"msg_{self.id}", None, "in_progress")
+        self.message, self.text = len(self.items), ""
+        item = message_item(self._next_id("msg", "message"), None, "in_progress")
         self.items.append(item)
         empty = {"type": "output_text", "text": "", "annotations": []}
         where = {"item_id": item["id"], "output_index": self.message, "content_index": 0}
@@ -120,8 +116,22 @@ class OutputStream:
             self.emit("response.content_part.added", **where, part=empty),
         ]
 
+    def _close_message(self, status: str = "completed") -> list[bytes]:
+        if self.message is None:
+            return []
+        index, self.message = self.message, None
+        item = message_item(self.items[index]["id"], self.text, status)
+        self.items[index] = item
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        part = {"type": "output_text", "text": self.text, "annotations": []}
+        return [
+            self.emit("response.output_text.done", **where, text=self.text, logprobs=[]),
+            self.emit("response.content_part.done", **where, part=part),
+            self.emit("response.output_item.done", output_index=index, item=item),
+        ]
+
     def _tool_call(self, call: ToolCall) -> list[bytes]:
-        events = self._open_message()
+        events = self._close_reasoning() + self._close_message()
         index, item = len(self.items), function_call_item(call_id(), call)
         self.items.append(item)
         return [

@@ -166,11 +166,23 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
                     400, "a message needs a role (system, developer, user, assistant) and text", where
                 )
             assistant = item["role"] == "assistant"
-            messages.append(
-                ChatMessage(
-                    role=item["role"], content=content, reasoning_content=reasoning if assistant else None
+            if assistant and messages and messages[-1].role == "assistant" and messages[-1].tool_calls:
+                # Text after a call in the same turn (a message item of its own in the output): the turn
+                # is one assistant message, as the model wrote it.
+                turn = messages[-1]
+                turn.content = (turn.content or "") + content
+                if reasoning is not None:
+                    turn.reasoning_content = (
+                        reasoning
+                        if turn.reasoning_content is None
+                        else f"{turn.reasoning_content}\n{reasoning}"
+                    )
+            else:
+                messages.append(
+                    ChatMessage(
+                        role=item["role"], content=content, reasoning_content=reasoning if assistant else None
+                    )
                 )
-            )
             reasoning = None if assistant else reasoning
         else:
             raise APIError(

@@ -138,7 +138,9 @@ def test_the_event_stream_announces_each_item_and_ends_with_the_whole_response(c
     added = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.added"]
     done = [(e.output_index, e.item.type) for e in events if e.type == "response.output_item.done"]
     assert added == [(0, "reasoning"), (1, "message"), (2, "function_call"), (3, "function_call")]
-    assert sorted(done) == added
+    # Each item is completed before the next is announced, as OpenAI's stream goes.
+    lifecycle = [e.output_index for e in events if e.type.startswith("response.output_item.")]
+    assert lifecycle == [0, 0, 1, 1, 2, 2, 3, 3] and done == added
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "sum it"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "On it."
     calls = [e for e in events if e.type == "response.function_call_arguments.done"]
@@ -237,6 +239,48 @@ def test_whole_and_streamed_responses_have_the_same_items(client, scripted, scri
     scripted(script)
     whole, streamed = response_both(client)
     assert shape(whole) == shape(streamed)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_of_calls_only_has_no_message_item_and_text_after_a_call_has_its_own(
+    client, scripted, stream
+):
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    for script, types in [
+        (call, ["function_call"]),
+        ("Sure." + call + "Done.", ["message", "function_call", "message"]),
+    ]:
+        scripted(script)
+        kwargs = {"model": MODEL, "input": "1+2?", "tools": FLAT_TOOLS}
+        if stream:
+            answer = list(client.responses.create(stream=True, **kwargs))[-1].response
+        else:
+            answer = client.responses.create(**kwargs)
+        assert [item.type for item in answer.output] == types
+        messages = [item for item in answer.output if item.type == "message"]
+        assert len({m.id for m in messages}) == len(messages), "each message has its own id"
+        assert answer.output_text == ("" if len(types) == 1 else "Sure.Done.")
+
+
+def test_text_after_a_call_sent_back_joins_the_turn_it_came_in():
+    """The server's own output of "Sure.<call>Done." ([message, function_call, message]) sent back as input
+    with the call's output: one assistant turn, its text and its call, then the tool message."""
+    body = ResponsesRequest(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "1+2?"},
+            {"type": "message", "role": "assistant", "content": "Sure."},
+            {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 1, "b": 2}'},
+            {"type": "message", "role": "assistant", "content": "Done."},
+            {"type": "function_call_output", "call_id": "call_1", "output": "3"},
+        ],
+    )
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}, "id": "call_1"}
+    assert _messages(body) == [
+        ChatMessage(role="user", content="1+2?"),
+        ChatMessage(role="assistant", content="Sure.Done.", tool_calls=[call]),
+        ChatMessage(role="tool", content="3", tool_call_id="call_1"),
+    ]
 
 
 def test_a_response_cut_by_the_length_after_a_call_is_incomplete(client, scripted):
