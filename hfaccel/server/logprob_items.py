@@ -95,8 +95,11 @@ def legacy_logprobs(
     return {
         "tokens": [item["token"] for item in items],
         "token_logprobs": [item["logprob"] for item in items],
+        # The k most likely and the chosen token: up to k + 1 entries, as OpenAI documents (and vLLM).
         "top_logprobs": [
-            None if item["logprob"] is None else {t["token"]: t["logprob"] for t in item["top_logprobs"]}
+            None
+            if item["logprob"] is None
+            else {t["token"]: t["logprob"] for t in item["top_logprobs"]} | {item["token"]: item["logprob"]}
             for item in items
         ],
         "text_offset": offsets,

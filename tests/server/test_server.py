@@ -119,8 +119,13 @@ def test_text_completions_with_echo_and_logprobs(served, client):
     assert logprobs.token_logprobs[len(ids) :] == pytest.approx(expected.logprobs)
     assert "".join(logprobs.tokens) == choice.text
     assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
-    # Keyed by token text (OpenAI's legacy layout): tokens that decode alike share a key.
-    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    # Keyed by token text (OpenAI's legacy layout): tokens that decode alike share a key. The 2 most
+    # likely and the chosen token, as OpenAI documents ("up to logprobs+1 elements").
+    assert all(1 <= len(top) <= 3 for top in logprobs.top_logprobs[1:])
+    for token, chosen, top in zip(
+        logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]
+    ):
+        assert top[token] == chosen
     stream = client.completions.create(
         model=MODEL, prompt="abc", max_tokens=6, temperature=0, logprobs=2, echo=True, stream=True
     )
