@@ -22,8 +22,9 @@ def chat_prompt_ids(
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The prompt's token ids. Tools the template never shows the model are refused (rendered with and
-    without them, the same text): the request would silently ignore them."""
+    """The prompt's token ids. Tools, or an assistant message's tool calls, that the template never shows
+    the model are refused (rendered with and without them, the same text): the request would silently
+    ignore them."""
     if getattr(tokenizer, "chat_template", None) is None:
         raise APIError(400, "the model's tokenizer has no chat template: use /v1/completions", "messages")
     conversation = []
@@ -44,6 +45,15 @@ def chat_prompt_ids(
     text = _render(tokenizer, conversation, tools, extra)
     if tools and _render(tokenizer, conversation, None, extra) == text:
         raise APIError(400, "this model's chat template does not show tools to the model", "tools")
+    called = next((i for i, entry in enumerate(conversation) if entry.get("tool_calls")), None)
+    if called is not None:  # the same for the calls an assistant made: dropped silently, they are refused
+        plain = [{k: v for k, v in entry.items() if k != "tool_calls"} for entry in conversation]
+        if _render(tokenizer, plain, tools, extra) == text:
+            raise APIError(
+                400,
+                "this model's chat template does not show an assistant message's tool calls to the model",
+                f"messages[{called}].tool_calls",
+            )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

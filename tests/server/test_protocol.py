@@ -224,6 +224,16 @@ def test_a_tool_calling_conversation_goes_back_to_the_template_as_templates_read
     code, _, answer = post(served[0], "/tokenize", {"model": MODEL, "messages": messages})
     assert code == 200, answer
     assert tokenizer.decode(answer["tokens"]) == "<u>2+3?<a>[add:a=2;b=3;](add them)<t>5<a>"
+    # A template that never shows an assistant's tool calls would drop them silently: a 400 naming them.
+    monkeypatch.setattr(
+        tokenizer,
+        "chat_template",
+        "{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}<a>",
+    )
+    code, _, answer = post(served[0], "/v1/chat/completions", {"model": MODEL, "messages": messages})
+    assert code == 400 and answer["error"]["param"] == "messages[1].tool_calls", answer
+    assert "does not show an assistant message's tool calls" in answer["error"]["message"]
+    monkeypatch.setattr(tokenizer, "chat_template", template)
     bad = {**call, "function": {"name": "add", "arguments": "{not json"}}
     messages[1]["tool_calls"] = [bad]
     code, _, answer = post(served[0], "/v1/chat/completions", {"model": MODEL, "messages": messages})
