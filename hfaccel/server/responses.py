@@ -236,8 +236,10 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         return None
     converted = []
     for i, tool in enumerate(tools):
-        if tool.get("type") != "function" or "name" not in tool:
+        if tool.get("type") != "function":
             raise APIError(400, f"only function tools are served, got {tool.get('type')!r}", f"tools[{i}]")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise APIError(400, "a function tool needs a name", f"tools[{i}].name")
         function = {k: v for k, v in tool.items() if k in ("name", "description", "parameters")}
         converted.append({"type": "function", "function": function})
     return converted

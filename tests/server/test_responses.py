@@ -107,6 +107,7 @@ def test_the_event_stream_joins_to_the_whole_response(served, client):
         ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type"),
         ({"input": "hi", "max_output_tokens": 10**6}, "max_output_tokens"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
         ({"input": [{"role": "user", "content": ["hi"]}]}, "input[0].content[0]"),
         ({"input": [{"role": "user", "content": [None]}]}, "input[0].content[0]"),
     ],
