@@ -79,7 +79,7 @@ def compile_format(
     else:
         spec = response_format.json_schema
         schema, strict = spec.json_schema, bool(spec.strict)
-        check_schema(schema)  # what the grammar would not enforce, and OpenAI's size limits
+        check_schema(schema, strict)  # what the grammar would not enforce, and OpenAI's size limits
     try:
         grammar = compiler.compile_json_schema(
             schema, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE, strict_mode=strict

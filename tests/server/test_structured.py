@@ -232,34 +232,55 @@ def test_a_schema_with_a_dead_end_past_its_start_is_a_400_not_free_text(client, 
     assert status == 400 and "no token can continue" in answer["error"]["message"], answer
 
 
-# Each schema refused, with an instance that breaks it: the grammar (xgrammar 0.2) accepts the instance,
-# which is why it is refused. If a later xgrammar enforces one, its row here fails: move it to SERVED.
-UNENFORCED = [
-    ({"not": {"type": "object"}}, "{}", "uses not"),
-    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1,1]", "uses uniqueItems"),
-    ({"type": "object", "required": ["zz"]}, "{}", "requires 'zz'"),
-    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, '"a"', "allOf of more than one schema"),
+# Each validation keyword with an instance that breaks it, by what xgrammar (0.2) does with it: a
+# REFUSED schema's grammar accepts its instance (so the server refuses the schema), a SERVED one's refuses
+# it. If a later xgrammar changes either, its row here fails: move it.
+INTEGER = {"type": "integer"}
+TWO = {"type": "object", "properties": {"a": INTEGER, "b": INTEGER}}
+REFUSED = [
+    ({"type": "integer", "not": {"const": 3}}, "3", "uses not"),
+    ({"type": "array", "items": INTEGER, "uniqueItems": True}, "[1, 1]", "uses uniqueItems"),
+    ({"type": "array", "items": INTEGER, "contains": {"const": 5}}, "[1, 2]", "uses contains"),
     (
-        {
-            "type": "object",
-            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "dependentRequired": {"a": ["b"]},
-        },
-        '{"a": 1}',
-        "uses dependentRequired",
+        {"type": "array", "items": INTEGER, "contains": {"const": 5}, "maxContains": 1},
+        "[5, 5]",
+        "uses contains, maxContains",
     ),
+    ({**TWO, "dependentRequired": {"a": ["b"]}}, '{"a": 1}', "uses dependentRequired"),
+    ({**TWO, "dependencies": {"a": ["b"]}}, '{"a": 1}', "uses dependencies"),
+    ({**TWO, "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}', "uses dependentSchemas"),
+    ({**TWO, "if": {"required": ["a"]}, "then": {"required": ["b"]}}, '{"a": 1}', "uses if/then/else"),
+    (
+        {"allOf": [{**TWO, "required": ["a"]}, {**TWO, "required": ["b"]}]},
+        '{"a": 1}',
+        "allOf of more than one schema",
+    ),
+    ({"type": "object", "required": ["zz"]}, "{}", "requires 'zz'"),
     (  # deep inside: the path says where
         {"type": "object", "properties": {"tags": {"type": "array", "items": {}, "uniqueItems": True}}},
         '{"tags":[1,1]}',
         r"schema.properties.tags uses uniqueItems",
     ),
 ]
-# Served: keywords the grammar does enforce, and names that are keywords only as property names.
+# Not strict: xgrammar's strict mode enforces this one.
+LOOSE_ONLY = (
+    {"type": "object", "properties": {"a": INTEGER}, "unevaluatedProperties": False},
+    '{"a": 1, "z": 2}',
+)
 SERVED = [
-    {"type": "integer", "multipleOf": 7},
-    {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}},
-    {"type": "object", "properties": {"not": {"type": "integer"}, "allOf": {"type": "string"}}},
-    {"oneOf": [{"type": "string"}, {"type": "integer"}]},
+    ({"type": "integer", "multipleOf": 7}, "8"),
+    ({"type": "integer", "exclusiveMaximum": 3}, "3"),
+    ({"type": "string", "pattern": "^a+$"}, '"b"'),
+    ({"type": "string", "format": "date"}, '"x"'),
+    ({"type": "array", "items": INTEGER, "minItems": 2}, "[1]"),
+    ({"type": "array", "prefixItems": [INTEGER], "unevaluatedItems": False}, "[1, 2]"),
+    ({"type": "object", "additionalProperties": INTEGER, "maxProperties": 1}, '{"a": 1, "b": 2}'),
+    ({"type": "object", "additionalProperties": INTEGER, "propertyNames": {"pattern": "^a"}}, '{"b": 1}'),
+    ({**TWO, "required": ["a"]}, "{}"),
+    ({"oneOf": [{"type": "string"}, INTEGER]}, "true"),
+    ({"allOf": [{**TWO, "required": ["a"]}]}, "{}"),
+    # names that are keywords only as property names
+    ({"type": "object", "properties": {"not": INTEGER, "allOf": INTEGER}, "required": ["not"]}, "{}"),
 ]
 
 
@@ -273,22 +294,43 @@ def _tiny_compiler():
     return xgrammar.GrammarCompiler(info)
 
 
-@pytest.mark.parametrize(("schema", "instance", "message"), UNENFORCED, ids=[u[2] for u in UNENFORCED])
+def _accepts(compiler, schema, instance, strict):
+    grammar = compiler.compile_json_schema(schema, strict_mode=strict)
+    matcher = xgrammar.GrammarMatcher(grammar, terminate_without_stop_token=True)
+    return matcher.accept_string(instance) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize(("schema", "instance", "message"), REFUSED, ids=[u[2] for u in REFUSED])
 def test_a_schema_the_grammar_would_not_enforce_is_refused(schema, instance, message):
     from hfaccel.server.schema_checks import check_schema
 
-    grammar = _tiny_compiler().compile_json_schema(schema, strict_mode=True)
-    matcher = xgrammar.GrammarMatcher(grammar, terminate_without_stop_token=True)
-    assert matcher.accept_string(instance) and matcher.is_terminated(), "xgrammar enforces it now"
-    with pytest.raises(ValueError, match=message):
-        check_schema(schema)
+    assert _accepts(_tiny_compiler(), schema, instance, strict=True), "xgrammar enforces it now"
+    for strict in (True, False):
+        with pytest.raises(ValueError, match=message):
+            check_schema(schema, strict)
 
 
-@pytest.mark.parametrize("schema", SERVED)
-def test_keywords_the_grammar_enforces_are_served(schema):
+def test_unevaluated_properties_are_refused_only_without_strict():
     from hfaccel.server.schema_checks import check_schema
 
-    check_schema(schema)
+    schema, instance = LOOSE_ONLY
+    compiler = _tiny_compiler()
+    assert _accepts(compiler, schema, instance, strict=False) and not _accepts(
+        compiler, schema, instance, True
+    )
+    with pytest.raises(ValueError, match=r"unevaluatedProperties \(without strict\)"):
+        check_schema(schema, strict=False)
+    check_schema(schema, strict=True)
+
+
+@pytest.mark.parametrize(("schema", "instance"), SERVED)
+def test_keywords_the_grammar_enforces_are_served(schema, instance):
+    from hfaccel.server.schema_checks import check_schema
+
+    compiler = _tiny_compiler()
+    for strict in (True, False):
+        assert not _accepts(compiler, schema, instance, strict), "xgrammar does not enforce it"
+        check_schema(schema, strict)
 
 
 def test_schemas_over_openais_limits_are_refused_before_they_compile(served):
