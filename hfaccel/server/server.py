@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
@@ -66,7 +67,7 @@ def serve(
     model_id: str | None = None,
     limits: Limits | None = None,
     log_level: str = "warning",
-    allowed_origins: tuple[str, ...] = (),
+    allowed_origins: str | Sequence[str] = (),
     **patch_options: Any,
 ) -> ServerHandle:
     """Serve the live `model` object over an OpenAI-compatible HTTP API, from a background thread, and
@@ -80,8 +81,9 @@ def serve(
     model's ``name_or_path``). `allowed_origins`: the origins whose browser pages may call the server
     (CORS headers; ``("*",)``: any; none by default).
     """
+    origins = allowed_origin_list(allowed_origins)
     served, patched_here = served_model(model, tokenizer, api_key, model_id, limits, patch_options)
-    served.allowed_origins = tuple(allowed_origins)
+    served.allowed_origins = origins
     config = uvicorn.Config(
         make_app(served),
         host=host,
@@ -109,14 +111,15 @@ def serve(
 
 def run_forever(
     model: Any, tokenizer: Any, *, host: str, port: int, api_key: str | None, model_id: str | None,
-    limits: Limits, log_level: str = "info", allowed_origins: tuple[str, ...] = (), **patch_options: Any,
+    limits: Limits, log_level: str = "info", allowed_origins: str | Sequence[str] = (), **patch_options: Any,
 ) -> None:  # fmt: skip
     """Serve until Ctrl-C or SIGTERM (then uvicorn's graceful shutdown; a second one forces it). uvicorn
     runs in a thread of its own and this (main) thread steps the engine for every request: a torch op
     runs several times slower in a second thread while the main thread's OpenMP pool lives
     (`engine/loop.py`), and a server's main thread has nothing else to do."""
+    origins = allowed_origin_list(allowed_origins)
     served, _ = served_model(model, tokenizer, api_key, model_id, limits, patch_options)
-    served.allowed_origins = tuple(allowed_origins)
+    served.allowed_origins = origins
     config = uvicorn.Config(
         make_app(served),
         host=host,
@@ -146,6 +149,21 @@ def run_forever(
         raise OSError(
             f"the server could not start on {host}:{port} (the port in use? not this machine's address?)"
         )
+
+
+def allowed_origin_list(origins: str | Sequence[str]) -> tuple[str, ...]:
+    """`allowed_origins` as a tuple ("*" or origins such as ``http://localhost:3000``, as a browser sends
+    them: a scheme, no path); a single string is one origin. Raises ValueError naming a malformed one."""
+    origins = (origins,) if isinstance(origins, str) else tuple(origins)
+    for origin in origins:
+        if origin != "*" and (
+            not isinstance(origin, str) or "://" not in origin or "/" in origin.split("://", 1)[1]
+        ):
+            raise ValueError(
+                f"allowed_origins: {origin!r} is not '*' or an origin such as http://localhost:3000 "
+                "(a scheme and a host, no path)"
+            )
+    return origins
 
 
 def served_model(

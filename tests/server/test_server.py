@@ -486,6 +486,19 @@ def test_allowed_origins_get_cors_headers_on_answers_errors_and_preflights(serve
         assert status == 200 and headers["access-control-allow-origin"] == "http://localhost:3000"
         other = send(server, "GET", "/health", None, {"Origin": "http://evil.example"})[1]
         assert "access-control-allow-origin" not in other
+    # One origin given as a string is that origin (not its characters); a malformed one is refused.
+    with hfaccel.serve(
+        model,
+        tokenizer,
+        port=0,
+        model_id=MODEL,
+        kv_cache_memory=4_000_000,
+        allowed_origins="http://localhost:3000",
+    ) as server:
+        headers = send(server, "GET", "/v1/models", None, page)[1]
+        assert headers["access-control-allow-origin"] == "http://localhost:3000"
+    with pytest.raises(ValueError, match="allowed_origins: 'localhost:3000' is not"):
+        hfaccel.serve(model, tokenizer, port=0, allowed_origins=["localhost:3000"])
 
 
 def test_a_full_queue_answers_429_with_retry_after():
