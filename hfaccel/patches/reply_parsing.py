@@ -157,8 +157,8 @@ class ReplyStream:
         joined (one a token). At the `end`, what the filters held back comes out too."""
         out: list[ReplyPart] = []
 
-        def add(kind: str, text: str, last: bool = False) -> None:
-            text = self._trims[kind].add(self._filters[kind].add(text, end=last))
+        def add(kind: str, text: str, last: bool = False, filtered: bool = False) -> None:
+            text = self._trims[kind].add(text if filtered else self._filters[kind].add(text, end=last))
             if text and out and getattr(out[-1], kind):
                 out[-1] = ReplyPart(**{kind: getattr(out[-1], kind) + text})
             elif text:
@@ -166,6 +166,8 @@ class ReplyStream:
 
         for part in parts:
             if part.tool_call is not None:
+                for kind in ("reasoning", "content"):  # text held back before the call comes before it
+                    add(kind, self._filters[kind].flush(), filtered=True)
                 out.append(part)
             else:
                 kind = "reasoning" if part.reasoning else "content"
@@ -313,6 +315,11 @@ class _SpecialTexts:
         self._prefixes = {t[:k] for t in texts for k in range(1, len(t))}
         self._longest = max(map(len, self._prefixes), default=0)
         self._held = ""
+
+    def flush(self) -> str:
+        """What is held back, given up (the text that follows is not a special token's end)."""
+        held, self._held = self._held, ""
+        return held
 
     def add(self, text: str, end: bool = False) -> str:
         if self._pattern is None:

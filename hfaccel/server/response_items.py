@@ -56,6 +56,10 @@ class OutputStream:
         return self.text_delta(part.content) if part.content else []
 
     def text_delta(self, text: str) -> list[bytes]:
+        if self.message is None:  # a message after a call starts at its first non-space, as any text does
+            text = text.lstrip()
+            if not text:
+                return []
         events = self._open_message()
         self.text += text
         where = {"item_id": self.items[self.message]["id"], "output_index": self.message, "content_index": 0}

@@ -251,3 +251,15 @@ def test_arguments_written_as_json_text_of_an_object_are_a_call():
     )
     reply = parse_reply(response_template(tokenizer, model), PROMPT, [text], TOOLS, SPECIAL)
     assert reply.tool_calls == [ToolCall("get_weather", '{"city": "Paris"}')]
+
+
+@pytest.mark.parametrize("piece", [1, 1000])
+def test_text_held_back_before_a_call_comes_before_it(piece):
+    """ "<" could begin a special token's text, so it waits for the next text; a tool call next means it
+    did not: it comes before the call, not after (a review)."""
+    model, tokenizer = qwen()
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    parts = streamed(response_template(tokenizer, model), "Is a <" + call + "b?<|im_end|>", piece)
+    at = next(i for i, p in enumerate(parts) if p.tool_call)
+    assert "".join(p.content for p in parts[:at]) == "Is a <"
+    assert "".join(p.content for p in parts[at + 1 :]) == "b?"

@@ -249,7 +249,7 @@ def test_a_reply_of_calls_only_has_no_message_item_and_text_after_a_call_has_its
     call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
     for script, types in [
         (call, ["function_call"]),
-        ("Sure." + call + "Done.", ["message", "function_call", "message"]),
+        ("Sure." + call + "  Done.", ["message", "function_call", "message"]),
     ]:
         scripted(script)
         kwargs = {"model": MODEL, "input": "1+2?", "tools": FLAT_TOOLS}
@@ -260,7 +260,7 @@ def test_a_reply_of_calls_only_has_no_message_item_and_text_after_a_call_has_its
         assert [item.type for item in answer.output] == types
         messages = [item for item in answer.output if item.type == "message"]
         assert len({m.id for m in messages}) == len(messages), "each message has its own id"
-        assert answer.output_text == ("" if len(types) == 1 else "Sure.Done.")
+        assert answer.output_text == ("" if len(types) == 1 else "Sure.Done.")  # each message trimmed
 
 
 def test_text_after_a_call_sent_back_joins_the_turn_it_came_in():
