@@ -439,7 +439,7 @@ def _limits_gate(call: GenerateCall) -> str | None:
     kept = int(call.mask.sum(dim=1).max())  # the longest prompt, without its padding
     context = max_model_len(call.model, call.state.config.max_model_len)
     if call.given_mask is None and kept >= context:  # model.generate: HF generates past the context
-        return f"a prompt of {kept} tokens, over the engine's max_model_len ({context})"
+        return f"a prompt of {kept} tokens, at or over the engine's max_model_len ({context})"
     reason, stopping = long_rope_reason(call.model, kept + call.stopping.max_new_tokens), call.stopping
     engine = call.state.get_engine(call.model) if call.beam and reason is None else None
     return reason if engine is None else beam_limits_reason(engine, call.config.num_beams, kept, stopping)

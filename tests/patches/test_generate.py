@@ -155,7 +155,9 @@ def test_bad_input_raises_and_model_still_generates(patched):
     with pytest.raises(ValueError, match="max_length"):
         patched.generate(torch.tensor([prompt]), max_length=len(prompt))
     # A prompt over the context: transformers generates from it (RoPE has no hard end), so it serves it.
-    with pytest.warns(UserWarning, match=r"a prompt of 600 tokens, over the engine's max_model_len \(512\)"):
+    with pytest.warns(
+        UserWarning, match=r"a prompt of 600 tokens, at or over the engine's max_model_len \(512\)"
+    ):
         out = patched.generate(torch.tensor([[5] * 600]), max_new_tokens=2)
     assert out[0, 600:].tolist() == hf_greedy(patched, [5] * 600, 2)
     with pytest.raises(ValueError, match="attention_mask has shape"):
