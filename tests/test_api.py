@@ -1,5 +1,7 @@
 """The public API: patch / unpatch / generate."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import DynamicCache, GenerationConfig
@@ -100,9 +102,9 @@ BAD = [
     ([5] * 600, {}, r"max_model_len"),
     ([5, 6], {"max_new_tokens": -1}, "max_new_tokens"),
     ([5, 6], {"do_sample": True, "temperature": -0.5}, "temperature must be a strictly positive float"),
-    ([5, 6], {"do_sample": True, "top_p": -0.5}, r"top_p must be in \[0, 1\]"),
+    ([5, 6], {"do_sample": True, "top_p": -0.5}, r"top_p must be >= 0"),
     ([5, 6], {"do_sample": True, "temperature": "0.5"}, r"temperature must be a number, got '0.5' \(str\)"),
-    ([5, 6], {"top_k": 2.5}, r"top_k must be an integer, got 2.5 \(float\)"),
+    ([5, 6], {"do_sample": True, "top_k": 2.5}, r"top_k must be an integer, got 2.5 \(float\)"),
     ([5, 6], {"num_beams": 0}, "num_beams must be >= 1, got 0"),
     ([5, 6], {"do_sample": True, "top_k": -3}, "top_k must be >= 0"),
     ([5, 6], {"do_sample": True, "num_return_sequences": -1}, "num_return_sequences must be >= 1"),
@@ -131,6 +133,18 @@ def test_a_bad_request_fails_alone_and_the_others_complete(prompt, kwargs, messa
     )
     assert [c.finish_reason == "error" for c in returned] == [False, True, False]
     assert not hasattr(model, "_hfaccel")
+
+
+def test_a_sampling_setting_a_greedy_call_does_not_read_may_be_any_number_as_in_transformers():
+    """HF reads top_k only when sampling: a greedy call with top_k=2.5 runs, with HF's tokens (a string
+    there is refused, named: HF's own validation fails on one with a bare TypeError)."""
+    model = tiny_model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' own: top_k is set but do_sample is not
+        completion = hfaccel.generate(model, [[5, 6, 7]], max_new_tokens=4, top_k=2.5, progress=False)[0]
+        assert completion.token_ids == hf_greedy(model, [5, 6, 7], 4)
+        with pytest.raises(ValueError, match=r"top_k must be a number, got '5' \(str\)"):
+            hfaccel.generate(model, [[5, 6, 7]], max_new_tokens=4, top_k="5", progress=False)
 
 
 @pytest.mark.parametrize("top_p", [1.5, float("nan")])

@@ -85,6 +85,7 @@ def patch(
         state: PatchState | None = getattr(model, "_hfaccel", None)
         parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
         if state is not None:
+            dtype = planned_dtype(model, weights)  # checked with the dtype the weights will have
             if pipeline_parallel_size not in (None, 1) and parallel_layout(model).pp is None:
                 raise ValueError("pipeline parallelism is set at a model's first patch: unpatch it first")
             if expert_parallel_size not in (None, 1) and parallel_layout(model).ep is None:
@@ -101,7 +102,6 @@ def patch(
                 state.config = state.config.with_overrides(
                     **{k: v for k, v in again.items() if v is not None}
                 )
-            dtype = planned_dtype(model, weights)  # checked with the dtype the weights will have
             if config is not None or overrides or weights is not None:
                 new_config = _keep_parallel_layout(
                     state.config, (config or state.config).with_overrides(**overrides)
@@ -137,9 +137,10 @@ def patch(
         engine_config = engine_config.with_overrides(**layout)
         _check_draft_model(model, engine_config)
         sizes = [size for name, size in layout.items() if name.endswith("_size")]
-        if all(size in (None, 1) for size in sizes) and device_mesh is None:
-            # One process: the served model's checks, with the dtype its weights will have, before they
-            # change (a patch refused leaves them as they were). A parallel layout is checked once set up.
+        one_process = all(size in (None, 1) for size in sizes) and device_mesh is None
+        if one_process:
+            # The served model's checks, with the dtype its weights will have, before they change (a
+            # patch refused leaves them as they were). A parallel layout is checked once set up.
             check_engine_config(model, engine_config, dtype=planned_dtype(model, weights))
         apply_weights(model, weights)
         tp_args = (layout["tensor_parallel_size"], device_mesh, layout["sequence_parallel"])
@@ -149,7 +150,8 @@ def patch(
         )  # splits the layers into stages (P > 1)
         setup_expert_parallel(model, layout["expert_parallel_size"])  # shards the experts when E > 1
         setup_data_parallel(model, layout["data_parallel_size"])  # D engine replicas when D > 1
-        check_engine_config(model, engine_config)
+        if not one_process:
+            check_engine_config(model, engine_config)
         register_attention()
         model._hfaccel = PatchState(
             config=engine_config,

@@ -374,15 +374,13 @@ def attention_dims(model: torch.nn.Module) -> tuple[int, int]:
     return num_kv_heads, getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
 
 
-def check_engine_config(
-    model: torch.nn.Module, config: Any, dtype: torch.dtype | None = None, tp_size: int | None = None
-) -> None:
+def check_engine_config(model: torch.nn.Module, config: Any, dtype: torch.dtype | None = None) -> None:
     """Raise ValueError, at patch time, for an `EngineConfig` that cannot serve this model: what can be
     known without building the engine (context length, a named backend's availability, and whether the
     KV cache holds one request of ``max_model_len`` tokens).
 
-    `dtype` and `tp_size`: the model's dtype and tensor-parallel size as they will be once `patch` has
-    cast and sharded it (default: as they are now), so the check can run before anything changes."""
+    `dtype`: the model's dtype as it will be once `patch` has cast it (default: as it is now), so the
+    check can run before the weights change."""
     from hfaccel.engine.limits import free_memory_bytes
     from hfaccel.kernels.selection import get_backend, unavailable_reason
 
@@ -420,8 +418,7 @@ def check_engine_config(
         backend = get_backend(config.backend, param.device, kv_dtype, head_dim, attention_needs(model))
         align = backend.capabilities.quantized_row_align
     block_bytes = kv_bytes_per_token(model, kv_dtype, align) * config.block_size
-    if tp_size is None:
-        tp_size = getattr(parallel_layout(model).tp, "size", 1)
+    tp_size = getattr(parallel_layout(model).tp, "size", 1)
     if tp_size > 1:  # a rank holds its share of the KV heads
         kv_heads = attention_dims(model)[0]
         block_bytes = block_bytes * max(1, kv_heads // tp_size) // kv_heads

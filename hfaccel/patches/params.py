@@ -72,6 +72,7 @@ def prepare_config(
 ) -> tuple[GenerationConfig, dict[str, Any]]:
     """HF's merge of call arguments, `generation_config` and the model's defaults; validated."""
     generation_config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    check_number_types(generation_config)
     generation_config.validate()
     validate_values(generation_config)
     return generation_config, model_kwargs
@@ -84,27 +85,36 @@ def prepare_special_tokens(
     model._prepare_special_tokens(config, has_attention_mask, device=device)
 
 
-# Numeric fields a call may set: a value of another type (``temperature="0.5"``) fails deep inside a
-# processor with a bare TypeError, or never; it is refused here, named.
-_REAL_FIELDS = (
+# Numeric fields a call may set. One that is not a number at all (``temperature="0.5"``) makes HF's
+# `validate` or a processor fail with a bare TypeError: refused first, named. One that is a number but
+# not the integer a field needs (``top_k=2.5``) is refused only where HF reads it (sampling's when
+# sampling, beam search's in beam search); elsewhere HF warns, and so runs.
+_REALS = (
     "temperature", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "repetition_penalty",
     "encoder_repetition_penalty", "length_penalty", "diversity_penalty", "max_time",
 )  # fmt: skip
-_INTEGER_FIELDS = (
-    "max_new_tokens", "min_new_tokens", "max_length", "min_length", "top_k", "num_beams", "num_beam_groups",
-    "num_return_sequences", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+_INTEGERS = (
+    "max_new_tokens", "min_new_tokens", "max_length", "min_length", "num_beams", "num_return_sequences",
+    "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
 )  # fmt: skip
+
+
+def check_number_types(config: GenerationConfig) -> None:
+    """Raise ValueError naming a numeric field whose value is not a number (before HF's `validate`)."""
+    for name in (*_REALS, *_INTEGERS, "top_k", "num_beam_groups"):
+        value = getattr(config, name, None)
+        if value is not None and not isinstance(value, (numbers.Real, torch.Tensor)):
+            raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
 
 
 def validate_values(config: GenerationConfig) -> None:
     """Raise ValueError naming the parameter for values HF would only reject late (or never)."""
-    for name, kind, expected in [
-        *((n, numbers.Real, "a number") for n in _REAL_FIELDS),
-        *((n, numbers.Integral, "an integer") for n in _INTEGER_FIELDS),
-    ]:
+    beams = isinstance(config.num_beams, int) and config.num_beams > 1
+    integers = _INTEGERS + (("top_k",) if config.do_sample else ()) + (("num_beam_groups",) if beams else ())
+    for name in integers:
         value = getattr(config, name, None)
-        if value is not None and not isinstance(value, (kind, torch.Tensor)):
-            raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+        if value is not None and not isinstance(value, (numbers.Integral, torch.Tensor)):
+            raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     if config.num_beams is not None and config.num_beams < 1:  # transformers divides by it
         raise ValueError(f"num_beams must be >= 1, got {config.num_beams}")
     if config.num_return_sequences is not None and config.num_return_sequences < 0:
@@ -117,7 +127,7 @@ def validate_values(config: GenerationConfig) -> None:
             raise ValueError(f"temperature must be a strictly positive float, got {config.temperature}")
         # 0 keeps the top token, as in HF; 1 or more (or NaN) filters nothing, as HF builds no top-p warper
         if config.top_p is not None and config.top_p < 0:
-            raise ValueError(f"top_p must be in [0, 1], got {config.top_p}")
+            raise ValueError(f"top_p must be >= 0, got {config.top_p}")
         if config.top_k is not None and config.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {config.top_k}")
         if config.min_p is not None and not 0 <= config.min_p <= 1:

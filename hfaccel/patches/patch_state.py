@@ -76,8 +76,8 @@ class PatchState:
     # Re-entrant: a fallback may call the same model's generate again in its own thread (HF's assisted
     # decoding with the model as its own assistant, a processor or criterion that generates).
     fallback_lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
-    # The threads running the original generate now (`inside_fallback`).
-    _fallback_threads: dict = field(default_factory=dict, repr=False, compare=False)
+    # Per thread: how deep it is in the original generate now (`inside_fallback`).
+    _fallback_depth: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
     def __deepcopy__(self, memo: dict) -> PatchState:
         """A copy of the patched model (`copy.deepcopy`; TRL's `create_reference_model`) is patched as
@@ -160,18 +160,18 @@ class PatchState:
         (a static cache, for one, lives on the model), and concurrent callers of a patched model —
         pipeline workers included — may all fall back at once."""
         with self.fallback_lock:
-            thread = threading.get_ident()
-            self._fallback_threads[thread] = self._fallback_threads.get(thread, 0) + 1
+            depth = self._fallback_depth
+            depth.value = getattr(depth, "value", 0) + 1
             try:
                 return self.original_generate(*args, **kwargs)
             finally:
-                self._fallback_threads[thread] -= 1
+                depth.value -= 1
 
     def inside_fallback(self) -> bool:
         """Whether this thread is running the original generate (a call from its processor or criterion
         then runs there too: waiting on the engine while holding `fallback_lock` would deadlock with an
         engine step whose own processor falls back)."""
-        return self._fallback_threads.get(threading.get_ident(), 0) > 0
+        return getattr(self._fallback_depth, "value", 0) > 0
 
     def release(self, reason: str) -> None:
         """Drop the engine (and its KV cache); requests in flight on its loop fail with `reason`."""
