@@ -9,8 +9,9 @@ Two readings, both from the executor (`patches/model_state.py` for a transformer
   the training flag, the adapter state of one adapter layer), read at every step. A change made and
   undone between two token readings (another thread's ``with model.disable_adapter(): model(x)``, a
   reference pass during training) would leave both tokens equal and the prefix cache holding KV the
-  changed model computed; the sentinel sees each change at the step it happens in, and a step the
-  sentinel moved across forgets the prefix cache at its end (its blocks may hold either model's KV).
+  changed model computed; the sentinel sees a change at the first step boundary it is still there
+  at, and a step the sentinel moved across forgets the prefix cache at its end (its blocks may hold
+  either model's KV). A change made and undone within one step's forward is not seen.
 
 An executor without a sentinel (a parallel model: its ranks must check at the same steps) is read at
 admissions only.
