@@ -67,7 +67,7 @@ def repair(scheduler: Any, failed: Iterable[Request] = (), error: BaseException 
         request.num_computed_tokens = 0
         request.num_hashed_blocks, request.prefix_hash = 0, 0
         request.speculation.draft_computed = 0
-        request.speculation.drafts, request.speculation.draft_probs = [], None
+        request.speculation.drafts = []
         request.status = RequestStatus.WAITING
         if id(request) in placed:
             continue

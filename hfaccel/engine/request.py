@@ -150,10 +150,8 @@ class SpeculationState(SpeculationCounts):
     # of the engine's (`EngineConfig.speculative` / `num_speculative_tokens`); None: the engine's.
     proposer: Any = field(default=None, repr=False)
     num_drafts: int | None = None
-    # Draft-model speculation: the draft's probabilities of `drafts` (``[k, V]``, for the rejection rule;
-    # None: drafts without probabilities), and how many of the request's leading tokens the draft model's
-    # KV cache holds (0 whenever the request's blocks are freed: the draft recomputes them).
-    draft_probs: Any = field(default=None, repr=False)
+    # Draft-model speculation: how many of the request's leading tokens the draft model's KV cache holds
+    # (0 whenever the request's blocks are freed: the draft recomputes them).
     draft_computed: int = 0
 
 
@@ -205,8 +203,9 @@ class Request:
     cache_salt: str | None = None
     priority: int | None = None  # order in which requests first started running (lower runs first)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    # Sampled requests draw from their own generator, seeded once: the same seed and logits give the
-    # same tokens whatever the batch, the prefix cache or a preemption (recomputation draws nothing).
+    # Sampled requests draw from their own generator, reseeded for each position (`position_generator`):
+    # the same seed and logits give the same tokens whatever the batch, the prefix cache, a preemption
+    # (recomputation draws nothing) or how many drafts a step verified.
     seed: int | None = None
     generator: Any = field(default=None, repr=False)
     # return_dict_in_generate with a cache: the request's K/V per layer, ``[tokens, Hkv, D]``, copied out
@@ -387,3 +386,23 @@ def request_generator(request: Request, device: torch.device) -> torch.Generator
         request.seed = seed
         generator = request.generator = torch.Generator(device=device).manual_seed(seed)
     return generator
+
+
+def position_generator(request: Request, position: int, device: torch.device) -> torch.Generator:
+    """The request's generator reseeded for its token at output `position` (0: the first new token):
+    the plain sampler, speculative verification and a draft model draw a position's token from this
+    noise alone (an exponential race, ``argmax(p / E)``), so the request's tokens are the same however
+    many drafts its steps verified, which the KV cache's pressure decides."""
+    generator = request_generator(request, device)
+    return generator.manual_seed(_mixed(request.seed, position))
+
+
+def _mixed(seed: int, position: int) -> int:
+    """A 63-bit seed for (`seed`, `position`): splitmix64, so neighbouring positions are unrelated."""
+    x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+_MASK64 = (1 << 64) - 1

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from hfaccel.engine.beam_search import choose_group_tokens
-from hfaccel.engine.request import NOT_FINITE, Request, fails_alone, request_generator
+from hfaccel.engine.request import NOT_FINITE, Request, fails_alone, position_generator
 from hfaccel.engine.speculative.verify import verify_drafts
 from hfaccel.kernels.cpu_argmax import argmax_index, argmax_rows
 
@@ -125,7 +125,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         probs = torch.softmax(scores[index], dim=-1)
         noise = torch.empty_like(probs)
         for row, i in enumerate(sampled_rows):
-            noise[row].exponential_(generator=request_generator(requests[i], scores.device))
+            position = len(requests[i].output_token_ids)
+            noise[row].exponential_(generator=position_generator(requests[i], position, scores.device))
         # A row whose probabilities hold NaN (scores of NaN or +inf, or all -inf) draws no token: -1,
         # read with the others in the one copy to the host below.
         # (softmax makes such a row NaN throughout: its first column says it)

@@ -218,7 +218,6 @@ class Scheduler:
                 request.speculation.record(drafts, accepted)
                 self.spec_totals.record(drafts, accepted)
             request.speculation.drafts = []
-            request.speculation.draft_probs = None
             request.num_computed_tokens += count
             if request.masked_last and request.num_computed_tokens == request.num_tokens:
                 request.drop_masked_last()  # before its block can be registered in the prefix cache
@@ -492,7 +491,6 @@ class Scheduler:
         self.block_manager.free(request)
         request.num_computed_tokens = 0
         request.speculation.drafts = []
-        request.speculation.draft_probs = None
         request.speculation.draft_computed = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1

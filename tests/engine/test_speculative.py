@@ -172,3 +172,42 @@ def test_a_seeded_sampled_call_reproduces_its_samples_with_speculation():
     finally:
         hfaccel.unpatch(model)
     assert runs[0] == runs[1] == runs[2]
+
+
+@pytest.mark.parametrize("speculative", ["ngram", "draft_model"])
+def test_a_seeded_request_samples_its_tokens_whatever_its_drafts_under_a_tight_cache(speculative):
+    """Under a KV cache so small that requests are preempted and drafts dropped, how many drafts a step
+    verifies changes with the batch: a seeded request still samples the tokens it samples alone, and those
+    of sampling without speculation (each position's token drawn with that position's noise). They
+    changed with the batch before (a helper's probe)."""
+    from transformers import GenerationConfig
+
+    model = tiny_model("llama", max_positions=96)
+    g = torch.Generator().manual_seed(2)
+    prompts = [[5, 6, 7, 8, 9] * 3] + [
+        torch.randint(3, 256, (n,), generator=g).tolist() for n in (28, 20, 35, 30)
+    ]
+    sampled = GenerationConfig(
+        do_sample=True, max_new_tokens=30, temperature=1.0, top_k=20, eos_token_id=None
+    )
+    configs = [sampled] * len(prompts)
+    seeds = [1001 + i for i in range(len(prompts))]
+    memory = 49157 if speculative == "ngram" else 110_000  # a draft model's cache shares the budget
+    engine = {"block_size": 2, "kv_cache_memory": memory, "max_num_batched_tokens": 16, "max_num_seqs": 4}
+    engine |= {"max_model_len": 96, "enable_prefix_caching": False}
+    draft = (
+        {"speculative": tiny_model("llama", seed=3, max_positions=96)} if speculative == "draft_model" else {}
+    )
+    plain = hfaccel.generate(
+        model, prompts[:1], generation_config=configs[:1], seed=seeds[:1], progress=False
+    )
+    hfaccel.patch(model, speculative=draft.get("speculative", speculative), **engine)
+    try:
+        batch = hfaccel.generate(model, prompts, generation_config=configs, seed=seeds, progress=False)
+        assert model._hfaccel.engine.scheduler.num_preemptions > 0, "the cache must be tight for this test"
+        alone = hfaccel.generate(
+            model, prompts[:1], generation_config=configs[:1], seed=seeds[:1], progress=False
+        )
+    finally:
+        hfaccel.unpatch(model)
+    assert batch[0].token_ids == alone[0].token_ids == plain[0].token_ids

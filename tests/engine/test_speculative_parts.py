@@ -27,29 +27,39 @@ def test_greedy_acceptance_keeps_drafts_while_they_are_the_argmax_then_corrects(
     assert accept_greedy(probs[:1], []) == [3]
 
 
-def test_sampled_acceptance_follows_the_target_distribution_for_one_hot_drafts():
-    # Target at position 0: [0.5, 0.3, 0.2]; the n-gram draft proposes token 2 (q one-hot).
+def _position_generators(seed):
+    """Each position's generator reseeded from (`seed`, position), as `request.position_generator` does."""
+    return lambda j: torch.Generator().manual_seed(seed * 1000 + j)
+
+
+def test_sampled_acceptance_emits_the_targets_own_samples_whatever_the_drafts():
+    """Each emitted token is the target's sample with its position's noise: drafts decide only how many
+    positions a call emits, never which tokens (so a seeded request's tokens do not depend on them)."""
+    from hfaccel.engine.speculative.rejection import draw
+
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(torch.randn(4, 7, generator=g), dim=-1)
+    for seed in range(50):
+        noise = _position_generators(seed)
+        own = [draw(p[j], noise(j)) for j in range(4)]  # sampling one position at a time
+        assert accept_sampled(p, own[:3], noise) == own  # all kept, plus the bonus
+        wrong = (own[1] + 1) % 7
+        assert accept_sampled(p, [own[0], wrong, own[2]], noise) == own[:2]  # corrected at the mismatch
+        assert accept_sampled(p[:1], [], noise) == own[:1]
+
+
+def test_sampled_acceptance_follows_the_target_distribution_and_keeps_a_draft_with_its_probability():
+    # Target at position 0: [0.5, 0.3, 0.2]; the n-gram draft proposes token 2 (certain).
     p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
-    g = torch.Generator().manual_seed(0)
-    counts = torch.zeros(3)
+    counts, kept = torch.zeros(3), 0
     draws = 20000
-    for _ in range(draws):
-        counts[accept_sampled(p, [2], g)[0]] += 1
-    freq = counts / draws
+    for seed in range(draws):
+        out = accept_sampled(p, [2], _position_generators(seed))
+        counts[out[0]] += 1
+        kept += len(out) == 2
     # 4 standard deviations of a binomial at n=20000 is about 0.014.
-    assert torch.allclose(freq, p[0], atol=0.015), freq
-
-
-def test_sampled_acceptance_with_draft_probabilities_follows_the_target():
-    p = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]])
-    q = torch.tensor([[0.1, 0.2, 0.7]])
-    g = torch.Generator().manual_seed(1)
-    counts = torch.zeros(3)
-    draws = 20000
-    for _ in range(draws):
-        draft = int(torch.multinomial(q[0], 1, generator=g))
-        counts[accept_sampled(p, [draft], g, draft_probs=q)[0]] += 1
     assert torch.allclose(counts / draws, p[0], atol=0.015), counts / draws
+    assert abs(kept / draws - 0.2) < 0.015  # kept with probability p(draft), as the rejection rule keeps it
 
 
 def test_draft_lengths_follow_each_requests_acceptance_and_the_price_of_a_row():

@@ -21,8 +21,9 @@ After verification the draft's cache stays valid for the last token and the acce
 `Scheduler.update` clamps ``draft_computed`` to the target's computed tokens.
 
 Greedy requests take the draft's argmax; sampled ones draw from the draft's processed distribution with
-their own generator and keep it (`Request.speculation.draft_probs`) for the rejection rule, so the emitted
-tokens follow the target's distribution whatever the draft is.
+the noise the target's sample at that position will use (`request.position_generator`), so a draft is the
+target's own token as often as a shared race lets the two agree; the target keeps a draft only where it
+is its own token (`rejection.py`), so the emitted tokens are the target's whatever the draft is.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from hfaccel.config import is_draft_model
 from hfaccel.engine.batch import PackedStep, StepPacker
 from hfaccel.engine.block_manager import BlockManager
 from hfaccel.engine.executor import ModelExecutor, make_executor
-from hfaccel.engine.request import Request, request_generator
+from hfaccel.engine.request import Request, position_generator
 from hfaccel.engine.runner import ModelRunner
-from hfaccel.engine.speculative.rejection import _draw
+from hfaccel.engine.speculative.rejection import draw
 from hfaccel.engine.speculative.verify import process_row
 from hfaccel.kernels.cpu_argmax import argmax_index
 
@@ -60,7 +61,6 @@ class _Drafting:
     request: Request
     k: int
     drafts: list[int] = field(default_factory=list)
-    probs: list[torch.Tensor] = field(default_factory=list)
 
 
 class DraftModelProposer:
@@ -81,15 +81,14 @@ class DraftModelProposer:
         self.num_tokens_fed = 0
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[list[int]]:
-        """Drafts for each request, at most `budgets[i]` tokens each; sampled requests also get
-        `speculation.draft_probs`. Allocates the lookahead blocks of the requests it drafts for."""
+        """Drafts for each request, at most `budgets[i]` tokens each. Allocates the lookahead blocks of
+        the requests it drafts for."""
         out: list[list[int]] = [[] for _ in requests]
         budget = self.max_num_tokens
         pass0: list[_Row] = []
         drafting: list[tuple[int, _Drafting]] = []
         behind: list[Request] = []
         for i, (request, k) in enumerate(zip(requests, budgets)):
-            request.speculation.draft_probs = None
             num_tokens = request.num_tokens
             k = min(k, self.max_model_len - num_tokens + 1)  # the draft writes up to num_tokens + k - 2
             if k <= 0:
@@ -132,8 +131,6 @@ class DraftModelProposer:
         for i, state in drafting:
             request = state.request
             request.speculation.draft_computed = request.num_tokens + state.k - 1
-            if request.sampling.do_sample:
-                request.speculation.draft_probs = torch.stack(state.probs)
             out[i] = state.drafts
         return out
 
@@ -143,8 +140,8 @@ class DraftModelProposer:
         row = process_row(logits.to(torch.float32, copy=True).unsqueeze(0), request, state.drafts)[0]
         if request.sampling.do_sample:
             probs = torch.softmax(row, dim=-1)
-            state.drafts.append(_draw(probs, request_generator(request, probs.device)))
-            state.probs.append(probs)
+            position = len(request.output_token_ids) + len(state.drafts)  # of the token this draft guesses
+            state.drafts.append(draw(probs, position_generator(request, position, probs.device)))
         else:
             state.drafts.append(argmax_index(row))
 

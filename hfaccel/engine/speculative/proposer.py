@@ -2,8 +2,7 @@
 
 `NgramProposer` looks the continuation up in the request's own tokens (no second model);
 `DraftModelProposer` (draft_model.py) runs a smaller model with the same vocabulary. A proposer never
-changes what is emitted (verification does), only how many tokens a step yields. A proposer whose drafts
-come with probabilities stores them on the request (`Request.speculation.draft_probs`) for the rejection rule.
+changes what is emitted (verification does), only how many tokens a step yields.
 """
 
 from __future__ import annotations

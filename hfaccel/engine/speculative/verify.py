@@ -4,15 +4,15 @@ Position ``j`` of the row block scores the token after ``all_token_ids + drafts[
 logits processors see exactly that history, after its `processor_prefix` (as they would decoding one
 token at a time), EOS is
 masked while the request is below ``min_new_tokens``, and the score-only warpers run last. Greedy
-requests keep drafts while they are the argmax; sampled ones go through the rejection rule with the
-request's own generator.
+requests keep drafts while they are the argmax; sampled ones while they are the target's own sample at
+their position (`rejection.py`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hfaccel.engine.request import NOT_FINITE, Request, request_generator
+from hfaccel.engine.request import NOT_FINITE, Request, position_generator
 from hfaccel.engine.speculative.rejection import accept_greedy, accept_sampled
 from hfaccel.kernels.cpu_argmax import argmax_index
 
@@ -38,9 +38,8 @@ def process_row(row: torch.Tensor, request: Request, drafts: list[int]) -> torch
 
 
 def verify_drafts(logits: torch.Tensor, request: Request, drafts: list[int]) -> list[int]:
-    """Tokens to emit for `request` given ``[len(drafts) + 1, V]`` target logits. A sampled request
-    whose drafts came with probabilities (`Request.speculation.draft_probs`, a draft model's) uses them in the
-    rejection rule; otherwise each draft counts as certain (one-hot)."""
+    """Tokens to emit for `request` given ``[len(drafts) + 1, V]`` target logits (`rejection.py`: the
+    target's own tokens, greedy or sampled with each position's noise)."""
     scores = logits.to(dtype=torch.float32, copy=True)
     try:
         for j in range(len(drafts) + 1):
@@ -54,7 +53,5 @@ def verify_drafts(logits: torch.Tensor, request: Request, drafts: list[int]) -> 
     if not bool(probs[:, 0].isfinite().all()):  # NaN scores make a whole row NaN: as `sample` fails it
         request.fail(RuntimeError(NOT_FINITE), alone=True)
         return [0]
-    draft_probs = request.speculation.draft_probs
-    if draft_probs is not None:
-        draft_probs = draft_probs[: len(drafts)].to(device=probs.device, dtype=probs.dtype)
-    return accept_sampled(probs, drafts, request_generator(request, scores.device), draft_probs)
+    first = len(request.output_token_ids)  # the output position of the row block's first token
+    return accept_sampled(probs, drafts, lambda j: position_generator(request, first + j, probs.device))
