@@ -118,8 +118,10 @@ class Scheduler:
         if needed > self.block_manager.num_blocks:
             raise ValueError(
                 f"the KV cache holds {self.block_manager.num_blocks} blocks of {self.block_manager.block_size} "
-                f"tokens, but request {request.request_id!r} needs {needed} blocks ({longest} tokens); "
-                "raise kv_cache_memory or shorten the request"
+                f"tokens, but request {request.request_id!r} needs {needed} blocks ({longest} tokens"
+                + (f" in each of {beams} beams, the prompt's full blocks shared" if beams > 1 else "")
+                + "); raise kv_cache_memory or shorten the request"
+                + (" or use fewer beams" if beams > 1 else "")
             )
         if not self.config.chunked_prefill and longest > self.max_num_batched_tokens:
             raise ValueError(

@@ -353,3 +353,15 @@ def test_a_beam_groups_own_fault_fails_it_alone(fault):
     assert ("boom" if fault == "raise" else "probability tensor contains either") in str(bad.error)
     check_against_hf(good, PROMPTS[1:2], 8, eos, 2)
     assert len(plain.output_token_ids) == 6
+
+
+def test_a_beam_request_the_cache_cannot_hold_is_refused_naming_its_beams():
+    """Its blocks count every beam (the prompt's full blocks shared): the message says so."""
+    engine = Engine(MODEL, EngineConfig(block_size=2, kv_cache_memory=48 * 512, max_num_seqs=8))
+    assert engine.block_manager.num_blocks < 60
+    with pytest.raises(
+        ValueError, match=r"needs \d+ blocks \(42 tokens in each of 3 beams, .*or use fewer beams"
+    ):
+        beam_requests(engine, 3, 20, EOS, prompts=[list(range(30, 52))])
+    plain = engine.add_request(list(range(30, 52)), StoppingParams(max_new_tokens=20))  # one sequence fits
+    run(engine, [plain])
