@@ -398,11 +398,15 @@ def position_generator(request: Request, position: int, device: torch.device) ->
 
 
 def _mixed(seed: int, position: int) -> int:
-    """A 63-bit seed for (`seed`, `position`): splitmix64, so neighbouring positions are unrelated."""
-    x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    """A 63-bit seed for (`seed`, `position`): the request's seed scrambled (splitmix64), plus the position
+    in its low 32 bits. A CPU generator seeds its Mersenne Twister from those 32 bits only, so two
+    positions of one request never share a stream (scrambled whole, 1 request in 2,000 of 2,000 tokens
+    had two that did, a review found); CUDA's Philox takes all 64."""
+    x = (seed + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (x ^ (x >> 31)) >> 1
+    x ^= x >> 31
+    return ((x >> 32) << 32 | ((x + position) & 0xFFFFFFFF)) & ((1 << 63) - 1)
 
 
 _MASK64 = (1 << 64) - 1

@@ -3,8 +3,9 @@ path.
 
 HF's greedy assisted decoding keeps a draft token only while it is the model's own argmax, so its tokens
 are plain greedy's; the engine's speculative greedy verification does the same, so the results are
-equal. With sampling, both keep the model's distribution (HF's and the engine's rejection rules), but the
-samples are not the same ones (neither are plain sampled ones: each engine request has its own stream).
+equal. With sampling, both keep the model's distribution, but the samples are not the same ones: HF's
+rejection rule draws differently, while the engine's tokens are its plain sampled ones (each position's
+token is drawn with that position's noise, and a draft is kept only where it is that token).
 
 - ``prompt_lookup_num_tokens=n``: the request drafts up to n tokens a step by prompt lookup
   (`NgramProposer`, matching n-grams of up to ``max_matching_ngram_size`` tokens, 2 by default, as HF's

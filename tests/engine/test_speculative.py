@@ -211,3 +211,21 @@ def test_a_seeded_request_samples_its_tokens_whatever_its_drafts_under_a_tight_c
     finally:
         hfaccel.unpatch(model)
     assert batch[0].token_ids == alone[0].token_ids == plain[0].token_ids
+
+
+def test_a_sampled_request_drafting_with_the_target_itself_keeps_every_draft():
+    """The draft model draws each position's draft with the noise the target's sample there uses: with
+    the target as its own draft every draft is that sample, so a misplaced position would show as a
+    rejection (it never changes the tokens, only the acceptance)."""
+    model = tiny_model("llama")
+    hfaccel.patch(model, speculative=model, num_speculative_tokens=3)
+    try:
+        completions = hfaccel.generate(
+            model, varied_prompts(3, seed=8), max_new_tokens=24, do_sample=True, temperature=1.0, seed=5,
+            min_new_tokens=24, progress=False,
+        )  # fmt: skip
+        totals = model._hfaccel.engine.scheduler.spec_totals
+    finally:
+        hfaccel.unpatch(model)
+    assert all(len(c.token_ids) == 24 for c in completions)
+    assert totals.drafted > 0 and totals.rejections == 0 and totals.accepted == totals.drafted, totals

@@ -12,8 +12,8 @@ tokens per second beat the batch's, ``a ** j / row_s > N / T``. Drafts are taken
 requests, while that holds (each one taken raises both ``N`` and ``T``), up to each request's limit. At
 batch 1 a row costs little against the weights a step streams, so long drafts pay; in a large
 compute-bound batch a row costs as much as a sequence's decode, so only sure drafts do, down to none.
-Before the model has seen enough steps, every request drafts its full length, and a sampled request
-always does (its draws must not depend on timings: a seeded call reproduces its samples).
+Before the model has seen enough steps, every request drafts its full length. Sampled requests are
+priced as greedy ones: their tokens do not depend on how many drafts a step verifies (`rejection.py`).
 """
 
 from __future__ import annotations
@@ -106,13 +106,7 @@ def propose_drafts(
         prior = scheduler.spec_totals.acceptance()
         acceptance = [r.speculation.acceptance(prior) for _, r, _ in candidates]
         lengths = draft_lengths(acceptance, [k for *_, k in candidates], price)
-        # A sampled request keeps its full length: how many drafts it verifies decides how many draws
-        # its random stream gives, and a price measured in seconds would make a seeded call irreproducible.
-        candidates = [
-            (p, r, k if r.sampling.do_sample else cut)
-            for (p, r, k), cut in zip(candidates, lengths)
-            if cut > 0 or r.sampling.do_sample
-        ]
+        candidates = [(p, r, cut) for (p, r, _), cut in zip(candidates, lengths) if cut > 0]
     groups: dict[int, tuple[Any, list[Request], list[int]]] = {}
     for proposer, request, k in candidates:
         _, requests, budgets = groups.setdefault(id(proposer), (proposer, [], []))
