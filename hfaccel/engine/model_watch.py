@@ -37,7 +37,7 @@ class ModelWatch:
         """(previous, new) when the token changed since the last reading, else None."""
         if self.token_of is None:
             return None
-        if self.sentinel_of is not None:
+        if self.sentinel_of is not None:  # before the token: a change between the two is read again
             self.sentinel = self.sentinel_of()
         token = self.token_of()
         if token == self.token:
