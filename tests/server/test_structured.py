@@ -337,6 +337,7 @@ def test_schemas_over_openais_limits_are_refused_before_they_compile(served):
     big_enum = {"enum": [f"value {i}" for i in range(1001)]}
     wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(5001)}}
     long_const = {"anyOf": [{"const": "x" * 60_001}, {"const": "y" * 60_000}]}
+
     for schema, message in [
         (big_enum, "1,001 enum values, over OpenAI's structured-output limit of 1,000"),
         (wide, "5,001 properties"),
@@ -350,6 +351,20 @@ def test_schemas_over_openais_limits_are_refused_before_they_compile(served):
         status, _, answer = post(served[0], "/v1/chat/completions", body)
         assert status == 400 and answer["error"]["param"] == "response_format.json_schema.schema", answer
         assert message in answer["error"]["message"]
+
+
+@pytest.mark.parametrize("depth", [65, 5000])
+def test_a_schema_nested_too_deeply_is_a_400_at_once(served, depth):
+    """xgrammar's compile grows steeply with depth (34 s at 900 levels): over 64 is refused before it."""
+    from tests.server.conftest import send
+
+    schema = '{"type": "array", "items": ' * depth + '{"type": "integer"}' + "}" * depth
+    format_ = f'{{"type": "json_schema", "json_schema": {{"name": "x", "schema": {schema}}}}}'
+    body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "hi"}}], "response_format": {format_}}}'
+    status, _, answer = send(served[0], "POST", "/v1/chat/completions", body.encode())
+    assert status == 400, (status, answer[:300])
+    # (5,000 levels are past what the JSON parser takes: "an error parsing the body")
+    assert b"over 64 levels deep" in answer if depth == 65 else b"parsing the body" in answer, answer[:300]
 
 
 def test_a_schema_that_takes_only_the_empty_answer_is_a_400(served):
