@@ -182,7 +182,7 @@ def run_bench(args: argparse.Namespace) -> None:
         fp32_model, _ = load_default_model(torch.float32)  # the matmul floor is stated in float32
         run_step_benchmark(
             fp32_model,
-            batch_sizes=tuple(int(b) for b in args.step_batches.split(",") if b.strip()),
+            batch_sizes=args.step_batches,
             steps=args.step_rounds,
             per_bucket=args.step_per_bucket,
             bf16_kv=args.step_bf16_kv,
@@ -202,7 +202,7 @@ def run_bench(args: argparse.Namespace) -> None:
             min_len=args.min_len,
             max_len=args.max_len,
             static_batch_size=args.static_batch_size,
-            systems=tuple(s.strip() for s in args.systems.split(",") if s.strip()),
+            systems=args.systems,
             json_path=args.json,
         )
     serving = tuple(s for s in suites if s in ("prefix", "chunked", "batching"))
@@ -214,7 +214,7 @@ def run_bench(args: argparse.Namespace) -> None:
         run_serve_benchmark(
             model,
             tokenizer,
-            clients=tuple(int(c) for c in args.callers.split(",") if c.strip()),
+            clients=args.callers,
             per_client=args.requests_per_caller,
             max_tokens=args.concurrency_new_tokens,
         )
@@ -224,7 +224,7 @@ def run_bench(args: argparse.Namespace) -> None:
         run_concurrency_benchmark(
             model,
             tokenizer,
-            callers=tuple(int(c) for c in args.callers.split(",") if c.strip()),
+            callers=args.callers,
             requests_per_caller=args.requests_per_caller,
             max_new_tokens=args.concurrency_new_tokens,
         )
@@ -236,7 +236,7 @@ def run_bench(args: argparse.Namespace) -> None:
             tokenizer,
             new_tokens=args.spec_new_tokens,
             methods=tuple(m.strip() for m in args.spec_methods.split(",") if m.strip()),
-            batches=tuple(int(b) for b in args.spec_batches.split(",") if b.strip()),
+            batches=args.spec_batches,
         )
     if "goodput" in suites:
         from hfaccel.bench.goodput import run_goodput_benchmark
@@ -244,11 +244,11 @@ def run_bench(args: argparse.Namespace) -> None:
         run_goodput_benchmark(
             model,
             dtype,
-            rates=tuple(float(r) for r in args.rates.split(",") if r.strip()),
+            rates=args.rates,
             num_requests=args.goodput_requests,
             tpot_target_ms=args.tpot_target_ms,
             ttft_target_ms=args.ttft_target_ms,
-            systems=tuple(s.strip() for s in args.goodput_systems.split(",") if s.strip()),
+            systems=args.goodput_systems,
             repeats=args.goodput_repeats,
             plot_path=args.goodput_plot,
         )

@@ -60,27 +60,26 @@ def _positive_numbers(text: str) -> str:
     return _each(text, float, "comma-separated numbers > 0", "comma-separated numbers > 0")
 
 
-def _each(text: str, convert: Callable[[str], Any], each: str, whole: str) -> str:
-    """`text` when each of its comma-separated pieces is a number > 0 (`each` says what a piece is)."""
+def _each(text: str, convert: Callable[[str], Any], each: str, whole: str) -> tuple:
+    """`text`'s comma-separated pieces, each read by `convert` as a number > 0 (`each` says what a piece
+    is)."""
     pieces = [p.strip() for p in text.split(",") if p.strip()]
     if not pieces:
         raise argparse.ArgumentTypeError(f"expected {whole}, got nothing")
-    for piece in pieces:
-        _number(piece, convert, lambda v: v > 0, each)
-    return text
+    return tuple(_number(piece, convert, lambda v: v > 0, each) for piece in pieces)
 
 
-def _names_from(choices: tuple[str, ...]) -> Callable[[str], str]:
-    """A comma-separated list of some of `choices`."""
+def _names_from(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
+    """A comma-separated list of some of `choices`, as a tuple."""
 
-    def check(text: str) -> str:
+    def check(text: str) -> tuple[str, ...]:
         names = [p.strip() for p in text.split(",") if p.strip()]
         unknown = [n for n in names if n not in choices]
         if unknown or not names:
             raise argparse.ArgumentTypeError(
                 f"expected comma-separated names from {', '.join(choices)}, got {text!r}"
             )
-        return text
+        return tuple(names)
 
     return check
 
@@ -94,7 +93,8 @@ def _key(text: str) -> str:
 def _origins(text: str) -> tuple[str, ...]:
     """`--allowed-origins`: "*" or comma-separated origins (scheme://host[:port], as a browser sends)."""
     origins = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = next((o for o in origins if o != "*" and ("://" not in o or o.endswith("/"))), None)
+    # (the rule `hfaccel.server.server.allowed_origin_list` checks again: a scheme and a host, no path)
+    bad = next((o for o in origins if o != "*" and ("://" not in o or "/" in o.split("://", 1)[1])), None)
     if not origins or bad is not None:
         raise argparse.ArgumentTypeError(
             f"expected '*' or comma-separated origins such as http://localhost:3000, got {bad or text!r}"

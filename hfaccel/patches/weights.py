@@ -30,10 +30,7 @@ def apply_weights(model: Any, weights: str | None) -> torch.dtype | None:
     Raises ValueError, naming the parameter, for an unknown value or a model that cannot be cast."""
     if weights is None:
         return None
-    if weights not in WEIGHTS:
-        raise ValueError(
-            f"weights={weights!r} is not one of {', '.join(map(repr, WEIGHTS))} (or None: as it is)"
-        )
+    _check_name(weights)
     if weights in QUANTIZED:
         return _quantize(model, weights)
     params = list(model.parameters())
@@ -58,16 +55,20 @@ def planned_dtype(model: Any, weights: str | None) -> torch.dtype:
     """The dtype of `model`'s first parameter once `apply_weights(model, weights)` has run, changing
     nothing: what the KV cache's size is checked with before the weights change (a patch refused leaves
     them as they were). Raises ValueError for an unknown `weights`, as `apply_weights` does."""
-    if weights is not None and weights not in WEIGHTS:
-        raise ValueError(
-            f"weights={weights!r} is not one of {', '.join(map(repr, WEIGHTS))} (or None: as it is)"
-        )
     first = next(model.parameters())
     if weights is None:
         return first.dtype
+    _check_name(weights)
     if weights in QUANTIZED:
         return QUANTIZED_ACTIVATIONS
     return _cast_dtype(first, weights)
+
+
+def _check_name(weights: str) -> None:
+    if weights not in WEIGHTS:
+        raise ValueError(
+            f"weights={weights!r} is not one of {', '.join(map(repr, WEIGHTS))} (or None: as it is)"
+        )
 
 
 def _cast_dtype(first: torch.Tensor, weights: str) -> torch.dtype:
