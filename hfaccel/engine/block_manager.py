@@ -77,6 +77,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self._sharing_configured = enable_prefix_caching  # `pause_sharing` turns it off and back
         self._ref_counts = [0] * num_blocks
         # Free blocks in eviction order (least recently freed first); a dict for O(1) removal on a hit.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -201,6 +202,13 @@ class BlockManager:
     def num_used_window_blocks(self) -> int:
         """Blocks in use in a window pool (`window_blocks.HybridBlockManager`; none here)."""
         return 0
+
+    def pause_sharing(self, paused: bool) -> None:
+        """Share and register no blocks while `paused` (the model draws dropout in its forward: KV is not a
+        function of the tokens, so each request computes its own, as transformers' rows do). Requests
+        admitted meanwhile never register theirs later: the change that ends the pause also resets the
+        cache (a new epoch)."""
+        self.enable_prefix_caching = self._sharing_configured and not paused
 
     def match_prefix(self, request: Request, limit: int | None = None) -> int:
         """Share the cached blocks of `request`'s leading full blocks (at most `limit` of them); returns

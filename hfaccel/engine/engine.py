@@ -143,6 +143,7 @@ class Engine:
         watched = self.config.enable_prefix_caching or self.runner.cuda_graphs
         sentinel = None if model_state else getattr(self.executor, "state_sentinel", None)
         self._watch = ModelWatch((model_state or self.executor.state_token) if watched else None, sentinel)
+        self.block_manager.pause_sharing(self._watch.draws_dropout)
         self.num_steps = 0
         self.num_generated_tokens = 0
         self.step_stats: deque[StepStats] = deque(maxlen=100_000)
@@ -467,11 +468,10 @@ class Engine:
         hold but never register it (`engine/model_watch.py`)."""
         if (change := self._watch.new_token()) is None:
             return False
-        previous, token = change
-        # Graphs survive a change of values only (an optimizer step in place: the same addresses), where
-        # the token can tell (`same_structure`, as `HFExecutor`'s has); anything else drops them.
-        same_structure = getattr(token, "same_structure", None)
+        previous, token = change  # graphs survive a change of values only (an optimizer step in place),
+        same_structure = getattr(token, "same_structure", None)  # where the token can tell (HFExecutor's)
         self.forget_model_outputs(graphs=same_structure is None or not same_structure(previous))
+        self.block_manager.pause_sharing(self._watch.draws_dropout)  # dropout: no prefix is shared
         return True
 
     def forget_model_outputs(self, graphs: bool = True) -> None:
@@ -483,9 +483,8 @@ class Engine:
             self.runner.graphs.clear()
 
     def _recover(self, error: BaseException) -> None:
-        """The one recovery path after an exception anywhere in a step: fail the requests the step had
-        scheduled or retired (never returned), then rebuild the queues and block counts from the
-        requests that remain (`Scheduler.repair`)."""
+        """The one recovery path after an exception in a step: fail the requests the step had scheduled
+        or retired (never returned), then rebuild the queues and counts from the rest (`Scheduler.repair`)."""
         failed = [*(request for request, _ in self.scheduler.scheduled), *self.scheduler.finished_in_step]
         self.scheduler.repair(failed, error)
 

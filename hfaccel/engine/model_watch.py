@@ -33,6 +33,12 @@ class ModelWatch:
         self.token = token_of() if token_of is not None else None
         self.sentinel = self.sentinel_of() if self.sentinel_of is not None else None
 
+    @property
+    def draws_dropout(self) -> bool:
+        """Whether the model, at the last token reading, draws dropout in its forward (a module in train
+        mode): its KV is then no function of the tokens, and no prefix may be shared."""
+        return bool(getattr(self.token, "draws_dropout", False))
+
     def new_token(self) -> tuple[Hashable, Hashable] | None:
         """(previous, new) when the token changed since the last reading, else None."""
         if self.token_of is None:

@@ -151,6 +151,10 @@ class HybridBlockManager(BlockManager):
         super().reset_prefix_cache()
         self.window.reset_prefix_cache()
 
+    def pause_sharing(self, paused: bool) -> None:
+        super().pause_sharing(paused)
+        self.window.pause_sharing(paused)
+
     def free(self, request: Request) -> None:
         view = request.window_table
         super().free(request)

@@ -21,7 +21,9 @@ What the token covers:
   ``hfaccel.reset_prefix_cache(model)`` after one);
 - PEFT tuner layers (LoRA...): active adapters, the disabled flag, merged adapters, the adapter names
   each layer holds and their scalar settings (``scaling``, ``r``...);
-- the root module's ``training`` flag (dropout makes KV computed in train mode differ);
+- the root module's ``training`` flag (dropout makes KV computed in train mode differ), and whether any
+  module in train mode draws dropout (`draws_dropout`: then KV is not a function of the tokens, and the
+  engine shares no prefix while it is so);
 - the model's config, by value (`config_fingerprint`): a config changed in place (``layer_types``, a
   sliding window, rope parameters) changes what the layers compute, as transformers reads it at every
   forward. Settings that change no computed value (``use_cache``, ``output_attentions``, names, the
@@ -81,14 +83,16 @@ class ModelToken(NamedTuple):
     checksum: bytes
     config: tuple  # `config_fingerprint` of the model's config
     hooks: tuple  # per module with any: its forward (pre-)hooks' handle ids
+    draws_dropout: bool = False  # some module in train mode draws dropout (`draws_dropout`)
 
     def same_structure(self, other: Hashable) -> bool:
         """Whether `other` differs from this token in tensor values only: the same tensors at the same
         addresses, the same adapter state, hooks, training flag and config (what a captured CUDA graph
         bakes in)."""
-        mine = (self.training, self.layout, self.adapters, self.config, self.hooks)
+        mine = (self.training, self.draws_dropout, self.layout, self.adapters, self.config, self.hooks)
         return isinstance(other, ModelToken) and mine == (
             other.training,
+            other.draws_dropout,
             other.layout,
             other.adapters,
             other.config,
@@ -122,6 +126,7 @@ class ModelStateTracker:
         adapters: list[Hashable] = []
         hooks: list[Hashable] = []
         first_tuner = None
+        dropout = False
         # model.modules() without its generator and name bookkeeping: twice as fast on a LoRA model.
         modules = [self.model]
         seen = {id(self.model)}
@@ -130,6 +135,8 @@ class ModelStateTracker:
             tensors += module._buffers.values()
             if module._forward_hooks or module._forward_pre_hooks:  # a packed hook opted in changes values
                 hooks.append((id(module), tuple(module._forward_hooks), tuple(module._forward_pre_hooks)))
+            if module.training and not dropout:
+                dropout = draws_dropout(module)
             if _is_tuner_layer(type(module)):
                 adapters.append(_adapter_state(module))
                 first_tuner = first_tuner or module
@@ -151,6 +158,7 @@ class ModelStateTracker:
             _checksum(present, self._plan),
             config_fingerprint(getattr(self.model, "config", None)),
             tuple(hooks),
+            dropout,
         )
         self._first_tuner = None if first_tuner is None else weakref.ref(first_tuner)
         every = max(1, len(present) // SENTINEL_TENSORS)
@@ -207,6 +215,41 @@ _NOT_COMPUTED = frozenset(
         "_post_init_done",
     }
 )
+
+
+# Where transformers' attention modules keep the dropout they pass to the attention function in train
+# mode: a rate, or an ``nn.Dropout`` whose ``p`` they pass (Llama's ``attention_dropout``, GPT-2's
+# ``attn_dropout``, OPT's ``dropout``, Falcon's ``nn.Dropout`` as ``attention_dropout``, MPT's ``attn_dropout_p``).
+ATTENTION_DROPOUT_NAMES = (
+    "attention_dropout",
+    "attn_dropout",
+    "attn_drop",
+    "attn_pdrop",
+    "attn_dropout_p",
+    "dropout",
+    "dropout_p",
+    "dropout_prob",
+)
+# ...and beside ``nn.Dropout`` modules, where other layers keep a rate they pass to ``F.dropout``.
+DROPOUT_NAMES = (*ATTENTION_DROPOUT_NAMES, "hidden_dropout", "resid_pdrop")
+
+
+def dropout_rate(module: torch.nn.Module, names: tuple[str, ...] = DROPOUT_NAMES) -> float:
+    """The largest dropout rate `module` keeps: an ``nn.Dropout``'s own ``p``, or one of `names` (a rate,
+    or an ``nn.Dropout`` held under that name); 0 for none."""
+    rates = [module.p if isinstance(module, torch.nn.modules.dropout._DropoutNd) else 0.0]
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, torch.nn.modules.dropout._DropoutNd):
+            value = value.p
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            rates.append(float(value))
+    return max(rates)
+
+
+def draws_dropout(module: torch.nn.Module) -> bool:
+    """Whether `module`, in train mode, draws dropout in its forward (a rate above 0 it applies)."""
+    return module.training and dropout_rate(module) > 0
 
 
 def config_fingerprint(config: Any) -> tuple:

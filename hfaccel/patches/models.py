@@ -22,6 +22,7 @@ from hfaccel.patches.layer_support import (
     state_bytes_per_sequence,
     unsupported_reason,
 )
+from hfaccel.patches.model_state import ATTENTION_DROPOUT_NAMES, dropout_rate
 
 # A purely recurrent model (Mamba's) keeps no K/V: its cache has no layers, and these (KV heads, head dim),
 # which every backend takes, only size the step metadata nothing reads.
@@ -237,21 +238,6 @@ def _library_hook(hook: Any, module: torch.nn.Module | None) -> bool:
     return isinstance(origin, str) and origin.startswith(_LIBRARY_HOOKS)
 
 
-# Where transformers' attention modules keep the dropout they pass to the attention function in train
-# mode: a rate, or an ``nn.Dropout`` whose ``p`` they pass (Llama's ``attention_dropout``, GPT-2's
-# ``attn_dropout``, OPT's ``dropout``, Falcon's ``nn.Dropout`` as ``attention_dropout``, MPT's ``attn_dropout_p``).
-_DROPOUT_NAMES = (
-    "attention_dropout",
-    "attn_dropout",
-    "attn_drop",
-    "attn_pdrop",
-    "attn_dropout_p",
-    "dropout",
-    "dropout_p",
-    "dropout_prob",
-)
-
-
 def attention_dropout_reason(
     model: torch.nn.Module, modules: list[torch.nn.Module] | None = None
 ) -> str | None:
@@ -259,26 +245,13 @@ def attention_dropout_reason(
     transformers applies to the attention probabilities and the engine's kernels do not (in eval mode
     transformers passes no dropout). Asked on every call, as `model.train()` may come at any time; an
     attention module keeping its rate under another name is caught by the attention function itself,
-    which refuses a dropout it is handed."""
-    if not model.training:
-        return None
+    which refuses a dropout it is handed. Each module's own flag counts (a decoder put in train mode under
+    a root left in eval mode applies its dropout as well)."""
     attention = (m for m in modules or all_modules(model) if m.training and "Attention" in type(m).__name__)
-    rate = max((_dropout_rate(m) for m in attention), default=0.0)
+    rate = max((dropout_rate(m, ATTENTION_DROPOUT_NAMES) for m in attention), default=0.0)
     if rate <= 0:
         return None
     return f"train mode with attention dropout ({rate}), which the engine's attention does not apply"
-
-
-def _dropout_rate(module: torch.nn.Module) -> float:
-    """The largest attention-dropout rate `module` keeps under one of `_DROPOUT_NAMES` (0: none)."""
-    rates = [0.0]
-    for name in _DROPOUT_NAMES:
-        value = getattr(module, name, None)
-        if isinstance(value, torch.nn.Dropout):
-            value = value.p
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            rates.append(float(value))
-    return max(rates)
 
 
 def max_model_len(model: torch.nn.Module, requested: int | None) -> int:

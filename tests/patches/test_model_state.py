@@ -517,3 +517,33 @@ def test_a_packed_hook_added_or_removed_forgets_the_prefix_cache(llama):
     assert_matches_hf(llama, ps, before)
     handle.remove()
     assert_matches_hf(llama, ps)
+
+
+def test_a_model_drawing_dropout_shares_no_prefix():
+    """In train mode with LoRA dropout, every row computes its KV under its own dropout draws, as in
+    transformers: the rows of one prompt, seeded alike, are transformers' rows (a shared or cached prefix
+    would give them one draw), nothing is shared or registered meanwhile, and eval mode shares again."""
+    config = peft.LoraConfig(
+        r=8, lora_alpha=32, target_modules=["q_proj", "v_proj"], lora_dropout=0.1,
+        init_lora_weights=False, task_type="CAUSAL_LM",
+    )  # fmt: skip
+    model = peft.get_peft_model(tiny_model("llama"), config).eval()
+    ps = warm(model)
+    engine = engine_of(model)
+    model.train()
+    rows = torch.tensor([ps[0]] * 4)
+
+    def seeded(generate) -> torch.Tensor:
+        torch.manual_seed(7)
+        with torch.no_grad():
+            return generate(rows, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+    expected = seeded(lambda *args, **kwargs: type(model).generate(model, *args, **kwargs))
+    assert len({tuple(row) for row in expected.tolist()}) > 1, "the dropout must change the rows"
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    assert torch.equal(seeded(model.generate), expected)
+    assert torch.equal(seeded(model.generate), expected)  # nothing of the first call was registered
+    assert engine.stats()["prefix_cache_hit_tokens"] == hits
+    model.eval()
+    assert_matches_hf(model, ps)
+    assert engine.stats()["prefix_cache_hit_tokens"] > hits

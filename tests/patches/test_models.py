@@ -131,6 +131,23 @@ def test_train_mode_with_attention_dropout_goes_to_transformers():
         hfaccel.unpatch(model)
 
 
+def test_a_decoder_in_train_mode_under_an_eval_root_goes_to_transformers():
+    """Each attention module's own mode counts: the decoder put in train mode under a root left in eval
+    mode applies its attention dropout in transformers, so the call falls back (it raised before)."""
+    model = _qwen2_with_attention_dropout()
+    hfaccel.patch(model)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    try:
+        model.model.train()
+        torch.manual_seed(0)
+        with pytest.warns(UserWarning, match=r"attention dropout \(0.5\)"):
+            out = model.generate(ids, max_new_tokens=6, do_sample=False)
+        torch.manual_seed(0)
+        assert torch.equal(out, type(model).generate(model, ids, max_new_tokens=6, do_sample=False))
+    finally:
+        hfaccel.unpatch(model)
+
+
 def _dropout_model(family: str) -> torch.nn.Module:
     """A tiny model whose attention keeps its dropout, 0.5, under the family's own name; nothing else drops."""
     import transformers
@@ -186,7 +203,7 @@ def test_attention_dropout_under_each_familys_name_goes_to_transformers(family):
 def test_a_dropout_the_check_misses_is_refused_by_the_attention_not_skipped(monkeypatch):
     """An attention module whose rate hides under a name the check does not know still hands the rate to
     the attention function, which refuses it: an error, never tokens without the dropout."""
-    monkeypatch.setattr("hfaccel.patches.models._DROPOUT_NAMES", ())
+    monkeypatch.setattr("hfaccel.patches.models.ATTENTION_DROPOUT_NAMES", ())
     model = _qwen2_with_attention_dropout()
     hfaccel.patch(model)
     ids = torch.tensor([[5, 6, 7, 8]])
