@@ -5,7 +5,8 @@ preprocesses (and, for ``batch_size > 1``, pads and collates) the inputs, a `Pip
 calls ``self.forward`` on each loader item, and one that postprocesses. Out of the box each forward
 waits for the previous one, so with the default ``batch_size=1`` the engine only ever sees one prompt.
 
-For a patched model, the forward stage is made concurrent: the loader items are still produced in the
+For a patched model, the forward stage is made concurrent (unless the calls share a streamer or the
+user's own processors or criteria, which transformers calls item after item: `shares_callbacks`): the loader items are still produced in the
 calling thread (preprocessing and tokenization stay sequential there; tokenizers are not thread-safe),
 each one's ``self.forward`` (so its ``model.generate``) runs in a worker thread, and the results come back
 in input order to the unchanged unbatching and postprocessing. Sampled items stay reproducible under
@@ -20,6 +21,7 @@ models that are not patched.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import deque
 from collections.abc import Iterator
@@ -61,9 +63,15 @@ def install_pipeline_batching() -> None:
         )
         state = getattr(self.model, "__dict__", {}).get("_hfaccel")
         model_iterator = getattr(final, "loader", None)
-        if state is None or state.temporary or getattr(model_iterator, "infer", None) != self.forward:
+        if (
+            state is None
+            or state.temporary
+            or getattr(model_iterator, "infer", None) != self.forward
+            or shares_callbacks(forward_params)
+        ):
             # not patched (a temporary patch, serving another thread's hfaccel call, leaves this model's
-            # generate to transformers), or a pipeline layout this wrapper does not know: leave it alone
+            # generate to transformers), a pipeline layout this wrapper does not know, or calls that must
+            # come one after another: leave it alone
             return final
         engine = state.engine
         max_num_seqs = (
@@ -82,6 +90,21 @@ def install_pipeline_batching() -> None:
     get_iterator.__doc__ = original.__doc__
     TextGenerationPipeline.get_iterator = get_iterator
     _installed = True
+
+
+def shares_callbacks(forward_params: dict[str, Any]) -> bool:
+    """Whether every item's ``generate`` gets one object that transformers calls item after item: a
+    streamer (its text would interleave, its ``end`` come while other items still stream), or the user's
+    own logits processor or stopping criterion (which may keep state from call to call). Such items run
+    one after another, as in transformers; transformers' own processors are per-row computations."""
+    if forward_params.get("streamer") is not None:
+        return True
+    for name in ("logits_processor", "stopping_criteria"):
+        for item in forward_params.get(name) or ():
+            kind = item if inspect.isfunction(item) else type(item)
+            if not str(kind.__module__).startswith("transformers."):
+                return True
+    return False
 
 
 def _result(future: Future, **_: Any) -> Any:

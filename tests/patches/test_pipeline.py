@@ -72,6 +72,43 @@ def test_a_generator_input_streams_through_a_bounded_window():
     assert lazily == expected
 
 
+def test_a_shared_streamer_or_stateful_processor_sees_the_items_one_after_another():
+    """A streamer, or the user's own processor, passed to a pipeline over a list is called item after
+    item in transformers (prompt, tokens, end; then the next item): the items then run one at a time, and
+    both see exactly transformers' calls (they interleaved across the concurrent items before)."""
+    from transformers import LogitsProcessor
+    from transformers.generation.streamers import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        def __init__(self) -> None:
+            self.calls: list[object] = []
+
+        def put(self, value) -> None:
+            self.calls.append(value.tolist())
+
+        def end(self) -> None:
+            self.calls.append("end")
+
+    class Lengths(LogitsProcessor):
+        def __init__(self) -> None:
+            self.lengths: list[int] = []
+
+        def __call__(self, input_ids, scores):
+            self.lengths.append(input_ids.shape[-1])
+            return scores
+
+    tokenizer = tiny_tokenizer()
+    seen = []
+    for model in (tiny_model(), hfaccel.patch(tiny_model(), kv_cache_memory=4_000_000)):
+        pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+        streamer, lengths = Recorder(), Lengths()
+        texts = pipe(chats(4), max_new_tokens=5, do_sample=False, streamer=streamer)
+        pipe(chats(4), max_new_tokens=5, do_sample=False, logits_processor=[lengths])
+        seen.append((texts, streamer.calls, lengths.lengths))
+    assert seen[0] == seen[1]
+    assert seen[0][1].count("end") == 4
+
+
 @pytest.mark.slow
 def test_smollm2_pipeline_default_batch_size_shares_steps(smollm2):
     model, tokenizer = smollm2
