@@ -91,6 +91,10 @@ void hfaccel_argmax(const float *x, int64_t rows, int64_t n, int64_t stride, int
 }
 """
 
+# Below this many logits a call runs on one thread (docs/benchmarks.md, "One thread for a small attention
+# call").
+PARALLEL_MIN_VALUES = 1 << 16
+
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=gnu99"]
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
 
@@ -117,9 +121,9 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     ):
         return x.argmax(dim=-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    library.hfaccel_argmax(
-        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads()
-    )
+    # One thread for few logits: waking OpenMP's other threads costs more than they save.
+    threads = 1 if x.shape[0] * x.shape[1] < PARALLEL_MIN_VALUES else torch.get_num_threads()
+    library.hfaccel_argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), threads)
     return out
 
 

@@ -198,7 +198,7 @@ class DecodeCall:
             chunk,
             softcap,
             None if sinks is None else self._sinks(sinks),
-            torch.get_num_threads(),
+            decode_threads(batch * k_cache.shape[2], batch * self._max_len * num_heads * head_dim),
         )
         if status == -2:
             raise ValueError(f"no kernel for a {query.dtype} query over a {k_cache.dtype} cache")
@@ -218,6 +218,20 @@ class DecodeCall:
             sinks = sinks.detach().float().contiguous()
         self._keep = sinks
         return sinks.data_ptr()
+
+
+# Below this much work (query rows x context x head dim) a call runs on one thread: two only tie there
+# while the pool is awake, and where other processes share the cores its sleeping thread took 46 us to
+# wake (docs/benchmarks.md, "One thread for a small attention call").
+PARALLEL_MIN_WORK = 1 << 14
+
+
+def decode_threads(tasks: int, work: int) -> int:
+    """The threads a kernel call runs on: torch's, but one for a call of less than `PARALLEL_MIN_WORK`
+    and never more than its `tasks` (one per sequence and KV head: a thread beyond them only waits)."""
+    if work < PARALLEL_MIN_WORK:
+        return 1
+    return max(1, min(torch.get_num_threads(), tasks))
 
 
 def _check_call(

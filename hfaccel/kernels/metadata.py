@@ -177,6 +177,7 @@ class MetadataBuilder:
         self.host = {n: torch.zeros(s, dtype=d, pin_memory=pin) for n, (s, d) in shapes.items()}
         self._host_arrays = {n: buf.numpy() for n, buf in self.host.items()}  # made once: a step fills them
         self._table_rows: list[list[int]] = [[] for _ in range(max_num_seqs)]  # `_copy_tables`
+        self._view_cache: dict[tuple[int, int, int], tuple] = {}  # `_views`
         self.dev = (
             self.host
             if self.device.type == "cpu"
@@ -195,7 +196,7 @@ class MetadataBuilder:
                 f"step of {b} sequences / {t} tokens padded to {b_pad} / {t_pad} does not fit the buffers "
                 f"({self.max_num_seqs} sequences, {self.max_num_tokens} tokens)"
             )
-        width = self.fixed_width or max((len(row) for row in layout.block_tables), default=1) or 1
+        width = self.fixed_width or max(map(len, layout.block_tables), default=1) or 1
         if width > self.max_blocks_per_seq:
             raise ValueError(f"a block table of {width} blocks exceeds {self.max_blocks_per_seq}")
         h = self._host_arrays
@@ -222,27 +223,8 @@ class MetadataBuilder:
         for i in range(b, b_pad):  # the mirror first: an interrupt between the two leaves it short, not stale
             self._table_rows[i] = []
         h["block_tables"][b:b_pad, :width] = 0
-        views = {
-            "slot_mapping": t_pad,
-            "query_start_loc": b_pad + 1,
-            "seq_lens": b_pad,
-            "block_tables": b_pad,
-        }
-        dev = {}
-        for name, size in views.items():
-            src = self.host[name][:size]
-            if name == "block_tables":
-                src = src[:, :width]
-            if self.dev is self.host:
-                dev[name] = src
-            else:
-                dst = self.dev[name][:size]
-                if name == "block_tables":
-                    dst = dst[:, :width]
-                dst.copy_(src, non_blocking=True)
-                dev[name] = dst
+        dev, host = self._views(t_pad, b_pad, width)
         num_decode_tokens = sum(layout.query_lens[: layout.num_decodes])
-        host = dev if self.dev is self.host else None  # on a CPU the device views are the host's
         return AttentionMetadata(
             num_seqs=b,
             num_tokens=t,
@@ -251,18 +233,47 @@ class MetadataBuilder:
             max_query_len=max(layout.query_lens, default=0),
             max_seq_len=max(layout.seq_lens, default=0),
             block_size=self.block_size,
-            slot_mapping=dev["slot_mapping"],
-            query_start_loc=dev["query_start_loc"],
-            seq_lens=dev["seq_lens"],
-            block_tables=dev["block_tables"],
-            query_start_loc_cpu=host["query_start_loc"]
-            if host
-            else self.host["query_start_loc"][: b_pad + 1],
-            seq_lens_cpu=host["seq_lens"] if host else self.host["seq_lens"][:b_pad],
-            block_tables_cpu=host["block_tables"] if host else self.host["block_tables"][:b_pad, :width],
+            slot_mapping=dev[0],
+            query_start_loc=dev[1],
+            seq_lens=dev[2],
+            block_tables=dev[3],
+            query_start_loc_cpu=host[1],
+            seq_lens_cpu=host[2],
+            block_tables_cpu=host[3],
             query_lens=list(layout.query_lens),
             host_seq_lens=list(layout.seq_lens),
         )
+
+    def _views(
+        self, t_pad: int, b_pad: int, width: int
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """The step's device views of the buffers (slot mapping, query starts, lengths, tables) and their
+        host mirrors (the same tensors on a CPU); on a device, the host views are copied to it first.
+        The views of each shape are made once (a decode batch keeps its shape step after step)."""
+        key = (t_pad, b_pad, width)
+        views = self._view_cache.get(key)
+        if views is None:
+            sizes = {
+                "slot_mapping": t_pad,
+                "query_start_loc": b_pad + 1,
+                "seq_lens": b_pad,
+                "block_tables": b_pad,
+            }
+
+            def cut(buffers: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+                view = buffers[name][: sizes[name]]
+                return view[:, :width] if name == "block_tables" else view
+
+            host = tuple(cut(self.host, name) for name in sizes)
+            dev = host if self.dev is self.host else tuple(cut(self.dev, name) for name in sizes)
+            if len(self._view_cache) >= 256:  # shapes of prefill steps vary: keep the cache small
+                self._view_cache.clear()
+            views = self._view_cache[key] = (dev, host)
+        dev, host = views
+        if dev is not host:
+            for dst, src in zip(dev, host):
+                dst.copy_(src, non_blocking=True)
+        return dev, host
 
     def _copy_tables(self, block_tables: list[list[int]]) -> None:
         """Copy each step's block tables into the host buffer, row by row, only what changed since the

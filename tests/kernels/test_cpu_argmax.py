@@ -32,12 +32,14 @@ def test_equals_torch_argmax(rows, n, pad, picks, seed, threads):
     for where, value in picks:
         base.view(-1)[where % base.numel()] = value
     x = base[:, :n]
-    previous = torch.get_num_threads()
+    previous, least = torch.get_num_threads(), cpu_argmax.PARALLEL_MIN_VALUES
     torch.set_num_threads(threads)
+    cpu_argmax.PARALLEL_MIN_VALUES = 0  # these few values would run on one thread
     try:
         assert torch.equal(cpu_argmax.argmax_rows(x), x.argmax(dim=-1))
     finally:
         torch.set_num_threads(previous)
+        cpu_argmax.PARALLEL_MIN_VALUES = least
 
 
 def test_a_real_vocabulary_row_and_other_inputs():
@@ -58,6 +60,7 @@ def test_layouts_a_flush_to_zero_caller_and_the_switch(monkeypatch):
     """Expanded rows (row stride 0) and a lazily negated view match torch; under
     ``torch.set_flush_denormal(True)`` (the calling thread's setting) every row compares denormals as
     zero, whichever thread takes it; ``HFACCEL_CPU_DECODE_KERNEL=0`` turns the kernel off."""
+    monkeypatch.setattr(cpu_argmax, "PARALLEL_MIN_VALUES", 0)  # every thread takes rows
     row = torch.randn(1, 70)
     for x in (row.expand(6, 70), torch._neg_view(torch.randn(3, 40))):
         assert torch.equal(cpu_argmax.argmax_rows(x), x.argmax(dim=-1))
@@ -95,3 +98,18 @@ def test_a_tensor_subclass_goes_to_torch(monkeypatch):
     assert torch.equal(cpu_argmax.argmax_rows(x.as_subclass(Wrapped)), x.argmax(dim=-1)) and not calls
     cpu_argmax.argmax_rows(x)
     assert len(calls) == 1  # a plain tensor takes the kernel
+
+
+def test_few_logits_run_on_one_thread(monkeypatch):
+    """A call on fewer than `PARALLEL_MIN_VALUES` logits asks the kernel for one thread (waking the pool
+    costs more than it saves), a larger one for torch's threads."""
+    asked = []
+
+    class Library:
+        def hfaccel_argmax(self, *args):
+            asked.append(args[-1])
+
+    monkeypatch.setattr(cpu_argmax, "load", lambda: Library())
+    cpu_argmax.argmax_rows(torch.zeros(4, cpu_argmax.PARALLEL_MIN_VALUES // 4 - 1))
+    cpu_argmax.argmax_rows(torch.zeros(4, cpu_argmax.PARALLEL_MIN_VALUES // 4))
+    assert asked == [1, torch.get_num_threads()]

@@ -332,3 +332,28 @@ def test_the_decode_kernel_refuses_a_tensor_subclass():
     assert cpu_decode.supports(query, cache)
     assert not cpu_decode.supports(query.as_subclass(Wrapped), cache)
     assert not cpu_decode.supports(query, cache.as_subclass(Wrapped))
+
+
+def test_small_calls_run_on_one_thread_and_threads_never_outnumber_tasks(monkeypatch):
+    """`decode_threads`: one thread below `PARALLEL_MIN_WORK`, else torch's, at most one per task; and
+    the kernel's result is the same bits on one thread as on two (each task is one thread's alone)."""
+    least = cpu_decode.PARALLEL_MIN_WORK
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert cpu_decode.decode_threads(tasks=64, work=least - 1) == 1
+    assert cpu_decode.decode_threads(tasks=64, work=least) == 8
+    assert cpu_decode.decode_threads(tasks=3, work=10 * least) == 3
+    monkeypatch.undo()
+    if cpu_decode.load() is None:
+        pytest.skip("no C compiler: the CPU decode kernel is not built here")
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 64, 16, 2, 64, generator=g).unbind(0)
+    table = torch.arange(64, dtype=torch.int32).view(4, 16)
+    lens = torch.tensor([200, 1, 256, 77], dtype=torch.int32)
+    query = torch.randn(4, 8, 64, generator=g)
+    outs = []
+    for threads in (1, 2):
+        monkeypatch.setattr(cpu_decode, "decode_threads", lambda tasks, work, n=threads: n)
+        outs.append(
+            cpu_decode.paged_decode(query, k_cache, v_cache, table, lens, 256, 0.125, torch.empty_like(query))
+        )
+    assert torch.equal(outs[0], outs[1])
