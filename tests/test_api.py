@@ -231,6 +231,42 @@ def test_fallen_back_copies_lose_hf_padding_and_say_they_stopped():
     assert padded, "no copy stopped early: the case shows nothing"
 
 
+def test_fallen_back_rows_keep_their_own_tokens():
+    """HF pads only a copy that stopped before the longest one: one row's last tokens equal to the pad id
+    are its own (they were dropped as padding), and with pad id = EOS a copy a stop string ended is
+    padded with EOS, which is not a token it generated (it was kept as one)."""
+    from transformers import GenerationConfig
+
+    from hfaccel.api.planning import unpadded_copies
+    from tests.helpers import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    config = GenerationConfig(eos_token_id=2, pad_token_id=9)
+    assert unpadded_copies(torch.tensor([[5, 6, 7, 9, 9]]), 3, config, None) == [([9, 9], "length")]
+    ids = tokenizer("xyab").input_ids
+    config = GenerationConfig(eos_token_id=2, pad_token_id=2, stop_strings=["b"])
+    rows = torch.tensor([ids + [2, 2], ids[:2] + [3, 3, 3, 3]])  # prompt "xy"; "ab", then EOS padding
+    assert unpadded_copies(rows, 2, config, tokenizer)[0] == (ids[2:], "stop")
+
+
+def test_a_sampled_prompt_that_falls_back_is_reproducible_under_its_seed():
+    """The seed of `hfaccel.generate` seeds transformers' generate when a prompt falls back (it drew
+    from the global generator, whatever it held), and the caller's random state is left as it was."""
+    import warnings
+
+    model = hfaccel.patch(tiny_model("llama"))
+    kwargs = dict(max_new_tokens=6, do_sample=True, guidance_scale=1.5, progress=False)
+    runs = []
+    for global_seed in (0, 1):
+        expected_next = torch.rand((), generator=torch.Generator().manual_seed(global_seed))
+        torch.manual_seed(global_seed)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runs.append(hfaccel.generate(model, [[5, 6, 7]], seed=123, **kwargs)[0].token_ids)
+        assert torch.rand(()) == expected_next  # the caller's random state, untouched
+    assert runs[0] == runs[1]
+
+
 def test_check_says_what_of_a_model_the_engine_serves_before_it_runs():
     from hfaccel.bench.families import family_model
 

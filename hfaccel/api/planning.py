@@ -199,7 +199,7 @@ def plan_prompt(
         if config is not None:
             extra["generation_config"] = copy.deepcopy(config)
         with reasons_suspended():  # the user's code it runs may generate, in another state of the model
-            output = state.run_original(input_ids, tokenizer=tokenizer, **extra)
+            output = state.run_original(input_ids, tokenizer=tokenizer, seed=seed, **extra)
         seconds = time.perf_counter() - start
         sequences = output.sequences if hasattr(output, "sequences") else output
         return [
@@ -219,12 +219,13 @@ def unpadded_copies(
     sequences: torch.Tensor, prompt_len: int, config: GenerationConfig, tokenizer: Any
 ) -> list[tuple[list[int], str]]:
     """Each row's new tokens and finish reason from HF's output, without the padding HF puts after a
-    copy that stopped before the longest one: cut after its first EOS, else trailing pad ids dropped (a
-    stop string or criterion stopped it; a row that really generated pad ids last reads the same in
-    HF's output). A copy that ends in EOS or a stop string, or was padded, stopped; the rest ran out."""
+    copy that stopped before the longest one. A row ends at its first EOS or its first stop string
+    (HF stops it there, and pads the rest, with EOS where the pad id is EOS); else, where rows were padded
+    (more than one), trailing pad ids are dropped (a criterion stopped it; a row that really generated
+    pad ids last reads the same in HF's output). One row is never padded: its tokens are all its own."""
     eos = config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    pad = config.pad_token_id
+    pad = config.pad_token_id if sequences.shape[0] > 1 else None
     strings = config.stop_strings
     stop_check = (
         stop_string_check(tokenizer, [strings] if isinstance(strings, str) else list(strings))
@@ -234,15 +235,20 @@ def unpadded_copies(
     copies = []
     for row in sequences:
         prompt, new = row[:prompt_len].tolist(), row[prompt_len:].tolist()
-        stopped = False
-        if any(t in eos_ids for t in new):
-            new, stopped = new[: next(k for k, t in enumerate(new) if t in eos_ids) + 1], True
-        elif pad is not None and new and new[-1] == pad:
-            while new and new[-1] == pad:
-                new.pop()
-            stopped = True
-        stopped = stopped or (stop_check is not None and bool(new) and stop_check(prompt, new))
-        copies.append((new, "stop" if stopped else "length"))
+        end = next(
+            (
+                k + 1
+                for k, token in enumerate(new)
+                if token in eos_ids or (stop_check is not None and stop_check(prompt, new[: k + 1]))
+            ),
+            None,
+        )
+        stopped = end is not None
+        if end is None:
+            end = len(new)
+            while pad is not None and end and new[end - 1] == pad:
+                end, stopped = end - 1, True
+        copies.append((new[:end], "stop" if stopped else "length"))
     return copies
 
 

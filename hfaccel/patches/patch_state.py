@@ -51,6 +51,19 @@ def strict_calls() -> Iterator[None]:
         _strict_calls.reset(token)
 
 
+@contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    """Torch's global generators (the CPU's and the CUDA devices' in use) seeded with `seed` inside the
+    block and given back as they were after it; nothing where `seed` is None."""
+    if seed is None:
+        yield
+        return
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if cuda else []):
+        torch.manual_seed(seed)
+        yield
+
+
 def call_seed() -> int | None:
     """The seed `seeded_calls` set for this context (None: rows draw their own)."""
     return _call_seed.get()
@@ -155,11 +168,14 @@ class PatchState:
                 self.loop = EngineLoop(engine)
             return self.loop
 
-    def run_original(self, *args: Any, **kwargs: Any) -> Any:
+    def run_original(self, *args: Any, seed: int | None = None, **kwargs: Any) -> Any:
         """The original `generate`, one call at a time: HF's generate is not documented as thread-safe
         (a static cache, for one, lives on the model), and concurrent callers of a patched model —
-        pipeline workers included — may all fall back at once."""
-        with self.fallback_lock:
+        pipeline workers included — may all fall back at once. With `seed` (default: the one
+        `seeded_calls` set here), its draws come from torch's generators seeded with it, the caller's
+        random state kept: a sampled call is reproducible whichever worker falls back first."""
+        seed = call_seed() if seed is None else seed
+        with self.fallback_lock, _seeded(seed):
             depth = self._fallback_depth
             depth.value = getattr(depth, "value", 0) + 1
             try:

@@ -6,14 +6,15 @@ calls ``self.forward`` on each loader item, and one that postprocesses. Out of t
 waits for the previous one, so with the default ``batch_size=1`` the engine only ever sees one prompt.
 
 For a patched model, the forward stage is made concurrent (unless the calls share a streamer or the
-user's own processors or criteria, which transformers calls item after item: `shares_callbacks`): the loader items are still produced in the
-calling thread (preprocessing and tokenization stay sequential there; tokenizers are not thread-safe),
-each one's ``self.forward`` (so its ``model.generate``) runs in a worker thread, and the results come back
-in input order to the unchanged unbatching and postprocessing. Sampled items stay reproducible under
-``torch.manual_seed``: one base seed is drawn in the calling thread when the iteration starts, and item k
-samples from ``base + k * 2**20`` (`seeded_calls`), whichever worker runs first. Every ``generate`` call
-joins the model's one engine loop, so all of them share its steps. At most a window of loader items is in flight (twice
-what fits in one step), which bounds memory on datasets and generators.
+user's own processors or criteria, which transformers calls item after item: `shares_callbacks`): the
+loader items are still produced in the calling thread (preprocessing and tokenization stay sequential
+there; tokenizers are not thread-safe), each one's ``self.forward`` (so its ``model.generate``) runs in a
+worker thread, and the results come back in input order to the unchanged unbatching and postprocessing.
+Sampled items stay reproducible under ``torch.manual_seed``: one base seed is drawn in the calling thread
+when the iteration starts, and item k samples from ``base + k * 2**20`` (`seeded_calls`), whichever
+worker runs first. Every ``generate`` call joins the model's one engine loop, so all of them share its
+steps. At most a window of loader items is in flight (twice what fits in one step), which bounds memory
+on datasets and generators.
 
 `TextGenerationPipeline.get_iterator` is wrapped once, class-wide; it delegates to the original for
 models that are not patched.
