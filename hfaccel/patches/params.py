@@ -253,6 +253,8 @@ def request_params(
             raise ValueError("stop_strings needs the tokenizer: pass tokenizer= to generate")
         strings = [config.stop_strings] if isinstance(config.stop_strings, str) else list(config.stop_strings)
         stop_check = stop_string_check(tokenizer, strings)
+        if held := _openai_stops.get():  # vLLM's min_tokens: no stop string ends a row before it
+            stop_check = _after(held, stop_check)
     custom = list(logits_processor) if logits_processor is not None else []
     in_hf_order = bool(custom) or prefix_allowed_tokens_fn is not None  # every processor runs as HF runs it
     criteria = None
@@ -396,19 +398,28 @@ def split_score_only(processors: LogitsProcessorList) -> tuple[LogitsProcessorLi
     return LogitsProcessorList(processors[:cut]), LogitsProcessorList(processors[cut:])
 
 
-_stops_in_output_only: ContextVar[bool] = ContextVar("hfaccel_stops_in_output_only", default=False)
+# None: transformers' stop strings; an int: OpenAI's ``stop``, held for that many tokens (`openai_stops`).
+_openai_stops: ContextVar[int | None] = ContextVar("hfaccel_openai_stops", default=None)
+
+
+def _after(
+    count: int, check: Callable[[list[int], list[int]], bool]
+) -> Callable[[list[int], list[int]], bool]:
+    """`check`, asked only once `count` tokens were generated (earlier ones end no row)."""
+    return lambda prompt, generated: len(generated) >= count and check(prompt, generated)
 
 
 @contextmanager
-def stops_in_output_only() -> Iterator[None]:
-    """Within this block (this thread or asyncio task), stop strings match the generated text only, as
-    OpenAI's ``stop`` does (`hfaccel serve`); transformers' ``stop_strings`` also match a string that
-    begins in the prompt."""
-    token = _stops_in_output_only.set(True)
+def openai_stops(min_tokens: int = 0) -> Iterator[None]:
+    """Within this block (this thread or asyncio task), stop strings work as OpenAI's ``stop`` (`hfaccel
+    serve`): they match the generated text only (transformers' ``stop_strings`` also match a string that
+    begins in the prompt), and none ends a row before `min_tokens` tokens, as vLLM's ``min_tokens``
+    holds them (transformers' ``min_new_tokens`` holds EOS only)."""
+    token = _openai_stops.set(min_tokens)
     try:
         yield
     finally:
-        _stops_in_output_only.reset(token)
+        _openai_stops.reset(token)
 
 
 def stop_string_check(
@@ -416,7 +427,7 @@ def stop_string_check(
 ) -> Callable[[list[int], list[int]], bool]:
     """A check of (prompt ids, generated ids) that fires when a stop string ends inside the newest token
     (overhang allowed), wherever it starts: in the prompt too, as HF's StopStringCriteria matches over
-    the whole row, unless `in_prompt` is False (None: as `stops_in_output_only` says).
+    the whole row, unless `in_prompt` is False (None: as `openai_stops` says).
 
     The newest token's text is where the decoded tail stops agreeing with the tail decoded without it:
     a token may end inside a character (byte-level tokenizers split an emoji or a CJK character over
@@ -428,7 +439,7 @@ def stop_string_check(
     if not stop_strings or any(not isinstance(s, str) or not s for s in stop_strings):
         raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
     longest = max(map(len, stop_strings))
-    in_prompt = not _stops_in_output_only.get() if in_prompt is None else in_prompt
+    in_prompt = _openai_stops.get() is None if in_prompt is None else in_prompt
 
     def check(prompt: list[int], generated: list[int]) -> bool:
         available = len(generated) + (len(prompt) if in_prompt else 0)

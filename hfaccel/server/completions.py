@@ -17,7 +17,7 @@ from fastapi.sse import format_sse_event
 
 from hfaccel.api import agenerate, astream
 from hfaccel.api.detokenize import Detokenizer, special_tokens
-from hfaccel.patches.params import stops_in_output_only
+from hfaccel.patches.params import openai_stops
 from hfaccel.patches.patch_state import strict_calls
 from hfaccel.patches.reply_parsing import response_template
 from hfaccel.server.chat_prompt import chat_prompt_ids
@@ -232,6 +232,11 @@ class CompletionCall:
             return ""
         return tokenizer.decode(self.prompts[choice // self.body.n])
 
+    @property
+    def min_tokens(self) -> int:
+        """The tokens before which no stop string ends a choice (vLLM's ``min_tokens``; 0: none)."""
+        return getattr(self.body, "min_tokens", None) or 0
+
     def prompt_logprobs(self) -> int | None:
         """With ``echo`` and ``logprobs``, the prompt's tokens get logprobs too, as in OpenAI's legacy
         completions (what eval harnesses score a text with): k alternatives each, else None."""
@@ -304,7 +309,7 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
         if call.scores_only:
             completions = [_NOTHING_GENERATED] * call.count
         else:
-            with strict_calls(), stops_in_output_only():  # a call the engine does not serve: 400, never HF's
+            with strict_calls(), openai_stops(call.min_tokens):  # a call the engine does not serve: 400
                 completions = await agenerate(
                     served.model, call.choice_prompts(), tokenizer=tokenizer, seed=call.seed,
                     logprobs=call.logprobs, **call.kwargs,
@@ -333,7 +338,13 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
             shown = [bytes(item["bytes"]) for item in prompts[i // call.body.n]] + shown
         if call.reading is not None:  # read with its special tokens, which mark tool calls and turn ends
             reply = call.reading.parse(
-                raw_pieces(tokenizer, completion.token_ids, call.stops if stopped else None, call.cleaned)
+                raw_pieces(
+                    tokenizer,
+                    completion.token_ids,
+                    call.stops if stopped else None,
+                    call.cleaned,
+                    call.min_tokens,
+                )
             )
             call.replies.append(reply)
             choices.append(reply_choice(i, reply, completion.finish_reason, items))
@@ -358,8 +369,10 @@ def _cut_plain(tokenizer: Any, call: CompletionCall, token_ids: list[int], text:
     """A plain answer cut where the engine's check found its stop string (`replies.cut_plain`); for a
     tokenizer that cleans up spaces, whose pieces do not align, at the stop string in its text."""
     if call.cleaned is None:
-        return cut_plain(token_pieces(tokenizer, token_ids), call.stops)
-    return cut_at_stop(text, call.stops, call.cleaned)
+        return cut_plain(token_pieces(tokenizer, token_ids), call.stops, call.min_tokens)
+    held = call.min_tokens - 1  # the text of the tokens min_tokens held, where no stop ended the answer
+    after = len(tokenizer.decode(token_ids[:held], skip_special_tokens=True)) if held > 0 else 0
+    return cut_at_stop(text, call.stops, call.cleaned, after)
 
 
 def _outcome(error: BaseException) -> str:
@@ -402,7 +415,7 @@ async def stream_pieces(
         logprobs=call.logprobs, **call.kwargs,
     )  # fmt: skip
     try:
-        with strict_calls(), stops_in_output_only():  # planning runs here, at the stream's first step
+        with strict_calls(), openai_stops(call.min_tokens):  # planning runs here, at the first step
             first = await anext(events, None)
     except ValueError as error:
         await events.aclose()
@@ -424,6 +437,7 @@ async def stream_pieces(
     )
     pairs: list[list[tuple[str, str]]] = [[] for _ in range(call.count)]
     specials: list[list[tuple[int, int]]] = [[] for _ in range(call.count)]  # special tokens' raw spans
+    counts, held_text = [0] * call.count, [0] * call.count  # tokens; the text min_tokens held (`cut_at_stop`)
     skipped = special_tokens(tokenizer) if call.logprobs is not False else frozenset()
     first_token, outcome = time.perf_counter(), "cancelled"
     try:
@@ -438,15 +452,18 @@ async def stream_pieces(
                     specials[i].append((len(texts[i]), len(texts[i]) + len(piece[0])))
                 pairs[i].append(piece)
             texts[i] += pairs[i][-1][0] if call.reading else event.text or ""
+            counts[i] += 1
+            if counts[i] == call.min_tokens - 1:
+                held_text[i] = len(texts[i])
             if event.finished:
                 final = texts[i]
                 if event.finish_reason == "stop" and call.stops:
                     if call.reading:
-                        final = "".join(cut_raw(pairs[i], call.stops, call.cleaned))
+                        final = "".join(cut_raw(pairs[i], call.stops, call.cleaned, call.min_tokens))
                     elif call.cleaned is None:
-                        final = cut_plain(pairs[i], call.stops)
+                        final = cut_plain(pairs[i], call.stops, call.min_tokens)
                     else:
-                        final = cut_at_stop(final, call.stops, call.cleaned)
+                        final = cut_at_stop(final, call.stops, call.cleaned, held_text[i])
                 delta, sent[i] = final[sent[i] :], len(final)
             else:
                 safe = max(sent[i], len(texts[i]) - hold)

@@ -89,20 +89,28 @@ def token_pieces(tokenizer: Any, token_ids: list[int]) -> list[tuple[str, str]]:
 
 
 def raw_pieces(
-    tokenizer: Any, token_ids: list[int], stops: list[str] | None = None, cleaned: list[str] | None = None
+    tokenizer: Any,
+    token_ids: list[int],
+    stops: list[str] | None = None,
+    cleaned: list[str] | None = None,
+    held: int = 0,
 ) -> list[str]:
     """The text each token adds, decoded with special tokens, as a stream reads it; with `stops` (a stop
     string ended the reply), cut where the first one begins (`cut_raw`)."""
     pieces = token_pieces(tokenizer, token_ids)
-    return cut_raw(pieces, stops, cleaned) if stops else [r for r, _ in pieces]
+    return cut_raw(pieces, stops, cleaned, held) if stops else [r for r, _ in pieces]
 
 
-def cut_raw(pieces: list[tuple[str, str]], stops: list[str], cleaned: list[str] | None = None) -> list[str]:
+def cut_raw(
+    pieces: list[tuple[str, str]], stops: list[str], cleaned: list[str] | None = None, held: int = 0
+) -> list[str]:
     """The raw pieces of `pieces` (each token's text with and without special tokens) up to where the
     first stop string begins in the raw text, as the engine's stop check (a decode that keeps special
     tokens, as transformers' `StopStringCriteria` reads token strings) found it; never inside a special
-    token's text, which is then left out whole."""
-    cut = len(cut_at_stop("".join(r for r, _ in pieces), stops, cleaned or ()))
+    token's text, which is then left out whole. `held`: ``min_tokens``, before which no stop string ended
+    the reply (one that ends in the first ``held - 1`` tokens' text is not a stop)."""
+    after = sum(len(r) for r, _ in pieces[: max(0, held - 1)])
+    cut = len(cut_at_stop("".join(r for r, _ in pieces), stops, cleaned or (), after))
     out, seen = [], 0
     for raw, plain in pieces:
         if seen + len(raw) > cut:
@@ -114,12 +122,12 @@ def cut_raw(pieces: list[tuple[str, str]], stops: list[str], cleaned: list[str] 
     return out
 
 
-def cut_plain(pieces: list[tuple[str, str]], stops: list[str]) -> str:
+def cut_plain(pieces: list[tuple[str, str]], stops: list[str], held: int = 0) -> str:
     """The text without special tokens of `pieces` up to where the engine's stop check found the first
     stop string (`cut_raw`): where a stop string spans a special token, the plain text holds it earlier
     than the engine saw it, and cutting there would cut a whole answer short of its stream. Only for a
     tokenizer that does not clean up spaces, whose raw and plain pieces align token by token."""
-    kept = cut_raw(pieces, stops)
+    kept = cut_raw(pieces, stops, held=held)
     plain = [p for _, p in pieces[: len(kept)]]
     if kept and plain[-1] and len(kept[-1]) < len(pieces[len(kept) - 1][0]):
         plain[-1] = kept[-1]  # cut inside a text token, whose raw text is its plain text

@@ -173,12 +173,15 @@ def stop_strings(request: SamplingFields) -> list[str]:
     return stops
 
 
-def cut_at_stop(text: str, stops: list[str], cleaned: list[str] | tuple[str, ...] = ()) -> str:
-    """`text` up to the first stop string in it (OpenAI's output leaves the stop string out). `cleaned`:
-    the stop strings as a tokenizer that cleans up spaces shows them (" ." as "."), for a text that
-    holds no stop string as the engine's check read it; the answer ended at such a string, so it is cut
-    at the last one."""
-    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+def cut_at_stop(
+    text: str, stops: list[str], cleaned: list[str] | tuple[str, ...] = (), after: int = 0
+) -> str:
+    """`text` up to the first stop string in it (OpenAI's output leaves the stop string out) that ends
+    past its first `after` characters (the text of the tokens ``min_tokens`` held: no stop string ended
+    the answer there). `cleaned`: the stop strings as a tokenizer that cleans up spaces shows them (" ." as
+    "."), for a text that holds no stop string as the engine's check read it; the answer ended at such a
+    string, so it is cut at the last one."""
+    cuts = [i for i in (text.find(s, max(0, after - len(s) + 1)) for s in stops) if i >= 0]
     if cuts:
         return text[: min(cuts)]
     last = max((text.rfind(s) for s in cleaned), default=-1)

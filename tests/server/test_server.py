@@ -79,7 +79,7 @@ def test_a_stop_string_matches_the_generated_text_only(served, client, stream):
     """OpenAI's ``stop`` looks at the output: a string made of the prompt's last character and the
     answer's first does not stop it (transformers' stop_strings would: they match across the prompt)."""
     plain = client.completions.create(
-        model=MODEL, prompt="abc", max_tokens=8, temperature=0, extra_body={"min_tokens": 8}
+        model=MODEL, prompt="abc", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
     )
     text = plain.choices[0].text
     stop = "c" + text[0]
@@ -87,7 +87,12 @@ def test_a_stop_string_matches_the_generated_text_only(served, client, stream):
 
     def ask() -> tuple[str, str]:
         kwargs = dict(
-            model=MODEL, prompt="abc", max_tokens=8, temperature=0, stop=[stop], extra_body={"min_tokens": 8}
+            model=MODEL,
+            prompt="abc",
+            max_tokens=8,
+            temperature=0,
+            stop=[stop],
+            extra_body={"ignore_eos": True},
         )
         if not stream:
             choice = client.completions.create(**kwargs).choices[0]
@@ -96,6 +101,28 @@ def test_a_stop_string_matches_the_generated_text_only(served, client, stream):
         return "".join(c.text for c in chunks), chunks[-1].finish_reason
 
     assert ask() == (text, "length")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_stop_strings_as_vllm_does(served, client, stream):
+    """vLLM's ``min_tokens`` holds stop strings too (transformers' ``min_new_tokens`` holds EOS only): a
+    stop string in the answer's first tokens ends it without min_tokens, and not with it."""
+    kwargs = dict(model=MODEL, prompt="abc", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    text = client.completions.create(**kwargs).choices[0].text
+    stop = text[1]  # ends the answer at its second character, in its first tokens
+
+    def ask(min_tokens: int) -> tuple[str, str]:
+        body = dict(kwargs, stop=[stop], extra_body={"ignore_eos": True, "min_tokens": min_tokens})
+        if not stream:
+            choice = client.completions.create(**body).choices[0]
+            return choice.text, choice.finish_reason
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **body) if c.choices]
+        return "".join(c.text for c in chunks), chunks[-1].finish_reason
+
+    assert ask(0) == (text[: text.index(stop)], "stop")
+    held, finish = ask(8)
+    assert len(held) > text.index(stop) and text.startswith(held)  # the early stop did not end it
+    assert held == text or finish == "stop"  # (a stop string in its last token may still end it)
 
 
 def test_text_completions_with_echo_and_logprobs(served, client):
