@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import logging as transformers_logging
 
 from hfaccel.engine.loop import EngineLoop
 from hfaccel.engine.prompt_inputs import isolate
@@ -77,6 +78,26 @@ def warn_row_callbacks(call: GenerateCall) -> None:
             )
 
 
+def warn_right_padding(call: GenerateCall) -> None:
+    """Transformers' warning for a right-padded batch of ids, in its words and through its logger, as its
+    generate gives it (the engine serves the call with HF's tokens; the user keeps the hint that the
+    tokenizer pads on the wrong side): a mask given with a masked last column, or without a mask, a last
+    id that is the pad id."""
+    ids, pad = call.input_ids, call.config._pad_token_tensor
+    if ids is None or ids.dim() != 2 or ids.shape[0] < 2 or pad is None:
+        return
+    mask = call.given_mask if call.given_mask is not None else call.kwargs.get("attention_mask")
+    if mask is not None and mask.shape == ids.shape:
+        right = bool((mask[:, -1] == 0).any())
+    else:
+        right = bool((ids[:, -1] == pad.to(ids.device)).any())
+    if right:
+        transformers_logging.get_logger("transformers.generation.utils").warning(
+            "A decoder-only architecture is being used, but right-padding was detected! For correct "
+            "generation results, please set `padding_side='left'` when initializing the tokenizer."
+        )
+
+
 def patched_generate(
     self: torch.nn.Module,
     inputs: torch.Tensor | None = None,
@@ -103,6 +124,7 @@ def patched_generate(
         fall_back(state, reason)
         return state.run_original(inputs=inputs, generation_config=generation_config, **kwargs)
     warn_row_callbacks(call)
+    warn_right_padding(call)
     config, visible_ids = call.config, call.rows[0]
     loop = state.get_loop(self)
     # HF returns the cache with return_dict_in_generate and use_cache (which it sets for inputs_embeds).

@@ -2,6 +2,7 @@
 are served with HF's tokens; calls whose result the engine would get wrong go to HF with a warning
 (padding where the output holds prompt positions). Never silently different, never truncated."""
 
+import logging
 import warnings
 
 import pytest
@@ -362,3 +363,25 @@ def test_a_masked_last_token_does_not_count_against_the_context(options):
     finally:
         hfaccel.unpatch(model)
     assert torch.equal(out, expected) and torch.equal(out_full, expected_full)
+
+
+def test_a_right_padded_batch_gets_transformers_warning(caplog):
+    """Served with HF's tokens, a right-padded batch still gets HF's warning that the tokenizer pads on
+    the wrong side (through transformers' logger, in its words); a left-padded one does not."""
+    from transformers.utils import logging as transformers_logging
+
+    model = hfaccel.patch(tiny_model())
+    ids, mask = _right_padded()
+    transformers_logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING, logger="transformers.generation.utils"):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3)
+            assert "right-padding was detected" in caplog.text
+            caplog.clear()
+            left = torch.ones_like(mask)
+            left[0, :1], left[1, :4] = 0, 0
+            model.generate(input_ids=ids, attention_mask=left, max_new_tokens=3)
+            assert "right-padding" not in caplog.text
+    finally:
+        transformers_logging.disable_propagation()
+        hfaccel.unpatch(model)
