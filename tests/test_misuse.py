@@ -140,8 +140,11 @@ def test_tokenizer_output_is_refused_saying_what_to_pass(where):
         with pytest.raises(ValueError, match=r"prompts is a dict .*pass prompts=enc\['input_ids'\]"):
             ENTRY_POINTS[where](model, prompts, tokenizer=tokenizer, max_new_tokens=2)
     padded = tokenizer(["hi", "there"], padding=True, return_tensors="pt")["input_ids"]
-    with pytest.raises(ValueError, match="prompts is a 2-D tensor: pass a list of token-id lists"):
-        ENTRY_POINTS[where](model, padded, max_new_tokens=2)
+    for batch in (padded, padded.numpy()):  # return_tensors="pt" or "np"
+        with pytest.raises(
+            ValueError, match="prompts is a 2-D tensor or array: pass a list of token-id lists"
+        ):
+            ENTRY_POINTS[where](model, batch, max_new_tokens=2)
     # enc["input_ids"] as lists is what to pass
     ids = encoding["input_ids"]
     results = ENTRY_POINTS[where](model, ids, max_new_tokens=2)
@@ -155,7 +158,10 @@ def test_a_single_prompt_is_a_batch_of_one(where):
     expected = hf_greedy(
         model, tokenizer.apply_chat_template(conversation, add_generation_prompt=True)["input_ids"], 3
     )
-    for prompt in ("hello", conversation, [5, 6, 7], torch.tensor([5, 6, 7])):
+    import numpy as np
+
+    ones = ([5, 6, 7], torch.tensor([5, 6, 7]), np.array([5, 6, 7]), list(np.array([5, 6, 7])))
+    for prompt in ("hello", conversation, *ones, list(torch.tensor([5, 6, 7]))):
         results = ENTRY_POINTS[where](model, prompt, tokenizer=tokenizer, max_new_tokens=3)
         if where.endswith("generate"):
             assert len(results) == 1 and results[0].prompt_index == 0
@@ -165,8 +171,8 @@ def test_a_single_prompt_is_a_batch_of_one(where):
             tokens = [e.token_id for e in results]
         if prompt is conversation:
             assert tokens == expected
-        if isinstance(prompt, list) and isinstance(prompt[0], int):
-            assert tokens == hf_greedy(model, prompt, 3)
+        if not isinstance(prompt, str) and prompt is not conversation:  # one prompt of ids, however given
+            assert tokens == hf_greedy(model, [5, 6, 7], 3)
 
 
 def test_kv_cache_too_small_for_one_full_request_raises_at_patch():

@@ -42,22 +42,37 @@ def prompt_list(prompts: Any) -> list[Any]:
         raise ValueError(f"prompts is a dict (a tokenizer's output?), not a list of prompts: {DICT_PROMPT}")
     if isinstance(prompts, str):
         return [prompts]
+    if _is_array(prompts):  # a numpy array (a tokenizer's return_tensors="np"): read as a tensor
+        prompts = torch.as_tensor(prompts)
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() == 1:
             return [prompts.tolist()]
         raise ValueError(
-            f"prompts is a {prompts.dim()}-D tensor: pass a list of token-id lists (the pad tokens of a "
+            f"prompts is a {prompts.dim()}-D tensor or array: pass a list of token-id lists (the pad tokens of a "
             "padded batch would become part of the prompts), or call model.generate(input_ids=..., "
             "attention_mask=...)"
         )
     if prompts is None:
         raise ValueError("prompts is None: pass a list of strings, token-id lists or chat message lists")
     items = list(prompts)
-    if items and all(isinstance(t, numbers.Integral) for t in items):
-        return [items]  # one token-id list
+    if items and all(_is_token_id(t) for t in items):
+        return [items]  # one token-id list (ints, numpy's, 0-d tensors: a 1-D tensor listed)
     if items and isinstance(items[0], Mapping) and "role" in items[0]:
         return [items]  # one conversation
     return items
+
+
+def _is_array(value: Any) -> bool:
+    return type(value).__module__ == "numpy" and hasattr(value, "ndim")
+
+
+def _is_token_id(value: Any) -> bool:
+    """An int (numpy's too) or a 0-d integer tensor or array: one token id."""
+    if isinstance(value, numbers.Integral):
+        return True
+    if isinstance(value, torch.Tensor) or _is_array(value):
+        return value.ndim == 0 and not torch.as_tensor(value).is_floating_point()
+    return False
 
 
 def per_prompt_adapters(adapter: str | Sequence[str | None] | None, count: int) -> list[str | None]:
@@ -90,6 +105,8 @@ def encode_prompt(prompt: Prompt, tokenizer: Any) -> list[int]:
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, Mapping):
         raise ValueError(f"a prompt is a dict (a tokenizer's output?): {DICT_PROMPT}")
+    if _is_array(prompt):
+        prompt = torch.as_tensor(prompt)
     if isinstance(prompt, torch.Tensor):
         prompt = prompt.flatten().tolist() if prompt.dim() <= 1 else prompt
     if isinstance(prompt, numbers.Integral):
@@ -103,8 +120,12 @@ def encode_prompt(prompt: Prompt, tokenizer: Any) -> list[int]:
         rendered = tokenizer.apply_chat_template(items, add_generation_prompt=True, tokenize=True)
         ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
         return [int(t) for t in ids]
-    if not all(isinstance(t, int) or (isinstance(t, torch.Tensor) and t.numel() == 1) for t in items):
-        raise ValueError("a prompt must be a string, a list of token ids or a list of chat messages")
+    if not all(_is_token_id(t) for t in items):
+        kinds = sorted({type(t).__name__ for t in items if not _is_token_id(t)})
+        raise ValueError(
+            "a prompt must be a string, a list of token ids or a list of chat messages; this one holds "
+            + ", ".join(kinds)
+        )
     if not items:
         raise ValueError("the prompt is empty: a prompt needs at least one token")
     return [int(t) for t in items]
