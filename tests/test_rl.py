@@ -139,6 +139,9 @@ def test_train_mode_and_gradient_checkpointing_do_not_change_generation():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             out = model.generate(torch.tensor([ids] * 3), max_new_tokens=8, do_sample=False)
+        expected = hf_greedy(model, ids, 8)  # HF's generate under the same autocast
     finally:
         model.forward = forward
-    assert out.shape == (3, len(ids) + 8) and (out[0] == out[1]).all()
+    # Attention runs in float32 from the bf16 projections (HF's SDPA in bf16): tokens are HF's up to bf16
+    # near ties (docs/rl.md); this prompt has none.
+    assert all(row[len(ids) :] == expected for row in out.tolist())
