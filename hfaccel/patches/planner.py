@@ -35,7 +35,8 @@ from hfaccel.patches.layer_support import (
     has_recurrent_layers,
     narrowest_local_span,
 )
-from hfaccel.patches.models import long_rope_reason, max_model_len, weights_and_mode_reason
+from hfaccel.patches.model_state import draws_dropout
+from hfaccel.patches.models import all_modules, long_rope_reason, max_model_len, weights_and_mode_reason
 from hfaccel.patches.params import (
     bind_batch_row,
     bind_prefix_constraint,
@@ -301,6 +302,8 @@ def _mode_gate(call: GenerateCall) -> str | None:
         return "beam search in a stream"
     if has_recurrent_layers(call.model):
         return "beam search with recurrent layers (a beam's state would have to be forked)"
+    if any(draws_dropout(module) for module in all_modules(call.model)):  # HF's beams draw apart
+        return "beam search on a model drawing dropout (train mode): the engine's beams share the prompt's"
     names = call.adapter_names
     reason = beam_unsupported_reason(call.model, call.config, call.extra, call.streamer, names, call.device)
     if reason is None and call.cache is not None:

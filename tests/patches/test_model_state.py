@@ -547,3 +547,6 @@ def test_a_model_drawing_dropout_shares_no_prefix():
     model.eval()
     assert_matches_hf(model, ps)
     assert engine.stats()["prefix_cache_hit_tokens"] > hits
+    model.train()  # beams fork one prompt computation, where transformers' beams each draw their own
+    with pytest.warns(UserWarning, match="beam search on a model drawing dropout"):
+        model.generate(rows[:1], max_new_tokens=3, num_beams=2, do_sample=False)
