@@ -27,10 +27,17 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+
+
+class AgreedToken(NamedTuple):
+    """The model-state token of a parallel model, the same on every rank (`StepSync.agree_token`)."""
+
+    hashes: tuple[int, ...]  # every rank's hash of its own token
+    draws_dropout: bool  # some rank's layers draw dropout
 
 
 class StepSync:
@@ -77,7 +84,7 @@ class StepSync:
             digest.update(array("q", values).tobytes())
             digest.update(b"|")
         mine = int.from_bytes(digest.digest(), "little", signed=True)
-        hashes = self._all_gather(mine)
+        hashes = [row[0] for row in self._all_gather(mine)]
         self.num_checked += 1
         if len(set(hashes)) > 1:
             raise RuntimeError(
@@ -107,13 +114,16 @@ class StepSync:
             offset += n
         return out
 
-    def agree_token(self, local: Any) -> tuple[int, ...]:
+    def agree_token(self, local: Any) -> AgreedToken:
         """A fingerprint that changes on every rank when `local` (this rank's model-state token) changes
-        on any rank: the tuple of every rank's hash of its own token."""
-        return tuple(self._all_gather(hash(local)))
+        on any rank: every rank's hash of its own token, and whether any rank's model draws dropout (its
+        layers' KV is then no function of the tokens anywhere: `ModelWatch.draws_dropout`)."""
+        rows = self._all_gather(hash(local), int(bool(getattr(local, "draws_dropout", False))))
+        return AgreedToken(tuple(row[0] for row in rows), any(row[1] for row in rows))
 
-    def _all_gather(self, value: int) -> list[int]:
-        mine = torch.tensor([value], dtype=torch.int64)
-        out = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+    def _all_gather(self, *values: int) -> list[list[int]]:
+        """Every rank's `values`, in rank order."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.zeros(len(values), dtype=torch.int64) for _ in range(self.size)]
         dist.all_gather(out, mine, group=self.group)
-        return [int(t.item()) for t in out]
+        return [t.tolist() for t in out]

@@ -119,6 +119,7 @@ class ModelStateTracker:
         self._plan: list[list[tuple[int, int, int, int]]] = []
         self._first_tuner: weakref.ref | None = None  # `sentinel`'s adapter layer, found by `token`
         self._watched: list[weakref.ref] = []  # `sentinel`'s tensors, whose storages it reads
+        self._dropouts: list[weakref.ref] = []  # the modules that may draw dropout (`token`)
 
     def token(self) -> ModelToken:
         """A hashable fingerprint of the weights, buffers, adapter state and hooks (holds no tensor)."""
@@ -126,7 +127,6 @@ class ModelStateTracker:
         adapters: list[Hashable] = []
         hooks: list[Hashable] = []
         first_tuner = None
-        dropout = False
         # model.modules() without its generator and name bookkeeping: twice as fast on a LoRA model.
         modules = [self.model]
         seen = {id(self.model)}
@@ -135,8 +135,6 @@ class ModelStateTracker:
             tensors += module._buffers.values()
             if module._forward_hooks or module._forward_pre_hooks:  # a packed hook opted in changes values
                 hooks.append((id(module), tuple(module._forward_hooks), tuple(module._forward_pre_hooks)))
-            if module.training and not dropout:
-                dropout = draws_dropout(module)
             if _is_tuner_layer(type(module)):
                 adapters.append(_adapter_state(module))
                 first_tuner = first_tuner or module
@@ -149,6 +147,15 @@ class ModelStateTracker:
         if layout != self._layout:
             self._plan = _sampling_plan(present, self.samples)
             self._layout = layout
+            # The modules that may draw dropout (every nn.Dropout, whatever its p now, and those keeping a
+            # rate above 0), found once per layout: the token is read before most steps that admit, and
+            # checking every module there cost more than the rest of the token on a 30-layer model.
+            self._dropouts = [
+                weakref.ref(m)
+                for m in modules
+                if isinstance(m, torch.nn.modules.dropout._DropoutNd) or dropout_rate(m) > 0
+            ]
+        dropout = any(m is not None and draws_dropout(m) for m in (ref() for ref in self._dropouts))
         token = ModelToken(
             _optimizer_steps,
             self.model.training,
@@ -235,16 +242,22 @@ DROPOUT_NAMES = (*ATTENTION_DROPOUT_NAMES, "hidden_dropout", "resid_pdrop")
 
 
 def dropout_rate(module: torch.nn.Module, names: tuple[str, ...] = DROPOUT_NAMES) -> float:
-    """The largest dropout rate `module` keeps: an ``nn.Dropout``'s own ``p``, or one of `names` (a rate,
-    or an ``nn.Dropout`` held under that name); 0 for none."""
+    """The largest dropout rate `module` keeps: an ``nn.Dropout``'s own ``p``, or one of `names` set on
+    it (a rate, or an ``nn.Dropout`` held under that name); 0 for none. Read from the module's own
+    dicts, not through ``getattr`` (a missing name raises inside ``nn.Module.__getattr__``: a few us a
+    name, hundreds of modules a check)."""
     rates = [module.p if isinstance(module, torch.nn.modules.dropout._DropoutNd) else 0.0]
-    for name in names:
-        value = getattr(module, name, None)
+    own, children = module.__dict__, module._modules
+    for name in _NAME_SETS.setdefault(names, frozenset(names)).intersection(own.keys() | children.keys()):
+        value = own[name] if name in own else children[name]
         if isinstance(value, torch.nn.modules.dropout._DropoutNd):
             value = value.p
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             rates.append(float(value))
     return max(rates)
+
+
+_NAME_SETS: dict[tuple[str, ...], frozenset[str]] = {}
 
 
 def draws_dropout(module: torch.nn.Module) -> bool:

@@ -303,7 +303,7 @@ def _mode_gate(call: GenerateCall) -> str | None:
     if has_recurrent_layers(call.model):
         return "beam search with recurrent layers (a beam's state would have to be forked)"
     if any(draws_dropout(module) for module in all_modules(call.model)):  # HF's beams draw apart
-        return "beam search on a model drawing dropout (train mode): the engine's beams share the prompt's"
+        return "beam search on a model drawing dropout (train mode): the engine's beams share the prompt's KV"
     names = call.adapter_names
     reason = beam_unsupported_reason(call.model, call.config, call.extra, call.streamer, names, call.device)
     if reason is None and call.cache is not None:

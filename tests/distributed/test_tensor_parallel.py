@@ -118,6 +118,11 @@ def test_refusals_in_a_process_group():
         assert result["untouched"] and not result["patched"]
 
 
+def test_no_prefix_is_shared_while_a_rank_draws_dropout():
+    for result in run_ranks("tests.distributed.workers:dropout_pause"):
+        assert result == {"train": False, "eval": True}
+
+
 # ------------------------------------------------------------------------------- refusals, one process
 
 

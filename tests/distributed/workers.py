@@ -167,3 +167,17 @@ def bad_sizes(rank: int) -> dict:
     errors["untouched"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     errors["patched"] = hfaccel.api.is_patched(model)
     return errors
+
+
+def dropout_pause(rank: int) -> dict:
+    """A tensor-parallel engine shares no prefix while the model draws dropout (the ranks' agreed token
+    says so: `StepSync.agree_token`), and shares again in eval mode."""
+    model = tiny_model("llama")
+    model.model.layers[0].mlp.dropout = torch.nn.Dropout(0.1)  # a module that may draw dropout
+    hfaccel.patch(model, tensor_parallel_size=2)
+    sharing = {}
+    for mode in ("train", "eval"):
+        getattr(model, mode)()
+        model.generate(torch.tensor([list(range(5, 40))]), max_new_tokens=2, do_sample=False)
+        sharing[mode] = model._hfaccel.engine.block_manager.enable_prefix_caching
+    return sharing
