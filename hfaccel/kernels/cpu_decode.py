@@ -136,6 +136,8 @@ class DecodeCall:
         self._max_len = max(max_seq_len, 1)
         self._function = load().hfaccel_paged_decode
         self._checked = False  # the first call's tensors were checked (`_check_call`)
+        self._thread_key: tuple[int, ...] | None = None  # `_threads_for`
+        self._threads = 1
 
     def __call__(
         self,
@@ -198,7 +200,7 @@ class DecodeCall:
             chunk,
             softcap,
             None if sinks is None else self._sinks(sinks),
-            decode_threads(batch * k_cache.shape[2], batch * self._max_len * num_heads * head_dim),
+            self._threads_for(batch, k_cache.shape[2], num_heads, head_dim),
         )
         if status == -2:
             raise ValueError(f"no kernel for a {query.dtype} query over a {k_cache.dtype} cache")
@@ -211,6 +213,14 @@ class DecodeCall:
                 f"{num_heads // k_cache.shape[2]} query heads per KV head of dim {head_dim} is too large"
             )
         return out
+
+    def _threads_for(self, batch: int, kv_heads: int, heads: int, head_dim: int) -> int:
+        """`decode_threads` of this step's calls, worked out once (every layer of a step asks alike)."""
+        key = (batch, kv_heads, heads, head_dim, torch.get_num_threads())
+        if key != self._thread_key:
+            self._thread_key = key
+            self._threads = decode_threads(batch * kv_heads, batch * self._max_len * heads * head_dim)
+        return self._threads
 
     def _sinks(self, sinks: torch.Tensor) -> int:
         """The address of `sinks` as contiguous float32, kept alive for the call (and the step)."""
