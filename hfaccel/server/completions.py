@@ -437,7 +437,8 @@ async def stream_pieces(
     )
     pairs: list[list[tuple[str, str]]] = [[] for _ in range(call.count)]
     specials: list[list[tuple[int, int]]] = [[] for _ in range(call.count)]  # special tokens' raw spans
-    counts, held_text = [0] * call.count, [0] * call.count  # tokens; the text min_tokens held (`cut_at_stop`)
+    ids: list[list[int]] = [[] for _ in range(call.count)]
+    held_text = [0] * call.count  # the length of the text min_tokens held, as `_cut_plain` counts it
     skipped = special_tokens(tokenizer) if call.logprobs is not False else frozenset()
     first_token, outcome = time.perf_counter(), "cancelled"
     try:
@@ -452,9 +453,10 @@ async def stream_pieces(
                     specials[i].append((len(texts[i]), len(texts[i]) + len(piece[0])))
                 pairs[i].append(piece)
             texts[i] += pairs[i][-1][0] if call.reading else event.text or ""
-            counts[i] += 1
-            if counts[i] == call.min_tokens - 1:
-                held_text[i] = len(texts[i])
+            ids[i].append(event.token_id)
+            if len(ids[i]) == call.min_tokens - 1 and call.cleaned is not None:  # (the text streamed so far
+                # may hold back a few characters for the tokenizer's clean-up of spaces)
+                held_text[i] = len(tokenizer.decode(ids[i], skip_special_tokens=True))
             if event.finished:
                 final = texts[i]
                 if event.finish_reason == "stop" and call.stops:
