@@ -134,12 +134,16 @@ def test_model_inputs_are_refused_by_the_list_api():
 
 @pytest.mark.parametrize("where", ENTRY_POINTS)
 def test_tokenizer_output_is_refused_saying_what_to_pass(where):
+    import numpy as np
+
     model, tokenizer = tiny_model(), tiny_tokenizer()
     encoding = tokenizer(["hi", "there"])
     for prompts in (encoding, dict(encoding)):
         with pytest.raises(ValueError, match=r"prompts is a dict .*pass prompts=enc\['input_ids'\]"):
             ENTRY_POINTS[where](model, prompts, tokenizer=tokenizer, max_new_tokens=2)
     padded = tokenizer(["hi", "there"], padding=True, return_tensors="pt")["input_ids"]
+    texts = ENTRY_POINTS[where](model, np.array(["hi", "there"]), tokenizer=tokenizer, max_new_tokens=2)
+    assert {getattr(r, "prompt_index", getattr(r, "index", None)) for r in texts} == {0, 1}  # strings
     for batch in (padded, padded.numpy()):  # return_tensors="pt" or "np"
         with pytest.raises(
             ValueError, match="prompts is a 2-D tensor or array: pass a list of token-id lists"

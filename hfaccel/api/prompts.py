@@ -42,7 +42,7 @@ def prompt_list(prompts: Any) -> list[Any]:
         raise ValueError(f"prompts is a dict (a tokenizer's output?), not a list of prompts: {DICT_PROMPT}")
     if isinstance(prompts, str):
         return [prompts]
-    if _is_array(prompts):  # a numpy array (a tokenizer's return_tensors="np"): read as a tensor
+    if _is_array(prompts) and prompts.dtype.kind in "iu":  # a tokenizer's return_tensors="np": a tensor's
         prompts = torch.as_tensor(prompts)
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() == 1:
@@ -70,9 +70,9 @@ def _is_token_id(value: Any) -> bool:
     """An int (numpy's too) or a 0-d integer tensor or array: one token id."""
     if isinstance(value, numbers.Integral):
         return True
-    if isinstance(value, torch.Tensor) or _is_array(value):
-        return value.ndim == 0 and not torch.as_tensor(value).is_floating_point()
-    return False
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not (value.is_floating_point() or value.is_complex())
+    return _is_array(value) and value.ndim == 0 and value.dtype.kind in "iu"
 
 
 def per_prompt_adapters(adapter: str | Sequence[str | None] | None, count: int) -> list[str | None]:
@@ -105,7 +105,7 @@ def encode_prompt(prompt: Prompt, tokenizer: Any) -> list[int]:
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, Mapping):
         raise ValueError(f"a prompt is a dict (a tokenizer's output?): {DICT_PROMPT}")
-    if _is_array(prompt):
+    if _is_array(prompt) and prompt.dtype.kind in "iu":
         prompt = torch.as_tensor(prompt)
     if isinstance(prompt, torch.Tensor):
         prompt = prompt.flatten().tolist() if prompt.dim() <= 1 else prompt
