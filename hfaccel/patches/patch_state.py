@@ -60,7 +60,10 @@ def _seeded(seed: int | None) -> Iterator[None]:
         return
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if cuda else []):
-        torch.manual_seed(seed)
+        if cuda:
+            torch.manual_seed(seed)
+        else:  # torch.manual_seed would also queue a seed for CUDA's first use, which fork_rng never undoes
+            torch.default_generator.manual_seed(seed)
         yield
 
 
