@@ -139,7 +139,10 @@ def test_train_mode_and_gradient_checkpointing_do_not_change_generation():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             out = model.generate(torch.tensor([ids] * 3), max_new_tokens=8, do_sample=False)
-        expected = hf_greedy(model, ids, 8)  # HF's generate under the same autocast
+        # HF's generate under the same autocast, in eval mode (no dropout: the same tokens; transformers
+        # 5.17's own train mode without a cache gave other ones under autocast)
+        model.eval()
+        expected = hf_greedy(model, ids, 8)
     finally:
         model.forward = forward
     # Attention runs in float32 from the bf16 projections (HF's SDPA in bf16): tokens are HF's up to bf16
