@@ -62,7 +62,12 @@ class EngineLoop:
         self.engine = engine
         self.idle_timeout = idle_timeout
         self.step_log: deque[LoopStep] = deque(maxlen=step_log_size)  # who each step served (debug)
-        self._cond = threading.Condition()
+        # Entered through the lock itself (`with self._lock`), whose __enter__ is C: a Ctrl-C arriving as
+        # it is taken is raised inside the with block, which then releases it. Through the condition, a
+        # Python __enter__ returned the taken lock into a frame the interrupt had already left, held for
+        # good (every later caller hung).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._inbox: list[tuple[str, Any]] = []
         self._thread: threading.Thread | None = None
         self._baton = threading.Lock()  # held by the thread applying the inbox and stepping
@@ -137,7 +142,7 @@ class EngineLoop:
         """Stop the loop for good: requests in flight fail with `reason` (their callers get it raised),
         their blocks are freed, and the thread exits (joined up to `timeout` seconds)."""
         reason = reason or LoopClosed("the engine loop was closed")
-        with self._cond:
+        with self._lock:
             if self._closed is None:
                 self._closed = reason
                 self._inbox.append(("close", reason))
@@ -160,7 +165,7 @@ class EngineLoop:
         """Make the calling thread this loop's stepping thread, for every caller, until `until()` is true
         (checked every `poll_s` seconds) or the loop closes: for a main thread with nothing else to do
         (``hfaccel serve``), whose OpenMP pool is then the process's only one."""
-        with self._cond:
+        with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 raise RuntimeError("this loop already has a stepping thread")
             self._thread = threading.current_thread()
@@ -169,7 +174,7 @@ class EngineLoop:
         try:
             while (not until() and self._closed is None) or self._close_pending():
                 with self._baton:
-                    with self._cond:
+                    with self._lock:
                         if not self._inbox and not self._busy():
                             self._idle = True
                             self._cond.notify_all()
@@ -179,13 +184,13 @@ class EngineLoop:
                     self._work()
         finally:
             _this_thread.loop = None
-            with self._cond:
+            with self._lock:
                 if self._thread is threading.current_thread():
                     self._thread = None
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until the loop has nothing queued or running; returns False on timeout."""
-        with self._cond:
+        with self._lock:
             return self._cond.wait_for(lambda: self._idle and not self._inbox, timeout)
 
     @property
@@ -194,7 +199,7 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive()
 
     def _post(self, kind: str, item: Any) -> None:
-        with self._cond:
+        with self._lock:
             if self._closed is not None:
                 if kind == "submit":
                     raise LoopClosed(f"the engine loop is closed: {self._closed}")
@@ -223,7 +228,7 @@ class EngineLoop:
         """Apply the inbox and step once in this (the consuming) thread if `submission` (a thread's) is
         alone in the loop (`_work`); True if that did something. Else make sure the loop thread runs."""
         if submission._event_loop is not None or not self._baton.acquire(blocking=False):
-            with self._cond:  # a coroutine's submission, or another thread steps now
+            with self._lock:  # a coroutine's submission, or another thread steps now
                 self._ensure_thread_locked()
             return False
         try:
@@ -246,13 +251,13 @@ class EngineLoop:
                     if not self._serve_once():
                         break
         except BaseException as error:  # a bug in the loop itself: fail every caller rather than hang them
-            with self._cond:
+            with self._lock:
                 commands, self._inbox = self._inbox, []
             for kind, item in commands:
                 if kind == "submit":
                     self._adopt(item)
             self._fail_all(error)
-            with self._cond:
+            with self._lock:
                 self._thread = None
                 self._idle = True
                 self._cond.notify_all()
@@ -262,7 +267,7 @@ class EngineLoop:
 
     def _serve_once(self) -> bool:
         """Wait for work, apply the inbox and run one step; False when the thread should exit."""
-        with self._cond:
+        with self._lock:
             if not self._inbox and not self._busy():
                 self._idle = True
                 self._cond.notify_all()
@@ -280,7 +285,7 @@ class EngineLoop:
         submission) steps nothing else: if another submission is in the loop or its inbox, or a loop
         thread runs, it hands over to the loop thread instead (checked with the inbox taken, under one
         lock, so no submission slips in between)."""
-        with self._cond:
+        with self._lock:
             if driver is not None and self._closed is None:
                 thread_alive = self.is_running
                 others = any(s is not driver for s in self._live.values()) or any(
@@ -303,7 +308,7 @@ class EngineLoop:
                 self._abort(item, error=None)
             elif kind == "close":
                 self._fail_all(item)
-                with self._cond:
+                with self._lock:
                     if self._thread is threading.current_thread():
                         self._thread = None
                     self._idle = True
@@ -313,7 +318,7 @@ class EngineLoop:
         if self._busy():
             self._send_held()
             self._step()
-        with self._cond:
+        with self._lock:
             if not self._busy() and not self._inbox:
                 self._idle = True
                 self._cond.notify_all()
@@ -322,7 +327,7 @@ class EngineLoop:
     def _close_pending(self) -> bool:
         """A close posted while a step ran (after the inbox was taken): the stepping thread applies it
         before it leaves, or its callers would wait for ever (a coroutine has no liveness poll)."""
-        with self._cond:
+        with self._lock:
             return any(kind == "close" for kind, _ in self._inbox)
 
     def _busy(self) -> bool:

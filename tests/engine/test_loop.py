@@ -463,3 +463,39 @@ def test_an_abandoned_stream_collected_inside_the_loops_lock_does_not_wait_for_t
     except subprocess.TimeoutExpired:
         pytest.fail("the collector's thread waited for the loop while holding its lock")
     assert result.returncode == 0 and "done" in result.stdout, result.stderr[-2000:]
+
+
+def test_a_ctrl_c_as_a_caller_takes_the_loops_lock_leaves_it_free():
+    """A KeyboardInterrupt raised in the main thread just as it takes the loop's lock (another thread held
+    it, then the signal came): the lock is released with the exception, and a later call from another
+    thread completes (the lock was held for good, every later caller hung)."""
+    import _thread
+
+    import torch
+
+    import hfaccel
+
+    model = hfaccel.patch(tiny_model())
+    ids = torch.tensor([[5, 6, 7, 8]])
+    model.generate(ids, max_new_tokens=2, do_sample=False)  # the engine and its loop
+    loop = model._hfaccel.loop
+
+    def hold_then_interrupt() -> None:
+        with loop._lock:  # as the loop thread holds it around a step's bookkeeping
+            time.sleep(0.3)  # the main thread now waits for it in its submission
+        _thread.interrupt_main()
+
+    threading.Thread(target=hold_then_interrupt).start()
+    time.sleep(0.05)
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(ids, max_new_tokens=200, min_new_tokens=200, do_sample=False)
+        time.sleep(5)  # (the interrupt may land after the call: it must still land here)
+    later: dict = {}
+    thread = threading.Thread(
+        target=lambda: later.update(out=model.generate(ids, max_new_tokens=3)), daemon=True
+    )
+    thread.start()
+    thread.join(20)
+    assert not thread.is_alive(), "a later caller hangs on the loop's lock"
+    assert later["out"].shape == (1, 7)
+    hfaccel.unpatch(model)
