@@ -223,8 +223,13 @@ def reset_prefix_cache(model: Any) -> None:
     they hold but never share it. A no-op on an unpatched model or one whose engine is not built yet.
     """
     state: PatchState | None = getattr(model, "__dict__", {}).get("_hfaccel")
-    if state is not None and state.engine is not None:
-        state.engine.forget_model_outputs()
+    if state is None or state.engine is None:
+        return
+    engine, loop = state.engine, state.loop
+    if loop is not None and loop.engine is engine:  # between two of its steps, in the stepping thread
+        loop.between_steps(engine.forget_model_outputs)
+    else:
+        engine.forget_model_outputs()
 
 
 def release(model: Any) -> None:

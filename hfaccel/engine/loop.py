@@ -193,6 +193,37 @@ class EngineLoop:
         with self._lock:
             return self._cond.wait_for(lambda: self._idle and not self._inbox, timeout)
 
+    def between_steps(self, action: Callable[[], None]) -> None:
+        """Run `action` on the engine between two of its steps, in the thread that steps it, and return
+        once it ran (raising what it raised): a caller never touches the engine while another thread
+        steps it. At once from inside a step of this loop (a processor or criterion), or once the loop
+        is closed."""
+        if getattr(_this_thread, "loop", None) is self:
+            action()
+            return
+        done, raised = threading.Event(), []
+
+        def run() -> None:
+            try:
+                action()
+            except BaseException as error:  # the caller's to raise
+                raised.append(error)
+            finally:
+                done.set()
+
+        with self._lock:
+            posted = self._closed is None
+            if posted:
+                self._inbox.append(("call", run))
+                self._idle = False
+                self._ensure_thread_locked()
+        if not posted:
+            action()
+            return
+        done.wait()
+        if raised:
+            raise raised[0]
+
     @property
     def is_running(self) -> bool:
         """Whether the loop thread is alive (it exits when idle and restarts on the next submit)."""
@@ -256,6 +287,8 @@ class EngineLoop:
             for kind, item in commands:
                 if kind == "submit":
                     self._adopt(item)
+                elif kind == "call":  # its caller waits for it
+                    item()
             self._fail_all(error)
             with self._lock:
                 self._thread = None
@@ -306,6 +339,8 @@ class EngineLoop:
                 self._admit(item)
             elif kind == "cancel":
                 self._abort(item, error=None)
+            elif kind == "call":
+                item()
             elif kind == "close":
                 self._fail_all(item)
                 with self._lock:

@@ -499,3 +499,33 @@ def test_a_ctrl_c_as_a_caller_takes_the_loops_lock_leaves_it_free():
     assert not thread.is_alive(), "a later caller hangs on the loop's lock"
     assert later["out"].shape == (1, 7)
     hfaccel.unpatch(model)
+
+
+def test_a_prefix_cache_reset_from_another_thread_runs_between_two_steps(monkeypatch):
+    """`hfaccel.reset_prefix_cache` from another thread while a step registers blocks waits for the step
+    and runs before the next one, in the stepping thread: the request admitted before it registers
+    nothing (it reset the cache in the middle of a registration, which then went on into the new cache)."""
+    import torch
+
+    import hfaccel
+    from hfaccel.engine.block_manager import BlockManager
+
+    model = hfaccel.patch(tiny_model())
+    prompt = torch.tensor([varied_prompts(1)[0][:8] * 5])
+    model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)  # the engine
+    engine, original, resets = model._hfaccel.engine, BlockManager.cache_full_blocks, []
+
+    def registering(self, request) -> None:
+        if not resets:
+            resets.append(threading.Thread(target=hfaccel.reset_prefix_cache, args=(model,)))
+            resets[0].start()
+            resets[0].join(0.3)
+            assert resets[0].is_alive(), "the reset must wait for the step"
+        original(self, request)
+
+    monkeypatch.setattr(BlockManager, "cache_full_blocks", registering)
+    model.generate(prompt, max_new_tokens=4, do_sample=False)
+    resets[0].join(10)
+    assert not resets[0].is_alive() and engine.block_manager.epoch == 1
+    assert engine.block_manager.num_cached_blocks == 0  # nothing of the old epoch in the new cache
+    hfaccel.unpatch(model)
