@@ -51,6 +51,8 @@ def test_patch_is_idempotent_and_unpatch_restores_exactly():
     assert model.generate.__func__ is type(model).generate
     assert model.config._attn_implementation == original_attn
     hfaccel.unpatch(model)  # a second unpatch is a no-op
+    ids = torch.tensor([[5, 6, 7]])  # a bound generate kept from before is transformers' now
+    assert torch.equal(bound(ids, max_new_tokens=3), type(model).generate(model, ids, max_new_tokens=3))
 
 
 def test_patch_rejects_bad_config_and_non_models():

@@ -61,7 +61,8 @@ def paged_attention_forward(
     if dropout:  # train mode: a call on such a model goes to transformers (`attention_dropout_reason`)
         raise RuntimeError(
             f"{type(module).__name__} passes attention dropout ({dropout}), which the engine's attention "
-            "does not apply: call model.eval() before generating, or set its dropout to 0"
+            "does not apply: its model is in train mode (put there before or while this call ran); "
+            "generate in eval mode, or set its attention dropout to 0"
         )
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)

@@ -105,7 +105,9 @@ def patched_generate(
     **kwargs: Any,
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """Drop-in replacement for `model.generate`, bound on a patched instance."""
-    state: PatchState = self._hfaccel
+    state: PatchState | None = self.__dict__.get("_hfaccel")
+    if state is None:  # unpatched since this bound method was taken (kept, or looked up by another thread)
+        return type(self).generate(self, inputs, generation_config, **kwargs)
     kwargs = normalize_cache_argument(kwargs, "model.generate")
     # adapter_names is PEFT's (its generate pops it); checked against the model's LoRA layers (a gate).
     checked = {k: v for k, v in kwargs.items() if k != "adapter_names"}
