@@ -226,8 +226,8 @@ def reset_prefix_cache(model: Any) -> None:
     if state is None or state.engine is None:
         return
     engine, loop = state.engine, state.loop
-    if loop is not None and loop.engine is engine:  # between two of its steps, in the stepping thread
-        loop.between_steps(engine.forget_model_outputs)
+    if loop is not None and loop.engine is engine:  # never beside a step another thread runs
+        loop.forget_model_outputs()
     else:
         engine.forget_model_outputs()
 

@@ -444,10 +444,8 @@ class Engine:
         return finished + rejected
 
     def _run_and_sample(self, packed: Any) -> tuple[Any, list, float, float]:
-        """The forward and sampling of one packed step; returns (logits, tokens, when the forward ended,
-        seconds of host work overlapped with it). With asynchronous scheduling the forward and sampling
-        run on a worker thread while this thread prepares what the next step needs that does not depend
-        on this step's tokens (`_prepare_ahead`)."""
+        """The forward and sampling of one packed step: (logits, tokens, when the forward ended, seconds of
+        host work overlapped). Asynchronous scheduling runs them on a worker thread (`_prepare_ahead`)."""
         if self._async is None:
             logits = self.runner.run(packed)
             ran_at = time.perf_counter()
@@ -463,9 +461,8 @@ class Engine:
         self.scheduler.prepare_ahead()
 
     def check_model_state(self) -> bool:
-        """Forget the prefix cache and the captured CUDA graphs if `model_state` says the model changed
-        since the last check; returns whether it did. Requests already running finish on the KV they
-        hold but never register it (`engine/model_watch.py`)."""
+        """Forget the prefix cache and CUDA graphs if the model changed since the last check (or a change
+        was forced); returns whether it did. Running requests never register their KV (`model_watch`)."""
         if (change := self._watch.new_token()) is None:
             return False
         previous, token = change  # graphs survive a change of values only (an optimizer step in place),
@@ -475,12 +472,15 @@ class Engine:
         return True
 
     def forget_model_outputs(self, graphs: bool = True) -> None:
-        """Drop what the model as it was made and a change would leave stale: the prefix cache's KV and
-        (with `graphs`) every captured CUDA graph, which replays the weights' addresses and the control
-        flow of the adapters it was captured with; each bucket is captured again at its next use."""
+        """Drop what a change of the model leaves stale: the prefix cache's KV and (with `graphs`) every
+        captured CUDA graph (it replays the weights' addresses and the adapters' control flow)."""
         self.block_manager.reset_prefix_cache()
         if graphs:
             self.runner.graphs.clear()
+
+    def forget_model_outputs_soon(self) -> None:
+        """`forget_model_outputs` at the next step's model check, before it admits (from any thread)."""
+        self._watch.force()
 
     def _recover(self, error: BaseException) -> None:
         """The one recovery path after an exception in a step: fail the requests the step had scheduled

@@ -193,36 +193,18 @@ class EngineLoop:
         with self._lock:
             return self._cond.wait_for(lambda: self._idle and not self._inbox, timeout)
 
-    def between_steps(self, action: Callable[[], None]) -> None:
-        """Run `action` on the engine between two of its steps, in the thread that steps it, and return
-        once it ran (raising what it raised): a caller never touches the engine while another thread
-        steps it. At once from inside a step of this loop (a processor or criterion), or once the loop
-        is closed."""
-        if getattr(_this_thread, "loop", None) is self:
-            action()
-            return
-        done, raised = threading.Event(), []
-
-        def run() -> None:
+    def forget_model_outputs(self) -> None:
+        """The engine's `forget_model_outputs`, never beside one of its steps: at once if no thread steps
+        the engine now, else by the stepping thread at its next step's model check, before that step
+        admits anything (`Engine.forget_model_outputs_soon`). Never waits: a processor, an async
+        step's worker or another loop's step may call it while this loop's step waits on them."""
+        if self._baton.acquire(blocking=False):
             try:
-                action()
-            except BaseException as error:  # the caller's to raise
-                raised.append(error)
+                self.engine.forget_model_outputs()
             finally:
-                done.set()
-
-        with self._lock:
-            posted = self._closed is None
-            if posted:
-                self._inbox.append(("call", run))
-                self._idle = False
-                self._ensure_thread_locked()
-        if not posted:
-            action()
-            return
-        done.wait()
-        if raised:
-            raise raised[0]
+                self._baton.release()
+        else:
+            self.engine.forget_model_outputs_soon()
 
     @property
     def is_running(self) -> bool:
@@ -287,8 +269,6 @@ class EngineLoop:
             for kind, item in commands:
                 if kind == "submit":
                     self._adopt(item)
-                elif kind == "call":  # its caller waits for it
-                    item()
             self._fail_all(error)
             with self._lock:
                 self._thread = None
@@ -339,8 +319,6 @@ class EngineLoop:
                 self._admit(item)
             elif kind == "cancel":
                 self._abort(item, error=None)
-            elif kind == "call":
-                item()
             elif kind == "close":
                 self._fail_all(item)
                 with self._lock:

@@ -32,6 +32,14 @@ class ModelWatch:
         self.sentinel_of = sentinel_of if token_of is not None else None
         self.token = token_of() if token_of is not None else None
         self.sentinel = self.sentinel_of() if self.sentinel_of is not None else None
+        # `force` calls counted in any thread, and those the stepping thread has applied: counts, not a
+        # flag, so a call landing while a reading runs is applied at the next one, never lost.
+        self._forced, self._applied = 0, 0
+
+    def force(self) -> None:
+        """Make the next reading report a change (its previous token None: nothing carried over), as if
+        the model had changed: the engine then forgets its prefix cache and graphs there."""
+        self._forced += 1
 
     @property
     def draws_dropout(self) -> bool:
@@ -45,15 +53,20 @@ class ModelWatch:
             return None
         if self.sentinel_of is not None:  # before the token: a change between the two is read again
             self.sentinel = self.sentinel_of()
+        forced = self._forced
         token = self.token_of()
-        if token == self.token:
+        if token == self.token and forced == self._applied:
             return None
-        previous, self.token = self.token, token
+        previous, self.token = (None if forced != self._applied else self.token), token
+        self._applied = forced
         return previous, token
 
     def sentinel_moved(self) -> bool:
-        """Whether the sentinel changed since the last reading (a token reading is then due)."""
-        return self.sentinel_of is not None and self.sentinel_of() != self.sentinel
+        """Whether the sentinel changed since the last reading, or a change was forced (a token reading
+        is then due)."""
+        return self.sentinel_of is not None and (
+            self._forced != self._applied or self.sentinel_of() != self.sentinel
+        )
 
     def moved_during(self, mark: Hashable) -> bool:
         """Whether the sentinel changed since `mark` (read at a step's start): the step ran across a

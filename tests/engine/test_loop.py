@@ -501,11 +501,14 @@ def test_a_ctrl_c_as_a_caller_takes_the_loops_lock_leaves_it_free():
     hfaccel.unpatch(model)
 
 
-def test_a_prefix_cache_reset_from_another_thread_runs_between_two_steps(monkeypatch):
-    """`hfaccel.reset_prefix_cache` from another thread while a step registers blocks waits for the step
-    and runs before the next one, in the stepping thread: the request admitted before it registers
-    nothing (it reset the cache in the middle of a registration, which then went on into the new cache)."""
+def test_a_prefix_cache_reset_never_runs_beside_a_step_and_never_waits(monkeypatch):
+    """`hfaccel.reset_prefix_cache` while a step registers blocks (from another thread) is applied by
+    the stepping thread at its next step's check, before that step admits: the request admitted before
+    it registers nothing (it reset the cache in the middle of a registration, which went on into the new
+    cache). It never waits for a step: from a logits processor, sync or with asynchronous scheduling
+    (the processor then runs on the step's worker thread), the call completes."""
     import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
 
     import hfaccel
     from hfaccel.engine.block_manager import BlockManager
@@ -519,13 +522,32 @@ def test_a_prefix_cache_reset_from_another_thread_runs_between_two_steps(monkeyp
         if not resets:
             resets.append(threading.Thread(target=hfaccel.reset_prefix_cache, args=(model,)))
             resets[0].start()
-            resets[0].join(0.3)
-            assert resets[0].is_alive(), "the reset must wait for the step"
+            resets[0].join(10)
+            assert not resets[0].is_alive(), "the reset must not wait for the step"
+            assert engine.block_manager.epoch == 0, "nor run beside it"
         original(self, request)
 
     monkeypatch.setattr(BlockManager, "cache_full_blocks", registering)
     model.generate(prompt, max_new_tokens=4, do_sample=False)
-    resets[0].join(10)
-    assert not resets[0].is_alive() and engine.block_manager.epoch == 1
-    assert engine.block_manager.num_cached_blocks == 0  # nothing of the old epoch in the new cache
+    monkeypatch.undo()
+    assert engine.block_manager.epoch == 1 and engine.block_manager.num_cached_blocks == 0
+
+    class Resetting(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            hfaccel.reset_prefix_cache(model)
+            return scores
+
+    for asynchronous in (False, True):
+        hfaccel.patch(model, async_scheduling=asynchronous)
+        done: dict = {}
+        processors = LogitsProcessorList([Resetting()])
+        thread = threading.Thread(
+            target=lambda box=done, processors=processors: box.update(
+                out=model.generate(prompt, max_new_tokens=3, logits_processor=processors)
+            ),
+            daemon=True,
+        )
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive() and done["out"].shape == (1, prompt.shape[1] + 3), asynchronous
     hfaccel.unpatch(model)
