@@ -106,7 +106,13 @@ def patched_generate(
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
     """Drop-in replacement for `model.generate`, bound on a patched instance."""
     state: PatchState | None = self.__dict__.get("_hfaccel")
-    if state is None:  # unpatched since this bound method was taken (kept, or looked up by another thread)
+    if state is None or state.temporary:
+        # Unpatched since this bound method was taken (kept, or looked up by another thread), or patched
+        # now only for another thread's hfaccel call, which leaves generate to transformers: the model's
+        # own generate (an instance's, put back by unpatch), or its class's.
+        own = self.__dict__.get("generate")
+        if own is not None and getattr(own, "__func__", None) is not patched_generate:
+            return own(inputs, generation_config, **kwargs)
         return type(self).generate(self, inputs, generation_config, **kwargs)
     kwargs = normalize_cache_argument(kwargs, "model.generate")
     # adapter_names is PEFT's (its generate pops it); checked against the model's LoRA layers (a gate).
