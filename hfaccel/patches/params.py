@@ -439,7 +439,8 @@ def stop_string_check(
     if not stop_strings or any(not isinstance(s, str) or not s for s in stop_strings):
         raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
     longest = max(map(len, stop_strings))
-    in_prompt = _openai_stops.get() is None if in_prompt is None else in_prompt
+    openai = _openai_stops.get() is not None
+    in_prompt = not openai if in_prompt is None else in_prompt
 
     def check(prompt: list[int], generated: list[int]) -> bool:
         available = len(generated) + (len(prompt) if in_prompt else 0)
@@ -462,6 +463,8 @@ def stop_string_check(
             if before - broken >= longest - 1 or len(tail) >= available:
                 break
             size *= 2
+        if openai:  # a character still being decoded ends in U+FFFD, which the answer will not hold
+            text = text.rstrip("\ufffd")  # (as vLLM holds it back; transformers' strings match it)
         return any((pos := text.rfind(s)) != -1 and pos + len(s) > before for s in stop_strings)
 
     return check

@@ -101,3 +101,16 @@ def test_stop_strings_with_a_cleaning_tokenizer_stop_where_hf_stops():
         assert torch.equal(model.generate(**ask), expected)
     finally:
         hfaccel.unpatch(model)
+
+
+def test_openai_stops_do_not_match_a_character_still_being_decoded():
+    """Under OpenAI's stop (`openai_stops`, `hfaccel serve`) a U+FFFD that only stands for a character
+    still being decoded ends no stop string (the answer never holds it: vLLM holds it back); transformers'
+    stop strings read the token strings as they are, U+FFFD included."""
+    from hfaccel.patches.params import openai_stops
+
+    ids = TOKENIZER.encode(b"a", EMOJI[:2], EMOJI[2:3], EMOJI[3:], b"a")
+    assert fired(stop_string_check(TOKENIZER, ["\ufffd"]), ids) == [2]
+    with openai_stops():
+        assert fired(stop_string_check(TOKENIZER, ["\ufffd"]), ids) == []
+        assert fired(stop_string_check(TOKENIZER, ["a🎉"]), ids) == [4]
