@@ -179,6 +179,21 @@ def test_a_single_prompt_is_a_batch_of_one(where):
             assert tokens == hf_greedy(model, [5, 6, 7], 3)
 
 
+def test_a_draft_models_kv_counts_in_the_budget_patch_checks():
+    """The draft model's cache has as many blocks as the model's, paid from the same kv_cache_memory:
+    patch counts both (it counted the model's alone, and generate refused the prompts later)."""
+    import copy
+
+    model = tiny_model()  # 512 B a token (8,192 a block of 16); with its copy as the draft, 16,384 a block
+    hfaccel.patch(copy.deepcopy(model), kv_cache_memory=200_000, max_model_len=256)  # alone: 24 of 16 blocks
+    with pytest.raises(
+        ValueError,
+        match=r"holds 12 KV blocks of 16 tokens \(16,384 bytes each for this model and its draft model in "
+        r"torch.float32\), but one request of max_model_len=256 tokens needs 16",
+    ):
+        hfaccel.patch(model, kv_cache_memory=200_000, max_model_len=256, speculative=copy.deepcopy(model))
+
+
 def test_kv_cache_too_small_for_one_full_request_raises_at_patch():
     model = tiny_model()  # 512 positions; 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes = 512 B/token
     with pytest.raises(

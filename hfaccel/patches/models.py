@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hfaccel.config import is_draft_model
 from hfaccel.distributed.layout import parallel_layout
 from hfaccel.engine.limits import COUNTED_TOKENS
 from hfaccel.kernels import kv_quant
@@ -395,6 +396,10 @@ def check_engine_config(model: torch.nn.Module, config: Any, dtype: torch.dtype 
     if tp_size > 1:  # a rank holds its share of the KV heads
         kv_heads = attention_dims(model)[0]
         block_bytes = block_bytes * max(1, kv_heads // tp_size) // kv_heads
+    draft = config.speculative
+    if is_draft_model(draft):  # its cache has as many blocks as the model's: the budget pays both
+        draft_dtype = config.kv_dtype(next(draft.parameters()).dtype)
+        block_bytes += kv_bytes_per_token(draft, draft_dtype, align) * config.block_size
     memory = config.kv_cache_memory
     budget = int(memory * free_memory_bytes(param.device)) if isinstance(memory, float) else memory
     state = state_bytes_per_sequence(model) * (config.max_num_seqs or 1)  # held whole for every seat
@@ -418,7 +423,8 @@ def check_engine_config(model: torch.nn.Module, config: Any, dtype: torch.dtype 
         fits = f", or set max_model_len to at most {blocks * config.block_size}" if blocks > 0 else ""
         raise ValueError(
             f"kv_cache_memory ({given}) holds {blocks} KV blocks of {config.block_size} tokens "
-            f"({block_bytes:,} bytes each for this model in {kv_dtype}), but one request of max_model_len="
+            f"({block_bytes:,} bytes each for this model{' and its draft model' if is_draft_model(draft) else ''} "
+            f"in {kv_dtype}), but one request of max_model_len="
             f"{context} tokens needs {needed}: raise kv_cache_memory to at least {needed * block_bytes:,} "
             f"bytes{fits}"
         )
