@@ -76,6 +76,13 @@ def unsupported_reason(
     lookup = config.prompt_lookup_num_tokens
     if lookup is not None and (isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1):
         return f"prompt_lookup_num_tokens={lookup!r} (transformers refuses it)"
+    size = config.max_matching_ngram_size
+    if (
+        lookup is not None
+        and size is not None
+        and (isinstance(size, bool) or not isinstance(size, int) or size < 1)
+    ):
+        return f"max_matching_ngram_size={size!r} (transformers refuses it)"
     for name in ("assistant_ensemble_weight", "speculation_type"):
         if getattr(config, name, None) is not None:
             return f"{name} (assisted decoding)"

@@ -710,7 +710,9 @@ def test_assisted_decoding_falls_back_where_hf_refuses_or_differs():
     other_vocab.resize_token_embeddings(300)
     with pytest.warns(UserWarning, match=r"assistant_model with another vocabulary"):
         model.generate(one, max_new_tokens=4, assistant_model=other_vocab)
-    assert len(calls) == 4
+    with pytest.warns(UserWarning, match=r"max_matching_ngram_size=-1 \(transformers refuses it\)"):
+        model.generate(one, max_new_tokens=4, prompt_lookup_num_tokens=2, max_matching_ngram_size=-1)
+    assert len(calls) == 5
 
 
 def test_speculation_on_a_padded_batch_shows_processors_the_padded_row():
