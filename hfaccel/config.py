@@ -436,12 +436,20 @@ class EngineConfig:
         return _DTYPES[self.dtype] or model_dtype
 
 
+# Names users bring from elsewhere (vLLM, the CLI's --kv-cache-dtype) for a field named otherwise here.
+_OTHER_NAMES = {"kv_cache_dtype": "dtype", "gpu_memory_utilization": "kv_cache_memory"}
+
+
 def _unknown_message(unknown: list[str]) -> str:
     known = sorted(FIELD_PART)
     hints = [
         f"{name!r} -> {close[0]!r}"
         for name in unknown
-        if (close := difflib.get_close_matches(name, known, n=1, cutoff=0.75))
+        if (
+            close := [_OTHER_NAMES[name]]
+            if name in _OTHER_NAMES
+            else difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        )
     ]
     hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
     return f"unknown EngineConfig field(s) {unknown}{hint}; known fields: {known}"

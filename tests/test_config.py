@@ -37,6 +37,8 @@ def test_overrides_are_validated_and_unknown_fields_rejected():
         match=r"unknown EngineConfig field\(s\) \['blocksize'\] \(did you mean 'blocksize' -> 'block_size'",
     ):
         EngineConfig().with_overrides(blocksize=8)
+    with pytest.raises(ValueError, match=r"\(did you mean 'kv_cache_dtype' -> 'dtype'\?\)"):  # vLLM's name
+        EngineConfig().with_overrides(kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="block_size must be a positive integer"):
         EngineConfig().with_overrides(block_size=-1)
 
