@@ -227,37 +227,36 @@ _NOT_COMPUTED = frozenset(
 # Where transformers' attention modules keep the dropout they pass to the attention function in train
 # mode: a rate, or an ``nn.Dropout`` whose ``p`` they pass (Llama's ``attention_dropout``, GPT-2's
 # ``attn_dropout``, OPT's ``dropout``, Falcon's ``nn.Dropout`` as ``attention_dropout``, MPT's ``attn_dropout_p``).
-ATTENTION_DROPOUT_NAMES = (
-    "attention_dropout",
-    "attn_dropout",
-    "attn_drop",
-    "attn_pdrop",
-    "attn_dropout_p",
-    "dropout",
-    "dropout_p",
-    "dropout_prob",
+ATTENTION_DROPOUT_NAMES = frozenset(
+    {
+        "attention_dropout",
+        "attn_dropout",
+        "attn_drop",
+        "attn_pdrop",
+        "attn_dropout_p",
+        "dropout",
+        "dropout_p",
+        "dropout_prob",
+    }
 )
 # ...and beside ``nn.Dropout`` modules, where other layers keep a rate they pass to ``F.dropout``.
-DROPOUT_NAMES = (*ATTENTION_DROPOUT_NAMES, "hidden_dropout", "resid_pdrop")
+DROPOUT_NAMES = ATTENTION_DROPOUT_NAMES | {"hidden_dropout", "resid_pdrop"}
 
 
-def dropout_rate(module: torch.nn.Module, names: tuple[str, ...] = DROPOUT_NAMES) -> float:
+def dropout_rate(module: torch.nn.Module, names: frozenset[str] = DROPOUT_NAMES) -> float:
     """The largest dropout rate `module` keeps: an ``nn.Dropout``'s own ``p``, or one of `names` set on
     it (a rate, or an ``nn.Dropout`` held under that name); 0 for none. Read from the module's own
     dicts, not through ``getattr`` (a missing name raises inside ``nn.Module.__getattr__``: a few us a
     name, hundreds of modules a check)."""
     rates = [module.p if isinstance(module, torch.nn.modules.dropout._DropoutNd) else 0.0]
     own, children = module.__dict__, module._modules
-    for name in _NAME_SETS.setdefault(names, frozenset(names)).intersection(own.keys() | children.keys()):
+    for name in names.intersection(own.keys() | children.keys()):
         value = own[name] if name in own else children[name]
         if isinstance(value, torch.nn.modules.dropout._DropoutNd):
             value = value.p
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             rates.append(float(value))
     return max(rates)
-
-
-_NAME_SETS: dict[tuple[str, ...], frozenset[str]] = {}
 
 
 def draws_dropout(module: torch.nn.Module) -> bool:

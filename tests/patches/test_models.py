@@ -203,7 +203,7 @@ def test_attention_dropout_under_each_familys_name_goes_to_transformers(family):
 def test_a_dropout_the_check_misses_is_refused_by_the_attention_not_skipped(monkeypatch):
     """An attention module whose rate hides under a name the check does not know still hands the rate to
     the attention function, which refuses it: an error, never tokens without the dropout."""
-    monkeypatch.setattr("hfaccel.patches.models.ATTENTION_DROPOUT_NAMES", ())
+    monkeypatch.setattr("hfaccel.patches.models.ATTENTION_DROPOUT_NAMES", frozenset())
     model = _qwen2_with_attention_dropout()
     hfaccel.patch(model)
     ids = torch.tensor([[5, 6, 7, 8]])
