@@ -164,23 +164,103 @@ class DecodeCall:
             _check_call(query, k_cache, v_cache, out, key if store else None, value if store else None)
             self._checked = True
         if store:
-            # The kernel reads the new rows in the query's dtype, key and value with the same strides.
-            if key.dtype != query.dtype:
-                key = key.to(query.dtype)
-            if value.dtype != query.dtype:
-                value = value.to(query.dtype)
-            if key.stride(-1) != 1 or key.stride() != value.stride():
-                key, value = key.contiguous(), value.contiguous()
+            key, value = _rows_like(query, key, value)
+            kv_strides = (key.stride(0), key.stride(1))
+        return self._launch(
+            query,
+            (query.stride(0), query.stride(1)),
+            key if store else None,
+            value if store else None,
+            kv_strides if store else (0, 0),
+            k_cache,
+            v_cache,
+            out,
+            (batch, num_heads, head_dim),
+            scale,
+            window,
+            chunk,
+            softcap,
+            sinks,
+        )
+
+    def heads_first(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        window: int = 0,
+        chunk: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """As the call that stores the step's K/V, over transformers' head-first layout: ``query``
+        ``[1, Hq, B, D]``, ``key``/``value`` ``[1, Hkv, B, D]``, with contiguous head rows and any other
+        strides (the kernel reads them: no transposed views to make, 30 layers a step) -> a new
+        contiguous ``[1, B, Hq, D]``, the layout transformers' attention functions return."""
+        _, num_heads, batch, head_dim = query.shape
+        out = torch.empty((1, batch, num_heads, head_dim), dtype=query.dtype)
+        if not self._checked:
+            _check_call(
+                query[0].transpose(0, 1),
+                k_cache,
+                v_cache,
+                out[0],
+                key[0].transpose(0, 1),
+                value[0].transpose(0, 1),
+            )
+            if self._slots is None:
+                raise ValueError("heads_first stores the step's K/V: bind the slots")
+            self._checked = True
+        key, value = _rows_like(query, key, value)
+        return self._launch(
+            query,
+            (query.stride(2), query.stride(1)),
+            key,
+            value,
+            (key.stride(2), key.stride(1)),
+            k_cache,
+            v_cache,
+            out,
+            (batch, num_heads, head_dim),
+            scale,
+            window,
+            chunk,
+            softcap,
+            sinks,
+        )
+
+    def _launch(
+        self,
+        query: torch.Tensor,
+        q_strides: tuple[int, int],
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_strides: tuple[int, int],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        shape: tuple[int, int, int],
+        scale: float,
+        window: int,
+        chunk: int,
+        softcap: float,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The C call; `q_strides` and `kv_strides`: (row, head) strides in elements, `shape`: (rows,
+        query heads, head dim); `key` None: nothing to store."""
+        batch, num_heads, head_dim = shape
+        store = key is not None
         status = self._function(
             _DTYPE_CODES.get(query.dtype, -1),  # -1: not served, the kernel returns -2
             _DTYPE_CODES.get(k_cache.dtype, -1),
             query.data_ptr(),
-            query.stride(0),
-            query.stride(1),
+            *q_strides,
             key.data_ptr() if store else None,
             value.data_ptr() if store else None,
-            key.stride(0) if store else 0,
-            key.stride(1) if store else 0,
+            *kv_strides,
             self._slots.data_ptr() if store else None,
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -228,6 +308,20 @@ class DecodeCall:
             sinks = sinks.detach().float().contiguous()
         self._keep = sinks
         return sinks.data_ptr()
+
+
+def _rows_like(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`key` and `value` as the kernel reads the new rows: in the query's dtype, with contiguous head rows
+    and the same strides."""
+    if key.dtype != query.dtype:
+        key = key.to(query.dtype)
+    if value.dtype != query.dtype:
+        value = value.to(query.dtype)
+    if key.stride(-1) != 1 or key.stride() != value.stride():
+        key, value = key.contiguous(), value.contiguous()
+    return key, value
 
 
 # Below this much work (query rows x context x head dim) a call runs on one thread: two only tie there

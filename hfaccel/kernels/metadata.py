@@ -392,6 +392,24 @@ class AttentionBackend(ABC):
         ``[p // chunk * chunk, p]``; `softcap` > 0 and `sinks` ``[Hq]`` likewise only where the
         capabilities say so."""
 
+    def forward_heads_first(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        scale: float,
+        window: int = 0,
+        chunk: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """`forward` over transformers' head-first layout (``query`` ``[1, Hq, T, D]``, ``key``/``value``
+        ``[1, Hkv, T, D]`` -> ``[1, T, Hq, D]``), for an eager step where the backend serves it without
+        transposed copies; None where it does not (the caller takes `forward`). Default: never."""
+        return None
+
 
 def num_leading_decodes(query_lens: Sequence[int], decode_query_len: int) -> int:
     """How many leading sequences have at most `decode_query_len` query tokens (the decode path)."""

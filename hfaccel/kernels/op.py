@@ -114,6 +114,30 @@ def paged_attention(
         raise
 
 
+def paged_attention_heads_first(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layer_idx: int,
+    scale: float,
+    window: int = 0,
+    chunk: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """`paged_attention` over transformers' head-first layout, eager only: ``query`` ``[1, Hq, T, D]``,
+    ``key``/``value`` ``[1, Hkv, T, D]`` -> ``[1, T, Hq, D]``, where the step's backend serves it in
+    place (`AttentionBackend.forward_heads_first`); None where it does not (take `paged_attention`)."""
+    context = current_forward_context()
+    if context is None or layer_idx in context.window_layers:
+        return None
+    kv_cache = context.kv_caches[layer_idx]
+    metadata = context.metadata
+    return context.backend.forward_heads_first(
+        query, key, value, kv_cache, metadata, scale, window, chunk, softcap, sinks
+    )
+
+
 _errors = threading.local()
 
 

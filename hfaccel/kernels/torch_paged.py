@@ -322,6 +322,31 @@ class TorchPagedAttention(AttentionBackend):
         write_kv(k_cache, v_cache, key, value, meta.write_slots)
         return attend(query, key, value, k_cache, v_cache, meta, scale, *local)
 
+    def forward_heads_first(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: TorchMetadata,
+        scale: float,
+        window: int = 0,
+        chunk: int = 0,
+        softcap: float = 0.0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """A step of one-token decodes only, unpadded, that the C kernel serves: one call, reading the
+        head-first tensors in place (the common case of an eager CPU decode step)."""
+        common = meta.common
+        if common.num_decodes != common.num_seqs or common.num_decodes != query.shape[2]:
+            return None
+        call = meta._cpu_decode
+        if call is None:  # the step's first layer: bind the kernel (`cpu_decode_call`)
+            call = meta.cpu_decode_call(query[0].transpose(0, 1), kv_cache[0])
+        if not call or torch.is_autocast_enabled("cpu"):  # autocast: the op casts to the cache's dtype
+            return None
+        return call.heads_first(query, key, value, *kv_cache, scale, window, chunk, softcap, sinks)
+
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor

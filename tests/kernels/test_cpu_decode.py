@@ -100,6 +100,56 @@ def test_cpu_decode_kernel_stores_the_new_rows_from_strided_views():
 @pytest.mark.skipif(
     cpu_decode.load() is None, reason="no C compiler: the CPU decode kernel is not built here"
 )
+@pytest.mark.parametrize(
+    ("query_dtype", "cache_dtype"),
+    [(torch.float32, torch.float32), (torch.float32, torch.bfloat16), (torch.bfloat16, torch.int8)],
+)
+def test_heads_first_reads_transformers_layout_in_place_as_the_packed_call_does(query_dtype, cache_dtype):
+    """`DecodeCall.heads_first` over HF's ``[1, H, B, D]`` tensors (as a decoder layer hands them: views of
+    ``[1, B, H, D]`` memory, value a view of its projection) gives the packed call's output bits, as
+    ``[1, B, Hq, D]``, and stores the same cache bytes; a query whose head rows are not contiguous is
+    refused, naming it."""
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, block = 6, 2, 16, 4
+    width = kv_quant.row_width(d, cache_dtype)
+    base = torch.randn(10, block, hkv, width, generator=g)
+    k_cache = (
+        base.to(cache_dtype)
+        if cache_dtype != torch.int8
+        else torch.zeros(10, block, hkv, width, dtype=torch.int8)
+    )
+    v_cache = k_cache.clone()
+    table = torch.tensor([[3, 7, 0], [5, 0, 0]], dtype=torch.int32)
+    lens = torch.tensor([6, 3], dtype=torch.int32)
+    slots = torch.tensor([7 * block + 1, 5 * block + 2])
+    query = torch.randn(1, 2, hq, d, generator=g).to(query_dtype).transpose(1, 2)
+    key = torch.randn(1, 2, hkv, d, generator=g).to(query_dtype).transpose(1, 2)
+    value = torch.randn(1, 2, hkv * d, generator=g).to(query_dtype).view(1, 2, hkv, d).transpose(1, 2)
+    packed_k, packed_v = k_cache.clone(), v_cache.clone()
+    expected = torch.empty(2, hq, d, dtype=query_dtype)
+    cpu_decode.DecodeCall(table, lens, 6, slots)(
+        query[0].transpose(0, 1),
+        packed_k,
+        packed_v,
+        d**-0.5,
+        expected,
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+    )
+    out = cpu_decode.DecodeCall(table, lens, 6, slots).heads_first(
+        query, key, value, k_cache, v_cache, d**-0.5
+    )
+    assert out.shape == (1, 2, hq, d) and out.is_contiguous()
+    assert torch.equal(out[0], expected)
+    assert torch.equal(k_cache, packed_k) and torch.equal(v_cache, packed_v)
+    strided = torch.randn(1, hq, 2, 2 * d, generator=g).to(query_dtype)[..., ::2]
+    with pytest.raises(ValueError, match="query must have contiguous head rows"):
+        cpu_decode.DecodeCall(table, lens, 6, slots).heads_first(strided, key, value, k_cache, v_cache, 0.25)
+
+
+@pytest.mark.skipif(
+    cpu_decode.load() is None, reason="no C compiler: the CPU decode kernel is not built here"
+)
 @pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 6])  # 6: values padded to 8 bytes before the scale
 def test_cpu_decode_kernel_quantizes_and_reads_an_int8_cache_as_kv_quant_does(query_dtype, head_dim):
