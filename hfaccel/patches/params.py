@@ -99,6 +99,9 @@ _INTEGERS = (
 )  # fmt: skip
 
 
+_LENGTHS = frozenset({"max_new_tokens", "max_length"})  # HF refuses a float min_length itself
+
+
 def check_number_types(config: GenerationConfig) -> None:
     """Raise ValueError naming a numeric field whose value is not a number (before HF's `validate`)."""
     for name in (*_REALS, *_INTEGERS, "top_k", "num_beam_groups"):
@@ -113,6 +116,10 @@ def validate_values(config: GenerationConfig) -> None:
     integers = _INTEGERS + (("top_k",) if config.do_sample else ()) + (("num_beam_groups",) if beams else ())
     for name in integers:
         value = getattr(config, name, None)
+        if name in _LENGTHS and isinstance(value, float) and value.is_integer():
+            # HF compares lengths with it (``max_new_tokens=4.0`` generates 4): the same int, served.
+            value = int(value)
+            setattr(config, name, value)
         if value is not None and not isinstance(value, (numbers.Integral, torch.Tensor)):
             raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
     if config.num_beams is not None and config.num_beams < 1:  # transformers divides by it
@@ -386,7 +393,14 @@ class _AskedFor:
         self.function, self.batch_id = function, batch_id
 
     def __call__(self, _: int, sent: torch.Tensor) -> list[int]:
-        return self.function(self.batch_id, sent)
+        allowed = self.function(self.batch_id, sent)
+        if len(allowed) == 0:  # HF's error, with the batch ID it asked with (its processor's says 0)
+            raise ValueError(
+                f"`prefix_allowed_tokens_fn` returned an empty list for batch ID {self.batch_id}."
+                "This means that the constraint is unsatisfiable. Please check your implementation"
+                "of `prefix_allowed_tokens_fn` "
+            )
+        return allowed
 
 
 def split_score_only(processors: LogitsProcessorList) -> tuple[LogitsProcessorList, LogitsProcessorList]:

@@ -214,6 +214,25 @@ def test_prefix_allowed_tokens_fn_that_allows_only_eos_below_min_new_tokens_stop
     assert torch.equal(model.generate(prefix_allowed_tokens_fn=lambda b, sent: [EOS], **kwargs), reference)
 
 
+def test_an_empty_prefix_allowed_list_raises_hfs_error_naming_the_row():
+    """The function allows nothing for one row: HF's ValueError, naming that row's batch ID (the
+    engine's per-row processor alone would say 0)."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS[:3])
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+
+    def unsatisfiable(batch_id, sent):
+        return [] if batch_id == 2 else [7, 8]
+
+    with pytest.raises(ValueError) as reference:
+        hf(model, prefix_allowed_tokens_fn=unsatisfiable, **kwargs)
+    assert "batch ID 2" in str(reference.value)
+    patch(model, strict=True)
+    with pytest.raises(ValueError) as served:
+        model.generate(prefix_allowed_tokens_fn=unsatisfiable, **kwargs)
+    assert str(served.value) == str(reference.value)
+
+
 def test_prefix_allowed_tokens_fn_with_copies_asks_each_row_as_hf_asks():
     """num_return_sequences copies: each row is asked with the batch index HF asks it with (5.24: its
     prompt's; 5.17: its own row's), and samples only what its answer allows."""
@@ -875,3 +894,18 @@ def test_a_stopping_criterion_answering_for_more_rows_than_it_was_given_is_an_er
             )
     finally:
         hfaccel.unpatch(model)
+
+
+@pytest.mark.parametrize("lengths", [{"max_new_tokens": 4.0}, {"max_length": 16.0}])
+def test_whole_float_lengths_are_served_as_hf_serves_them(lengths):
+    """``max_new_tokens=4.0`` (a length computed in floats): HF generates 4 tokens, and so does the
+    engine; a fractional one is refused, naming it (HF's result there is an accident of comparing)."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS[:2])
+    kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False)
+    reference = hf(model, **lengths, **kwargs)
+    patch(model, strict=True)
+    assert torch.equal(model.generate(**lengths, **kwargs), reference)
+    name = next(iter(lengths))
+    with pytest.raises(ValueError, match=f"{name} must be an integer, got 4.5"):
+        model.generate(**{name: 4.5}, **kwargs)
