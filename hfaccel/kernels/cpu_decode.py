@@ -201,7 +201,7 @@ class DecodeCall:
         strides (the kernel reads them: no transposed views to make, 30 layers a step) -> a new
         contiguous ``[1, B, Hq, D]``, the layout transformers' attention functions return."""
         _, num_heads, batch, head_dim = query.shape
-        out = torch.empty((1, batch, num_heads, head_dim), dtype=query.dtype)
+        out = torch.empty((1, batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
         if not self._checked:
             _check_call(
                 query[0].transpose(0, 1),

@@ -340,10 +340,14 @@ class TorchPagedAttention(AttentionBackend):
         common = meta.common
         if common.num_decodes != common.num_seqs or common.num_decodes != query.shape[2]:
             return None
+        # Autocast: the op casts the query to the cache's dtype first, and the kernel is bound (once a
+        # step) for the dtypes it sees then, not these.
+        if torch.is_autocast_enabled("cpu"):
+            return None
         call = meta._cpu_decode
         if call is None:  # the step's first layer: bind the kernel (`cpu_decode_call`)
             call = meta.cpu_decode_call(query[0].transpose(0, 1), kv_cache[0])
-        if not call or torch.is_autocast_enabled("cpu"):  # autocast: the op casts to the cache's dtype
+        if not call:
             return None
         return call.heads_first(query, key, value, *kv_cache, scale, window, chunk, softcap, sinks)
 

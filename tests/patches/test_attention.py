@@ -6,6 +6,7 @@ import torch
 import hfaccel
 from hfaccel.kernels import cpu_decode
 from hfaccel.kernels.torch_paged import TorchPagedAttention
+from hfaccel.patches import attention
 from tests.helpers import hf_greedy, tiny_model, varied_prompts
 
 pytestmark = pytest.mark.skipif(
@@ -71,3 +72,36 @@ def test_attention_recording_and_autocast_steps_take_the_op(monkeypatch):
     finally:
         model.forward = forward
         hfaccel.unpatch(model)
+
+
+def test_under_autocast_the_kernel_is_bound_for_the_dtypes_the_op_casts_to(monkeypatch):
+    """A bf16 model over a float32 cache, its forward under bf16 autocast (as accelerate runs it): the op
+    casts the query to float32 and the kernel serves that. The in-place path steps aside before binding
+    the step's kernel (bound for the bf16 query, every layer lost the kernel, and the torch path's float32
+    sums differ in the last bits): the kernel serves as many calls as with no in-place path at all."""
+    model = tiny_model("llama", layers=2).to(torch.bfloat16)
+    ids = torch.tensor(varied_prompts(2, seed=13))
+    hfaccel.patch(model, block_size=8, kv_cache_memory=4_000_000, compile="off", dtype="float32")
+    forward = model.forward
+    kernel_calls = []
+    packed_call = cpu_decode.DecodeCall.__call__
+
+    def counted(*args, **kwargs):
+        kernel_calls.append(1)
+        return packed_call(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_decode.DecodeCall, "__call__", counted)
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(forward)
+    try:
+        runs = []
+        for in_place in (True, False):
+            if not in_place:
+                monkeypatch.setattr(attention, "paged_attention_heads_first", lambda *args: None)
+            kernel_calls.clear()
+            out = model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            runs.append((out, len(kernel_calls)))
+    finally:
+        model.forward = forward
+        hfaccel.unpatch(model)
+    (served, calls), (reference, reference_calls) = runs
+    assert torch.equal(served, reference) and calls == reference_calls >= 3 * 2
