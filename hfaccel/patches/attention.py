@@ -51,7 +51,7 @@ def paged_attention_forward(
     op, which reads the step from the forward context the runner set."""
     calls = getattr(_local, "recorded_calls", None)
     if calls is not None:  # `recording_attention` (the patch-time check of what layers pass)
-        return _record_call(calls, module, query, key, value, scaling, kwargs)
+        return _record_call(calls, module, query, key, value, attention_mask, scaling, kwargs)
     context = current_forward_context()
     if context is None:
         raise RuntimeError(
@@ -134,13 +134,17 @@ def layer_chunk(module: torch.nn.Module) -> int:
 @dataclass(frozen=True)
 class AttentionCall:
     """What one attention layer handed the attention function: its index, Q/K/V shapes
-    (``[1, heads, T, D]``) and the keyword arguments beyond HF's common ones."""
+    (``[1, heads, T, D]``) and the keyword arguments beyond HF's common ones; the mask it was handed
+    (transformers builds none for the engine's attention: one there is the layer's own) and its module's
+    ``is_causal`` (None: the module has none)."""
 
     layer_idx: Any
     query_shape: tuple[int, ...]
     key_shape: tuple[int, ...]
     value_shape: tuple[int, ...]
     kwargs: dict[str, Any]
+    mask: Any = None
+    module_causal: bool | None = None
 
 
 @contextmanager
@@ -164,6 +168,7 @@ def _record_call(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    attention_mask: Any,
     scaling: float | None,
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
@@ -174,6 +179,8 @@ def _record_call(
             tuple(key.shape),
             tuple(value.shape),
             kwargs,
+            attention_mask.detach() if isinstance(attention_mask, torch.Tensor) else attention_mask,
+            getattr(module, "is_causal", None),
         )
     )
     groups = query.shape[1] // max(1, key.shape[1])

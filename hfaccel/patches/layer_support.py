@@ -23,7 +23,11 @@ families:
    paged cache holds (every layer the same KV heads and head dims; Q as wide as K, V no wider:
    multi-head latent attention's narrower values are padded), and no argument the kernels do not
    implement (a non-causal call, sinks other than one logit per query head; soft-capping ``softcap``
-   and attention sinks ``s_aux`` are served), and each layer's ``sliding_window`` the one its mask
+   and attention sinks ``s_aux`` are served), from a module whose ``is_causal`` is not False (BERT's
+   layers without ``is_decoder``, Gemma 3's ``use_bidirectional_attention``: bidirectional, though no
+   keyword says so), with no mask but a causal one (transformers builds none for the engine's
+   attention, so a mask there is the layer's own: Doge's learned bias), and each layer's
+   ``sliding_window`` the one its mask
    uses (the config's window on its sliding layers, none on the others: the kernels attend within the
    window they are handed, so a layer whose mask slides without saying so would be served full). What
    the layers ask beyond causal attention (windows, chunks, soft-capping, sinks) is recorded too
@@ -369,6 +373,16 @@ def calls_reason(
 def arguments_reason(call: AttentionCall, window: int | None) -> str | None:
     """The first keyword argument of one call that the kernels do not implement, or a sliding window
     other than `window`, the one the layer's mask uses (None: full attention)."""
+    if call.module_causal is False:
+        return (
+            f"layer {call.layer_idx}'s attention is not causal (its module's is_causal is False: a "
+            "bidirectional encoder's, or use_bidirectional_attention): the kernels attend causally"
+        )
+    if call.mask is not None and not causal_mask(call.mask, window):
+        return (
+            f"layer {call.layer_idx} builds an attention mask of its own ({_short(call.mask)}) that is not "
+            "a causal one: the kernels apply no mask or bias"
+        )
     passed = call.kwargs.get("sliding_window")
     if (int(passed) if passed else None) != window:
         masked = f"a window of {window} tokens" if window else "full attention"
@@ -399,6 +413,23 @@ def arguments_reason(call: AttentionCall, window: int | None) -> str | None:
             continue
         return f"layer {call.layer_idx} passes {name}={_short(value)} to attention, which the kernels do not implement"
     return None
+
+
+def causal_mask(mask: Any, window: int | None) -> bool:
+    """Whether `mask` (``[..., T, S]``: boolean, True where a query sees a key, or additive) is plain causal
+    attention over the last T of S positions (within `window`, where given), which the kernels apply."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2:
+        return False
+    t, s = mask.shape[-2:]
+    query = torch.arange(t, device=mask.device)[:, None] + (s - t)
+    key = torch.arange(s, device=mask.device)[None, :]
+    visible = (key <= query) & (key > query - window if window else True)
+    if mask.dtype == torch.bool:
+        return bool((mask == visible).all())
+    if not mask.is_floating_point():
+        return False
+    hidden = mask[..., ~visible]
+    return bool((mask[..., visible] == 0).all()) and bool((hidden <= torch.finfo(mask.dtype).min / 2).all())
 
 
 def _spans(layers: list[int]) -> str:

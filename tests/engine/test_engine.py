@@ -259,7 +259,14 @@ def _greedy_through(model, kernel: bool, monkeypatch, **config) -> tuple[list[li
         seen.add((query.dtype, k_cache.dtype, key is not None))
         return real(self, query, k_cache, v_cache, scale, out, key, value, *local, **by_name)
 
+    heads_first = cpu_decode.DecodeCall.heads_first
+
+    def spy_heads_first(self, query, key, value, k_cache, *rest, **by_name):  # a step of decodes only
+        seen.add((query.dtype, k_cache.dtype, True))
+        return heads_first(self, query, key, value, k_cache, *rest, **by_name)
+
     monkeypatch.setattr(cpu_decode.DecodeCall, "__call__", spy)
+    monkeypatch.setattr(cpu_decode.DecodeCall, "heads_first", spy_heads_first)
     monkeypatch.setenv("HFACCEL_CPU_DECODE_KERNEL", "1" if kernel else "0")
     cpu_decode.load.cache_clear()
     try:

@@ -83,6 +83,87 @@ def test_unknown_attention_arguments_are_refused_and_neutral_ones_pass():
     assert "is_causal=False" in arguments_reason(call(is_causal=False), None)
 
 
+def _random_model(model_type: str, std: float, **config: Any) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(model_type, num_attention_heads=4, pad_token_id=0, **sizes, **config)
+    ).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0, std)
+    return model
+
+
+def _doge_with_a_learned_bias() -> Any:
+    model = _random_model("doge", 0.2, num_key_value_heads=2, head_dim=16)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.A.normal_(0, 1.0)  # trained: its dynamic mask biases every key
+    return model
+
+
+NOT_CAUSAL = {
+    # Doge adds a learned per-key bias into the mask it hands attention (tokens differed from the first).
+    "doge": (_doge_with_a_learned_bias, "builds an attention mask of its own"),
+    # AutoModelForCausalLM over a BERT checkpoint (is_decoder=False): bidirectional layers.
+    "bert": (lambda: _random_model("bert", 0.2), "attention is not causal"),
+    # EmbeddingGemma's: a bidirectional mask, said by the module's is_causal and no keyword.
+    "gemma3_text": (
+        lambda: _random_model(
+            "gemma3_text", 0.05, num_key_value_heads=2, head_dim=16, use_bidirectional_attention=True
+        ),
+        "attention is not causal",
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(NOT_CAUSAL))
+def test_layers_that_attend_other_than_causally_without_saying_so_are_refused(model_type):
+    """Layers whose attention is not plain causal though they pass no keyword saying so (this session's
+    family probe found each giving other tokens than HF, silently)."""
+    build, reason = NOT_CAUSAL[model_type]
+    model = build()
+    if model_type != "doge":  # the bidirectional ones: a token's logits see the tokens after it
+        ids = torch.tensor([list(range(40, 59))])
+        with torch.no_grad():
+            assert not torch.equal(model(ids).logits[0, 3], model(ids[:, :4]).logits[0, 3])
+    with pytest.raises(ValueError, match=f"hfaccel cannot serve .*{reason}"):
+        hfaccel.patch(model)
+    assert not hasattr(model, "_hfaccel")
+
+
+def test_a_mask_a_layer_hands_attention_must_be_causal_within_its_window():
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert arguments_reason(call(), None) is None
+    assert (
+        arguments_reason(AttentionCall(0, (1, 4, 4, 16), (1, 2, 4, 16), (1, 2, 4, 16), {}, causal), None)
+        is None
+    )
+    additive = torch.zeros(1, 1, 4, 4).masked_fill(~causal, torch.finfo(torch.float32).min)
+    assert (
+        arguments_reason(AttentionCall(0, (1, 4, 4, 16), (1, 2, 4, 16), (1, 2, 4, 16), {}, additive), None)
+        is None
+    )
+    windowed = causal & torch.ones(4, 4, dtype=torch.bool).triu(-1)
+    windowed_call = AttentionCall(
+        0, (1, 4, 4, 16), (1, 2, 4, 16), (1, 2, 4, 16), {"sliding_window": 2}, windowed
+    )
+    assert arguments_reason(windowed_call, 2) is None
+    assert "not a causal one" in arguments_reason(
+        AttentionCall(0, (1, 4, 4, 16), (1, 2, 4, 16), (1, 2, 4, 16), {}, windowed), None
+    )
+    biased = additive + torch.randn(1, 4, 4, 4).tril()  # a learned bias on the visible keys
+    assert "builds an attention mask of its own" in arguments_reason(
+        AttentionCall(0, (1, 4, 4, 16), (1, 2, 4, 16), (1, 2, 4, 16), {}, biased), None
+    )
+    bidirectional = AttentionCall(0, (1, 4, 4, 16), (1, 2, 4, 16), (1, 2, 4, 16), {}, None, False)
+    assert "is_causal is False" in arguments_reason(bidirectional, None)
+
+
 def test_each_layer_must_hand_attention_the_window_its_mask_uses():
     """The kernels attend within the window a layer hands them, so it must be its mask's."""
     assert arguments_reason(call(sliding_window=128), 128) is None
