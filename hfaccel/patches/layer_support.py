@@ -291,7 +291,9 @@ def probe_reason(
     recurrent = {int(module.layer_idx) for _, module in mixers}
     types = list(getattr(text_config, "layer_types", None) or ())
     recurrent |= {index for index, kind in enumerate(types) if kind in TOKENWISE_LAYER_TYPES}
-    return calls_reason(calls, text_config.num_hidden_layers, layer_windows(text_config), recurrent)
+    context = getattr(text_config, "max_position_embeddings", None)
+    windows = layer_windows(text_config)
+    return calls_reason(calls, text_config.num_hidden_layers, windows, recurrent, context)
 
 
 def _record_mixer_call(
@@ -320,10 +322,12 @@ def calls_reason(
     num_layers: int,
     windows: list[int | None] | None = None,
     recurrent: set[int] | frozenset[int] = frozenset(),
+    context: int | None = None,
 ) -> str | None:
     """Why these recorded attention calls cannot run on the paged cache (None: they can). `windows`:
     each layer's sliding window as its mask has it (`layer_windows`; None: no layer slides).
-    `recurrent`: layers whose recurrent mixer is served instead (they need not call attention)."""
+    `recurrent`: layers whose recurrent mixer is served instead (they need not call attention).
+    `context`: the model's longest sequence (a window as long never hides a key)."""
     windows = windows if windows is not None else [None] * num_layers
     if any(call.layer_idx is None for call in calls):
         return "an attention module without a layer_idx (the engine keeps one KV cache per layer)"
@@ -364,15 +368,18 @@ def calls_reason(
                 f"layer {call.layer_idx} has {call.key_shape[1]} KV heads of {call.key_shape[-1]} dims, layer "
                 f"{first.layer_idx} {first.key_shape[1]} of {first.key_shape[-1]}: one paged cache holds one shape"
             )
-        reason = arguments_reason(call, windows[int(call.layer_idx)])
+        reason = arguments_reason(call, windows[int(call.layer_idx)], context)
         if reason is not None:
             return reason
     return None
 
 
-def arguments_reason(call: AttentionCall, window: int | None) -> str | None:
+def arguments_reason(call: AttentionCall, window: int | None, context: int | None = None) -> str | None:
     """The first keyword argument of one call that the kernels do not implement, or a sliding window
-    other than `window`, the one the layer's mask uses (None: full attention)."""
+    other than `window`, the one the layer's mask uses (None: full attention). A window of `context`
+    positions or more (the model's ``max_position_embeddings``, which bounds every sequence the engine
+    serves) hides no key: it reads as full attention on either side (Phi-3.5-MoE's config sets its
+    window to its context, and its layers hand none)."""
     if call.module_causal is False:
         return (
             f"layer {call.layer_idx}'s attention is not causal (its module's is_causal is False: a "
@@ -384,7 +391,7 @@ def arguments_reason(call: AttentionCall, window: int | None) -> str | None:
             "a causal one: the kernels apply no mask or bias"
         )
     passed = call.kwargs.get("sliding_window")
-    if (int(passed) if passed else None) != window:
+    if _narrower(passed, context) != _narrower(window, context):
         masked = f"a window of {window} tokens" if window else "full attention"
         return (
             f"layer {call.layer_idx} hands attention sliding_window={passed} while its mask is {masked}: "
@@ -413,6 +420,13 @@ def arguments_reason(call: AttentionCall, window: int | None) -> str | None:
             continue
         return f"layer {call.layer_idx} passes {name}={_short(value)} to attention, which the kernels do not implement"
     return None
+
+
+def _narrower(window: Any, context: int | None) -> int | None:
+    """`window` where it hides keys of some sequence up to `context` tokens, else None."""
+    if not window or (context and int(window) >= int(context)):
+        return None
+    return int(window)
 
 
 def causal_mask(mask: Any, window: int | None) -> bool:

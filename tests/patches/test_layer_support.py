@@ -13,7 +13,7 @@ import hfaccel
 from hfaccel.bench.families import family_model
 from hfaccel.patches.attention import AttentionCall
 from hfaccel.patches.layer_support import arguments_reason, calls_reason
-from tests.helpers import assert_same_or_near_tie, hf_greedy, tiny_model, varied_prompts
+from tests.helpers import assert_same_or_near_tie, hf_greedy, left_padded, tiny_model, varied_prompts
 
 # Tiny random models of each family (transformers' testers' sizes, weights large enough that every
 # layer matters): the family matrix's own (`bench/families.py`), with a test's changes on top.
@@ -177,6 +177,30 @@ def test_each_layer_must_hand_attention_the_window_its_mask_uses():
     )
     assert calls_reason([call(0, sliding_window=8), call(1)], 2, [8, None]) is None
     assert "layer 1 hands" in calls_reason([call(0, sliding_window=8), call(1)], 2, [8, 8])
+
+
+def test_a_window_as_long_as_the_context_reads_as_full_attention():
+    """Phi-3.5-MoE's config sets its sliding window to its context, and its layers hand attention none:
+    the window never hides a key of a sequence the engine serves, so it is served, with HF's tokens; a
+    window shorter than the context is still refused there."""
+    assert arguments_reason(call(), 512, context=512) is None
+    assert arguments_reason(call(sliding_window=4096), None, context=512) is None
+    assert "sliding_window=None while its mask is a window of 511" in arguments_reason(
+        call(), 511, context=512
+    )
+    model = _random_model("phimoe", 0.2, num_key_value_heads=2, max_position_embeddings=64, sliding_window=64)
+    ids, mask = left_padded(varied_prompts(2, seed=14))
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+    hfaccel.patch(model, kv_cache_memory=4_000_000)
+    try:
+        assert torch.equal(model.generate(ids, **kwargs), expected)
+    finally:
+        hfaccel.unpatch(model)
+    model.config.sliding_window = 8
+    with pytest.raises(ValueError, match="sliding_window=None while its mask is a window of 8"):
+        hfaccel.patch(model)
 
 
 def test_layer_shapes_one_paged_cache_cannot_hold_are_refused():
