@@ -307,10 +307,18 @@ def round_trip_reason(
         )
     tolerance = (1e-4 if expected.dtype == torch.float32 else 3e-2) * max(1.0, float(expected.abs().max()))
     for form, got in (("in one call", whole), ("split into a start, a chunk and a decoded token", split)):
-        if got.shape != expected.shape or float((got - expected).abs().max()) > tolerance:
+        if got.shape != expected.shape:
+            return (
+                f"{name} ({type(module).__name__}) gives outputs of shape {tuple(got.shape)} {form} from "
+                f"its state, {tuple(expected.shape)} over the whole sequence"
+            )
+        difference = float((got - expected).abs().max())
+        if difference > tolerance:
             return (
                 f"{name} ({type(module).__name__}) gives other outputs {form} from its state than over the "
-                "whole sequence: it keeps or reads its recurrent state outside transformers' cache API"
+                f"whole sequence (by up to {difference:.2g}, tolerance {tolerance:.2g}): it keeps or reads its "
+                "recurrent state outside transformers' cache API, or its chunked and step-by-step kernels "
+                "round that differently"
             )
     if state_bytes is not None:  # each state tensor holds the probe's 2 sequences' rows
         state_bytes.append(sum(t[0].numel() * t.element_size() for t in states.tensors.values()))

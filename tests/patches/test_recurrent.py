@@ -244,7 +244,10 @@ class RunningSum(torch.nn.Module):
 def test_a_mixer_that_keeps_its_state_elsewhere_is_refused():
     model = tiny_model("llama", layers=2)
     model.model.layers[1].mlp = RunningSum(1)  # a token mixer where the MLP was
-    with pytest.raises(ValueError, match=r"model.layers.1.mlp \(RunningSum\) gives other outputs"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.1.mlp \(RunningSum\) gives other outputs .* \(by up to .*, tolerance ",
+    ):
         hfaccel.patch(model)
 
 
