@@ -71,11 +71,33 @@ def lora_layers(model: torch.nn.Module) -> list[Any]:
 
 
 def adapter_names(model: torch.nn.Module) -> set[str]:
-    """Every LoRA adapter name some layer of `model` holds."""
+    """Every adapter name some PEFT tuner layer of `model` holds (LoRA's, and other methods': a call
+    naming an IA3 adapter is PEFT's to serve, not an unknown name)."""
+    if _lora_module() is None:
+        return set()
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
     names: set[str] = set()
-    for module in lora_layers(model):
-        names |= set(module.lora_A.keys()) | set(module.lora_embedding_A.keys())
+    for module in model.modules():
+        if isinstance(module, BaseTunerLayer):
+            names |= _held(module)
     return names
+
+
+def _held(module: Any) -> set[str]:
+    """The adapters a PEFT tuner layer holds (`adapter_layer_names`: its per-adapter module dicts)."""
+    held: set[str] = set()
+    for attribute in getattr(module, "adapter_layer_names", ()):
+        held |= set(getattr(module, attribute, None) or {})
+    return held
+
+
+def _applied_by_default(module: Any, held: set[str]) -> set[str]:
+    """The adapters a PEFT module's own forward applies to every token (its active ones it holds)."""
+    if getattr(module, "disable_adapters", False):
+        return set()
+    active = getattr(module, "active_adapters", ())
+    return held & set([active] if isinstance(active, str) else active)
 
 
 def peft_row_hooks(model: torch.nn.Module) -> bool:
@@ -108,7 +130,10 @@ def unsupported_reason(model: torch.nn.Module, names: Iterable[str | None]) -> s
     """Why the engine cannot batch the adapters `names` per token on `model` (None: it can).
 
     Checked on every module that holds one of the named adapters; with any adapter named (``"__base__"``
-    included), merged adapters are refused as PEFT refuses them."""
+    included), merged adapters are refused as PEFT refuses them. A module the engine does not route per
+    token (LoRA on an embedding, ``modules_to_save`` copies) runs PEFT's own forward, which applies its
+    active adapters to every token: refused where a request names other adapters than those (its
+    ``"__base__"`` rows, or rows of an adapter it does not hold, would get the active one)."""
     wanted = {n for n in names if n is not None}
     if not wanted:
         return None
@@ -126,24 +151,35 @@ def unsupported_reason(model: torch.nn.Module, names: Iterable[str | None]) -> s
         if isinstance(module, layer.LoraLayer):
             if module.merged:
                 return "adapters with merged LoRA weights (unmerge_adapter first)"
-            held = wanted & (set(module.lora_A.keys()) | set(module.lora_embedding_A.keys()))
+            holds = set(module.lora_A.keys()) | set(module.lora_embedding_A.keys())
+            if type(module) is not layer.Linear:  # PEFT's forward runs: its active adapters on every token
+                default = _applied_by_default(module, holds)
+                if any(({name} & holds) != default for name in wanted):
+                    return (
+                        f"LoRA on a {type(module).__name__} layer with other adapters per request than its "
+                        "active ones (the engine batches LoRA on Linear layers only)"
+                    )
+                continue
+            held = wanted & holds
             if not held:
                 continue
-            if type(module) is not layer.Linear:
-                return (
-                    f"LoRA on a {type(module).__name__} layer (the engine batches LoRA on Linear layers only)"
-                )
             for name in sorted(held):
                 variant = module.lora_variant.get(name) if hasattr(module, "lora_variant") else None
                 if module.use_dora.get(name, False) or variant is not None:
                     kind = "DoRA" if module.use_dora.get(name, False) else type(variant).__name__
                     return f"the LoRA variant {kind} of adapter {name!r}"
         elif isinstance(module, AuxiliaryTrainingWrapper):
-            held = wanted & set(getattr(module, "modules_to_save", {}) or {})
-            if held:
-                return f"modules_to_save of adapter {sorted(held)[0]!r}"
+            holds = set(getattr(module, "_adapters", ()) or ()) | set(
+                getattr(module, "modules_to_save", {}) or {}
+            )
+            default = _applied_by_default(module, holds)
+            if any(({name} & holds) != default for name in wanted):
+                name = sorted(holds & (wanted | default))[0]
+                return f"modules_to_save of adapter {name!r} with other adapters per request"
         elif isinstance(module, BaseTunerLayer):  # another PEFT method: PEFT's adapter_names skips it too
-            return f"{type(module).__name__} adapters (the engine batches LoRA only)"
+            parts = type(module).__module__.split(".")  # peft.tuners.<method>.layer
+            method = parts[2] if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else type(module).__name__
+            return f"{method} adapters (the engine batches LoRA only)"
     return None
 
 

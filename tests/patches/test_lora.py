@@ -228,6 +228,67 @@ def test_unbatched_lora_kinds_fall_back_with_one_warning():
     # generate raises, which breaks its own next forward as much as ours.)
 
 
+@pytest.mark.parametrize(
+    ("active", "names"),
+    [
+        (dict(target_modules=["embed_tokens", "q_proj"]), ["other", "__base__", "other", "__base__"]),
+        # (PEFT raises naming "other" here: its lm_head wrapper holds the active adapter only)
+        (
+            dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
+            ["active", "__base__", "active", "__base__"],
+        ),
+    ],
+)
+def test_an_active_adapter_the_engine_does_not_route_is_not_applied_to_other_rows(active, names):
+    """The active adapter has LoRA on the embeddings (or its own lm_head copy), which PEFT's own forward
+    applies to every token it runs: rows naming another adapter or "__base__" get none of it in PEFT's
+    mixed batch, so such calls go to PEFT (they were served with the active adapter's part on every row);
+    rows that all name the active adapter are served."""
+    model = peft.get_peft_model(tiny_model(), lora_config(4, **active), adapter_name="active").eval()
+    model.add_adapter("other", lora_config(4, ["q_proj", "v_proj"]))
+    model.eval()
+    ps = prompts(4)
+    expected = peft_mixed(model, ps, names)
+    hfaccel.patch(model, block_size=16, kv_cache_memory=8_000_000)
+    ids, mask = left_padded(ps)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    with pytest.warns(UserWarning, match="with other adapters per request"):
+        out = model.generate(adapter_names=names, **kwargs)
+    assert [row[ids.shape[1] :].tolist() for row in out] == expected
+    per_prompt = hfaccel.generate(model, ps, adapter="__base__", max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert [c.token_ids for c in per_prompt] == peft_mixed(model, ps, ["__base__"] * 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # served
+        out = model.generate(adapter_names=["active"] * 4, **kwargs)
+    assert [row[ids.shape[1] :].tolist() for row in out] == peft_mixed(model, ps, ["active"] * 4)
+
+
+def test_adapter_names_of_another_peft_method_go_to_peft():
+    """IA3 (PEFT serves ``adapter_names`` there by applying the adapter to every row): PEFT's result, not
+    an error calling its adapter unknown."""
+    config = peft.IA3Config(
+        target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]
+    )
+    model = peft.get_peft_model(tiny_model(), config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "ia3_l" in name:
+                parameter.normal_(1.0, 0.5)
+    ps = prompts(2)
+    expected = peft_mixed(model, ps, ["default", "__base__"])
+    hfaccel.patch(model, block_size=16, kv_cache_memory=8_000_000)
+    ids, mask = left_padded(ps)
+    with pytest.warns(UserWarning, match="ia3 adapters"):
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            adapter_names=["default", "__base__"],
+        )
+    assert [row[ids.shape[1] :].tolist() for row in out] == expected
+
+
 def test_lora_layers_outside_engine_steps_are_untouched():
     """Plain forwards (another thread while the engine runs mixed adapters, and after) give PEFT's logits,
     and gradients flow as before."""
