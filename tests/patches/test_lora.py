@@ -445,7 +445,7 @@ def test_a_peft_model_over_the_patched_base_falls_back_for_adapter_names():
     ids, mask = left_padded(prompts(3))
     names = ["math", "code", "__base__"]
     ask = dict(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
-    with pytest.warns(UserWarning, match="adapter_names over the patched base"):
+    with pytest.warns(UserWarning, match="a PeftModel over the patched base handing them in"):
         out = model.generate(**ask, adapter_names=names)
     assert torch.equal(out, reference.generate(**ask, adapter_names=names))
     assert not any(m._forward_pre_hooks for m in model.modules())  # PEFT removed its hooks
