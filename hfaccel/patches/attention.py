@@ -152,6 +152,7 @@ def recording_attention(model: torch.nn.Module) -> Iterator[list[AttentionCall]]
     """Inside this block, in this thread, the model's attention layers call the "hfaccel" function,
     which records each call and answers with plain causal attention (one sequence, no cache)."""
     register_attention()
+    restore_attention(model)  # the model's configs found afresh: modules may have been swapped in
     calls: list[AttentionCall] = []
     previous = getattr(_local, "recorded_calls", None)
     _local.recorded_calls = calls

@@ -13,7 +13,7 @@ import torch
 
 from hfaccel.engine.executor import ExecutorBase
 from hfaccel.patches import lora
-from hfaccel.patches.attention import engine_attention, register_attention
+from hfaccel.patches.attention import engine_attention, register_attention, restore_attention
 from hfaccel.patches.compiled_forward import CompiledForward, own_code
 from hfaccel.patches.layer_support import (
     attention_needs,
@@ -210,6 +210,10 @@ class HFExecutor(ExecutorBase):
         """Weights, optimizer steps and adapters, fingerprinted (see `ModelStateTracker`)."""
         token = self._state.token()
         if token != self._last_token:  # the model changed: adapter checks are redone
+            if self._last_token is None or not token.same_structure(self._last_token):
+                # Modules were swapped in (a grafted layer may hold a config object of its own): the
+                # attention switch looks for the model's configs afresh.
+                restore_attention(self.model)
             self._last_token = token
             self._adapter_checks.clear()
         return token

@@ -82,7 +82,7 @@ class ModelToken(NamedTuple):
     adapters: tuple
     checksum: bytes
     config: tuple  # `config_fingerprint` of the model's config
-    hooks: tuple  # per module with any: its forward (pre-)hooks' handle ids
+    hooks: tuple  # per module with any: its forward (pre-)hooks' handle ids (torch's global ones too)
     draws_dropout: bool = False  # some module in train mode draws dropout (`draws_dropout`)
 
     def same_structure(self, other: Hashable) -> bool:
@@ -142,6 +142,13 @@ class ModelStateTracker:
                 if child is not None and id(child) not in seen:
                     seen.add(id(child))
                     modules.append(child)
+        from torch.nn.modules import module as torch_module  # global hooks see every module's forward
+
+        for index, hooks_of in enumerate(
+            (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks)
+        ):
+            if hooks_of:  # a packed hook registered (or removed) there changes values too
+                hooks.append((-1 - index, tuple(hooks_of)))
         present = [leaf for t in tensors if t is not None for leaf in _plain_tensors(t)]
         layout = tuple((id(t), t.data_ptr(), t.dtype, t.device, t.shape) for t in present)
         if layout != self._layout:

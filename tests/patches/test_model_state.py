@@ -5,6 +5,7 @@ training loop or an adapter switch would, and checks the patched greedy `generat
 HF's on the changed model.
 """
 
+import copy
 import gc
 import weakref
 
@@ -517,6 +518,43 @@ def test_a_packed_hook_added_or_removed_forgets_the_prefix_cache(llama):
     assert_matches_hf(llama, ps, before)
     handle.remove()
     assert_matches_hf(llama, ps)
+
+
+def test_a_global_packed_hook_added_or_removed_forgets_the_prefix_cache(llama):
+    """The same for a global forward hook (torch's ``register_module_forward_hook``): every module's
+    forward runs it, so its handle is part of the model's state."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    ps = warm(llama)
+    before = hf_all(llama, ps)
+
+    def steer(module, args, output):
+        return output * -3.0 + 5.0 if module is llama.model.layers[0].mlp else output
+
+    steer.hfaccel_packed = True
+    handle = register_module_forward_hook(steer)
+    try:
+        assert_matches_hf(llama, ps, before)
+    finally:
+        handle.remove()
+    assert_matches_hf(llama, ps)
+
+
+@pytest.mark.parametrize("how", ["graft", "deep copy"])
+def test_a_layer_swapped_in_with_a_config_of_its_own_runs_the_engines_attention(llama, how):
+    """A layer grafted from another instance of the architecture, or a deep copy of an attention module,
+    holds a config object the patch never saw: the attention switch finds the model's configs afresh
+    when its structure changes (it ran transformers' own attention on the packed step: other tokens)."""
+    ps = warm(llama)
+    before = hf_all(llama, ps)
+    if how == "graft":
+        llama.model.layers[1] = tiny_model("llama", seed=11).model.layers[1]
+    else:
+        llama.model.layers[1].self_attn = copy.deepcopy(llama.model.layers[1].self_attn)
+        with torch.no_grad():
+            llama.model.layers[1].self_attn.o_proj.weight.mul_(-2.0)
+    assert llama.model.layers[1].self_attn.config is not llama.config
+    assert_matches_hf(llama, ps, before)
 
 
 def test_a_model_drawing_dropout_shares_no_prefix():
