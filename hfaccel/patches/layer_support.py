@@ -385,7 +385,7 @@ def arguments_reason(call: AttentionCall, window: int | None, context: int | Non
             f"layer {call.layer_idx}'s attention is not causal (its module's is_causal is False: a "
             "bidirectional encoder's, or use_bidirectional_attention): the kernels attend causally"
         )
-    if call.mask is not None and not causal_mask(call.mask, window):
+    if call.mask is not None and not causal_mask(call.mask, window, call.query_shape[-2]):
         return (
             f"layer {call.layer_idx} builds an attention mask of its own ({_short(call.mask)}) that is not "
             "a causal one: the kernels apply no mask or bias"
@@ -429,12 +429,18 @@ def _narrower(window: Any, context: int | None) -> int | None:
     return int(window)
 
 
-def causal_mask(mask: Any, window: int | None) -> bool:
-    """Whether `mask` (``[..., T, S]``: boolean, True where a query sees a key, or additive) is plain causal
-    attention over the last T of S positions (within `window`, where given), which the kernels apply."""
+def causal_mask(mask: Any, window: int | None, queries: int | None = None) -> bool:
+    """Whether `mask` (``[..., T, S]``, or ``[..., 1, S]`` broadcast over the `queries`: boolean, True where
+    a query sees a key, or additive) is plain causal attention of the last T of S positions (within
+    `window`, where given), which the kernels apply. An additive mask hides a key with any value that
+    leaves it no weight (-1e4 or less: transformers' own masks use the dtype's minimum or -inf)."""
     if not isinstance(mask, torch.Tensor) or mask.dim() < 2:
         return False
-    t, s = mask.shape[-2:]
+    rows, s = mask.shape[-2:]
+    t = queries or rows
+    if rows not in (1, t):
+        return False
+    mask = mask.expand(*mask.shape[:-2], t, s)
     query = torch.arange(t, device=mask.device)[:, None] + (s - t)
     key = torch.arange(s, device=mask.device)[None, :]
     visible = (key <= query) & (key > query - window if window else True)
@@ -442,8 +448,7 @@ def causal_mask(mask: Any, window: int | None) -> bool:
         return bool((mask == visible).all())
     if not mask.is_floating_point():
         return False
-    hidden = mask[..., ~visible]
-    return bool((mask[..., visible] == 0).all()) and bool((hidden <= torch.finfo(mask.dtype).min / 2).all())
+    return bool((mask[..., visible] == 0).all()) and bool((mask[..., ~visible] <= -1e4).all())
 
 
 def _spans(layers: list[int]) -> str:

@@ -132,8 +132,8 @@ def unsupported_reason(model: torch.nn.Module, names: Iterable[str | None]) -> s
     Checked on every module that holds one of the named adapters; with any adapter named (``"__base__"``
     included), merged adapters are refused as PEFT refuses them. A module the engine does not route per
     token (LoRA on an embedding, ``modules_to_save`` copies) runs PEFT's own forward, which applies its
-    active adapters to every token: refused where a request names other adapters than those (its
-    ``"__base__"`` rows, or rows of an adapter it does not hold, would get the active one)."""
+    active adapters to every token: refused where it holds a named adapter or applies an active one
+    (``"__base__"`` rows, or rows of an adapter it does not hold, would get the active one)."""
     wanted = {n for n in names if n is not None}
     if not wanted:
         return None
@@ -152,12 +152,14 @@ def unsupported_reason(model: torch.nn.Module, names: Iterable[str | None]) -> s
             if module.merged:
                 return "adapters with merged LoRA weights (unmerge_adapter first)"
             holds = set(module.lora_A.keys()) | set(module.lora_embedding_A.keys())
-            if type(module) is not layer.Linear:  # PEFT's forward runs: its active adapters on every token
-                default = _applied_by_default(module, holds)
-                if any(({name} & holds) != default for name in wanted):
+            if type(module) is not layer.Linear:
+                # Not routed per token: PEFT's own forward runs, its active adapters on every token. Served
+                # only where it applies nothing and holds no named adapter (PEFT's mixed batch refuses some
+                # such layers outright: DoRA, LoRA on parameters).
+                if wanted & holds or _applied_by_default(module, holds):
                     return (
-                        f"LoRA on a {type(module).__name__} layer with other adapters per request than its "
-                        "active ones (the engine batches LoRA on Linear layers only)"
+                        f"LoRA on a {type(module).__name__} layer (the engine batches LoRA per request on "
+                        "Linear layers only)"
                     )
                 continue
             held = wanted & holds
@@ -172,10 +174,9 @@ def unsupported_reason(model: torch.nn.Module, names: Iterable[str | None]) -> s
             holds = set(getattr(module, "_adapters", ()) or ()) | set(
                 getattr(module, "modules_to_save", {}) or {}
             )
-            default = _applied_by_default(module, holds)
-            if any(({name} & holds) != default for name in wanted):
-                name = sorted(holds & (wanted | default))[0]
-                return f"modules_to_save of adapter {name!r} with other adapters per request"
+            in_play = (wanted & holds) | _applied_by_default(module, holds)  # its active copy: every token
+            if in_play:
+                return f"modules_to_save of adapter {sorted(in_play)[0]!r}"
         elif isinstance(module, BaseTunerLayer):  # another PEFT method: PEFT's adapter_names skips it too
             parts = type(module).__module__.split(".")  # peft.tuners.<method>.layer
             method = parts[2] if len(parts) > 2 and parts[:2] == ["peft", "tuners"] else type(module).__name__

@@ -36,6 +36,7 @@ only recomputation, never correctness).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Hashable
 from typing import Any, NamedTuple
@@ -84,12 +85,21 @@ class ModelToken(NamedTuple):
     config: tuple  # `config_fingerprint` of the model's config
     hooks: tuple  # per module with any: its forward (pre-)hooks' handle ids (torch's global ones too)
     draws_dropout: bool = False  # some module in train mode draws dropout (`draws_dropout`)
+    configs: tuple = ()  # ids of the config objects the modules hold (one swapped in: a new attention switch)
 
     def same_structure(self, other: Hashable) -> bool:
         """Whether `other` differs from this token in tensor values only: the same tensors at the same
         addresses, the same adapter state, hooks, training flag and config (what a captured CUDA graph
         bakes in)."""
-        mine = (self.training, self.draws_dropout, self.layout, self.adapters, self.config, self.hooks)
+        mine = (
+            self.training,
+            self.draws_dropout,
+            self.layout,
+            self.adapters,
+            self.config,
+            self.hooks,
+            self.configs,
+        )
         return isinstance(other, ModelToken) and mine == (
             other.training,
             other.draws_dropout,
@@ -97,6 +107,7 @@ class ModelToken(NamedTuple):
             other.adapters,
             other.config,
             other.hooks,
+            other.configs,
         )
 
 
@@ -130,9 +141,13 @@ class ModelStateTracker:
         # model.modules() without its generator and name bookkeeping: twice as fast on a LoRA model.
         modules = [self.model]
         seen = {id(self.model)}
+        configs: dict[int, None] = {}
         for module in modules:  # grows as it goes: breadth first
             tensors += module._parameters.values()
             tensors += module._buffers.values()
+            config = module.__dict__.get("config")
+            if config is not None:
+                configs[id(config)] = None
             if module._forward_hooks or module._forward_pre_hooks:  # a packed hook opted in changes values
                 hooks.append((id(module), tuple(module._forward_hooks), tuple(module._forward_pre_hooks)))
             if _is_tuner_layer(type(module)):
@@ -147,8 +162,11 @@ class ModelStateTracker:
         for index, hooks_of in enumerate(
             (torch_module._global_forward_hooks, torch_module._global_forward_pre_hooks)
         ):
-            if hooks_of:  # a packed hook registered (or removed) there changes values too
-                hooks.append((-1 - index, tuple(hooks_of)))
+            # The ones the engine serves (marked packed: the user's steering) change values; a library's
+            # (torch's ModuleTracker, registered anew around every call) changes none.
+            packed = tuple(key for key, hook in hooks_of.items() if _marked_packed(hook))
+            if packed:
+                hooks.append((-1 - index, packed))
         present = [leaf for t in tensors if t is not None for leaf in _plain_tensors(t)]
         layout = tuple((id(t), t.data_ptr(), t.dtype, t.device, t.shape) for t in present)
         if layout != self._layout:
@@ -173,6 +191,7 @@ class ModelStateTracker:
             config_fingerprint(getattr(self.model, "config", None)),
             tuple(hooks),
             dropout,
+            tuple(configs),
         )
         self._first_tuner = None if first_tuner is None else weakref.ref(first_tuner)
         every = max(1, len(present) // SENTINEL_TENSORS)
@@ -269,6 +288,16 @@ def dropout_rate(module: torch.nn.Module, names: frozenset[str] = DROPOUT_NAMES)
 def draws_dropout(module: torch.nn.Module) -> bool:
     """Whether `module`, in train mode, draws dropout in its forward (a rate above 0 it applies)."""
     return module.training and dropout_rate(module) > 0
+
+
+def _marked_packed(hook: Any) -> bool:
+    """Whether a forward hook is marked ``hfaccel_packed`` (on it, or on the function a partial wraps)."""
+    while True:
+        if getattr(hook, "hfaccel_packed", False):
+            return True
+        if not isinstance(hook, functools.partial):
+            return False
+        hook = hook.func
 
 
 def config_fingerprint(config: Any) -> tuple:

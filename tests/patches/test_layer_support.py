@@ -160,6 +160,17 @@ def test_a_mask_a_layer_hands_attention_must_be_causal_within_its_window():
     assert "builds an attention mask of its own" in arguments_reason(
         AttentionCall(0, (1, 4, 4, 16), (1, 2, 4, 16), (1, 2, 4, 16), {}, biased), None
     )
+    # -1e9 (a layer's own causal mask) leaves no weight as the dtype's minimum does; a one-row mask
+    # broadcast over the 4 queries that hides nothing is bidirectional
+    finite = torch.zeros(1, 1, 4, 4).masked_fill(~causal, -1e9)
+    assert (
+        arguments_reason(AttentionCall(0, (1, 4, 4, 16), (1, 2, 4, 16), (1, 2, 4, 16), {}, finite), None)
+        is None
+    )
+    everything = torch.zeros(1, 1, 1, 4)
+    assert "not a causal one" in arguments_reason(
+        AttentionCall(0, (1, 4, 4, 16), (1, 2, 4, 16), (1, 2, 4, 16), {}, everything), None
+    )
     bidirectional = AttentionCall(0, (1, 4, 4, 16), (1, 2, 4, 16), (1, 2, 4, 16), {}, None, False)
     assert "is_causal is False" in arguments_reason(bidirectional, None)
 

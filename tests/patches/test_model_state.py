@@ -540,15 +540,31 @@ def test_a_global_packed_hook_added_or_removed_forgets_the_prefix_cache(llama):
     assert_matches_hf(llama, ps)
 
 
-@pytest.mark.parametrize("how", ["graft", "deep copy"])
+def test_a_library_global_hook_around_every_call_keeps_the_prefix_cache(llama):
+    """torch's ModuleTracker (FlopCounterMode's) registers global hooks anew around each call: they change
+    no value, so the prompts' blocks are still reused."""
+    from torch.utils.module_tracker import ModuleTracker
+
+    ps = warm(llama)
+    engine = engine_of(llama)
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    for _ in range(2):
+        with ModuleTracker():
+            assert patched_greedy(llama, ps[0]) == hf_greedy(llama, ps[0], NEW_TOKENS)
+    assert engine.stats()["prefix_cache_hit_tokens"] >= hits + 2 * 32
+
+
+@pytest.mark.parametrize("how", ["graft", "deep copy", "config only"])
 def test_a_layer_swapped_in_with_a_config_of_its_own_runs_the_engines_attention(llama, how):
     """A layer grafted from another instance of the architecture, or a deep copy of an attention module,
     holds a config object the patch never saw: the attention switch finds the model's configs afresh
     when its structure changes (it ran transformers' own attention on the packed step: other tokens)."""
     ps = warm(llama)
-    before = hf_all(llama, ps)
+    before = None if how == "config only" else hf_all(llama, ps)
     if how == "graft":
         llama.model.layers[1] = tiny_model("llama", seed=11).model.layers[1]
+    elif how == "config only":  # no tensor changes: the layer's outputs are HF's as before
+        llama.model.layers[1].self_attn.config = copy.deepcopy(llama.config)
     else:
         llama.model.layers[1].self_attn = copy.deepcopy(llama.model.layers[1].self_attn)
         with torch.no_grad():
