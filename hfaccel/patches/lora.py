@@ -34,6 +34,11 @@ import torch
 from hfaccel.patches.layer_support import has_recurrent_layers
 
 BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
+# Why a call goes to PEFT while its adapter_names hooks sit on the LoRA layers (`peft_row_hooks`).
+ROW_HOOKS_REASON = (
+    "PEFT's adapter_names hooks on the LoRA layers (a PeftModel over the patched base handing them in, "
+    "or left by a PEFT generate that raised)"
+)
 
 
 class _ThreadState(threading.local):

@@ -288,12 +288,7 @@ def _adapters_gate(call: GenerateCall) -> str | None:
         return call.adapter_reason
     if (names := call.adapter_names) is None:  # a PeftModel over the patched base may hand its own in
         hooked = hasattr(call.model, "peft_config") and lora.peft_row_hooks(call.model)
-        return (
-            "PEFT's adapter_names hooks on the LoRA layers (a PeftModel over the patched base handing them "
-            "in, or left by a PEFT generate that raised)"
-            if hooked
-            else None
-        )
+        return lora.ROW_HOOKS_REASON if hooked else None
     lora.check_call_adapter_names(call.model, names, call.ids.shape[0])
     return lora.unsupported_reason(call.model, names)
 
