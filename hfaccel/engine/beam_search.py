@@ -306,7 +306,9 @@ class BeamGroup:
         self.pending = None
         old = list(self.slots)
         slots = old + created
-        sources = [old[p] for p in parents]
+        # The first step: every beam is the prompt (HF's copies, all but one scored -1e9), and a processor
+        # that leaves fewer tokens than beams makes the search continue from those copies too.
+        sources = [old[0]] * len(parents) if len(old) == 1 else [old[p] for p in parents]
         histories = [list(s.output_token_ids) for s in sources]
         computed = [s.num_computed_tokens for s in sources]
         block_manager.fork(sources, slots)  # tables first (read before any is replaced)

@@ -102,6 +102,13 @@ _INTEGERS = (
 _LENGTHS = frozenset({"max_new_tokens", "max_length"})  # HF refuses a float min_length itself
 
 
+def _integer_scalar(value: Any) -> bool:
+    """An integer that is not a Python int: a numpy integer, a one-element integer tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_floating_point() and not value.is_complex()
+    return isinstance(value, numbers.Integral) and not isinstance(value, (int, bool))
+
+
 def check_number_types(config: GenerationConfig) -> None:
     """Raise ValueError naming a numeric field whose value is not a number (before HF's `validate`)."""
     for name in (*_REALS, *_INTEGERS, "top_k", "num_beam_groups"):
@@ -118,6 +125,9 @@ def validate_values(config: GenerationConfig) -> None:
         value = getattr(config, name, None)
         if name in _LENGTHS and isinstance(value, float) and value.is_integer():
             # HF compares lengths with it (``max_new_tokens=4.0`` generates 4): the same int, served.
+            value = int(value)
+            setattr(config, name, value)
+        elif _integer_scalar(value):  # numpy's int64, a 0-d integer tensor: HF takes them as ints
             value = int(value)
             setattr(config, name, value)
         if value is not None and not isinstance(value, (numbers.Integral, torch.Tensor)):

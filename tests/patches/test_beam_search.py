@@ -62,6 +62,14 @@ CASES = {
         "eos_token_id": t[0],
     },
     "two_eos_ids": lambda t: {"num_beams": 2, "max_new_tokens": 10, "eos_token_id": [t[0], t[1]]},
+    # Fewer allowed tokens than beams at the first step: the search continues from HF's -1e9 copies of
+    # the prompt (the engine raised IndexError there).
+    "forced_eos_first_step": lambda t: {"num_beams": 2, "max_new_tokens": 1, "forced_eos_token_id": t[0]},
+    "fewer_tokens_than_beams": lambda t: {
+        "num_beams": 5,
+        "max_new_tokens": 4,
+        "suppress_tokens": list(range(3, 256)),
+    },
 }
 
 

@@ -9,6 +9,7 @@ import contextlib
 import threading
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -909,3 +910,16 @@ def test_whole_float_lengths_are_served_as_hf_serves_them(lengths):
     name = next(iter(lengths))
     with pytest.raises(ValueError, match=f"{name} must be an integer, got 4.5"):
         model.generate(**{name: 4.5}, **kwargs)
+
+
+@pytest.mark.parametrize("as_given", [np.int64, torch.tensor], ids=["numpy", "tensor"])
+def test_integer_scalars_of_numpy_and_torch_are_served_as_ints(as_given):
+    """``num_beams=np.int64(3)`` (a value read from an array): HF takes it, so does the engine (its beam
+    search refused it as not a positive integer)."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS[:2])
+    kwargs = dict(input_ids=ids, attention_mask=mask, do_sample=False)
+    given = dict(num_beams=as_given(3), max_new_tokens=as_given(4))
+    reference = hf(model, **given, **kwargs)
+    patch(model, strict=True)
+    assert torch.equal(model.generate(**given, **kwargs), reference)
