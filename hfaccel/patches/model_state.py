@@ -83,7 +83,7 @@ class ModelToken(NamedTuple):
     adapters: tuple
     checksum: bytes
     config: tuple  # `config_fingerprint` of the model's config
-    hooks: tuple  # per module with any: its forward (pre-)hooks' handle ids (torch's global ones too)
+    hooks: tuple  # per module with any: its forward (pre-)hooks' handle ids; torch's global packed ones
     draws_dropout: bool = False  # some module in train mode draws dropout (`draws_dropout`)
     configs: tuple = ()  # ids of the config objects the modules hold (one swapped in: a new attention switch)
 
@@ -164,7 +164,7 @@ class ModelStateTracker:
         ):
             # The ones the engine serves (marked packed: the user's steering) change values; a library's
             # (torch's ModuleTracker, registered anew around every call) changes none.
-            packed = tuple(key for key, hook in hooks_of.items() if _marked_packed(hook))
+            packed = tuple(key for key, hook in hooks_of.items() if marked_packed(hook))
             if packed:
                 hooks.append((-1 - index, packed))
         present = [leaf for t in tensors if t is not None for leaf in _plain_tensors(t)]
@@ -290,7 +290,7 @@ def draws_dropout(module: torch.nn.Module) -> bool:
     return module.training and dropout_rate(module) > 0
 
 
-def _marked_packed(hook: Any) -> bool:
+def marked_packed(hook: Any) -> bool:
     """Whether a forward hook is marked ``hfaccel_packed`` (on it, or on the function a partial wraps)."""
     while True:
         if getattr(hook, "hfaccel_packed", False):

@@ -23,7 +23,7 @@ from hfaccel.patches.layer_support import (
     state_bytes_per_sequence,
     unsupported_reason,
 )
-from hfaccel.patches.model_state import ATTENTION_DROPOUT_NAMES, dropout_rate
+from hfaccel.patches.model_state import ATTENTION_DROPOUT_NAMES, dropout_rate, marked_packed
 
 # A purely recurrent model (Mamba's) keeps no K/V: its cache has no layers, and these (KV heads, head dim),
 # which every backend takes, only size the step metadata nothing reads.
@@ -226,12 +226,10 @@ def user_hooks_reason(model: torch.nn.Module, modules: list[torch.nn.Module] | N
 def _library_hook(hook: Any, module: torch.nn.Module | None) -> bool:
     """Whether `hook` is a library's that changes no value, or one its author marked ``hfaccel_packed``
     (on the hook or on the function a partial wraps). Asked afresh each call: a few attribute reads."""
+    if marked_packed(hook):
+        return True
     target = hook
-    while True:  # the mark on the hook, or on a function a partial wraps
-        if getattr(target, "hfaccel_packed", False):
-            return True
-        if not isinstance(target, functools.partial):
-            break
+    while isinstance(target, functools.partial):
         target = target.func
     if getattr(target, "__name__", "") in _VALUE_CHANGING_LIBRARY_HOOKS:
         return module is not None and not module.training  # NEFTune adds its noise in train mode only
