@@ -7,6 +7,7 @@ nothing about the output (`user`, `metadata`, ...) are accepted.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Literal
 
@@ -211,14 +212,33 @@ def field_path(location: Any, others: Any = ()) -> str | None:
     told apart from a field by `others`, the locations of the request's other errors: pydantic reports
     each member's, which agree up to the union and differ at the member."""
     location, others = tuple(location), [tuple(other) for other in others]
+    top = 1 if location[:1] == ("body",) else 0  # the request's own fields: never a union's members
     path = ""
     for k, part in enumerate(location):
-        member = any(other[:k] == location[:k] and len(other) > k and other[k] != part for other in others)
+        member = (
+            k > top
+            and part not in field_names()
+            and any(other[:k] == location[:k] and len(other) > k and other[k] != part for other in others)
+        )
         if isinstance(part, int):
             path += f"[{part}]"
         elif not (k == 0 and part == "body") and not member:
             path += f".{part}" if path else str(part)
     return path or None
+
+
+@functools.cache
+def field_names() -> frozenset[str]:
+    """Every field name (and alias) of the request models: a location part that is one names a field,
+    never a union's member (two errors in sibling fields agree up to them and differ there too)."""
+    names: set[str] = set()
+    classes = [Body]
+    while classes:
+        model = classes.pop()
+        classes.extend(model.__subclasses__())
+        for name, field in model.model_fields.items():
+            names.update(n for n in (name, field.alias) if n)
+    return frozenset(names)
 
 
 def error_body(message: str, kind: str, param: str | None, code: int) -> dict[str, Any]:

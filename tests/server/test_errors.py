@@ -68,6 +68,28 @@ def test_each_mistake_is_a_400_naming_the_field_as_written(served, path, body, p
     assert not answer["error"]["message"].startswith(("Value error", "body")), answer
 
 
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        (
+            {"model": MODEL, "messages": [USER], "max_tokens": "5", "temperature": "x"},
+            {"max_tokens", "temperature"},
+        ),
+        ({"messages": [USER], "max_tokens": "5"}, {"model", "max_tokens"}),  # no model, and a bad field
+        (
+            {"model": MODEL, "messages": [{"role": 5, "content": 5}]},
+            {"messages[0].role", "messages[0].content"},
+        ),
+    ],
+)
+def test_several_mistakes_name_one_of_the_fields(served, body, named):
+    """Two bad fields side by side: the 400 names one of them (sibling fields were read as a union's
+    members, and the error named none)."""
+    status, _, data = send(served[0], "POST", "/v1/chat/completions", json.dumps(body).encode())
+    answer = json.loads(data)
+    assert status == 400 and answer["error"]["param"] in named, answer
+
+
 def test_a_body_sent_without_the_json_content_type_is_told_so(served):
     body = json.dumps({"model": MODEL, "messages": CHAT}).encode()
     status, _, data = send(served[0], "POST", "/v1/chat/completions", body, {"Content-Type": "text/plain"})
