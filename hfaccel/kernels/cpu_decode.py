@@ -158,29 +158,18 @@ class DecodeCall:
         bound slots when given (the kernel rounds them to a bf16 cache itself). `window` > 0: each
         sequence attends to its last `window` positions only; `chunk` > 0: to its last token's chunk;
         `softcap` > 0: scores soft-capped; `sinks` ``[Hq]``: attention-sink logits."""
-        batch, num_heads, head_dim = query.shape
         store = key is not None and self._slots is not None
         if not self._checked:  # every layer of a step has the same shapes and dtypes: check the first
             _check_call(query, k_cache, v_cache, out, key if store else None, value if store else None)
             self._checked = True
-        if store:
-            key, value = _rows_like(query, key, value)
-            kv_strides = (key.stride(0), key.stride(1))
+        local = (window, chunk, softcap, sinks)
+        if not store:
+            return self._launch(
+                query, query.stride()[:2], None, None, (0, 0), k_cache, v_cache, out, scale, *local
+            )
+        key, value = _rows_like(query, key, value)
         return self._launch(
-            query,
-            (query.stride(0), query.stride(1)),
-            key if store else None,
-            value if store else None,
-            kv_strides if store else (0, 0),
-            k_cache,
-            v_cache,
-            out,
-            (batch, num_heads, head_dim),
-            scale,
-            window,
-            chunk,
-            softcap,
-            sinks,
+            query, query.stride()[:2], key, value, key.stride()[:2], k_cache, v_cache, out, scale, *local
         )
 
     def heads_first(
@@ -215,22 +204,9 @@ class DecodeCall:
                 raise ValueError("heads_first stores the step's K/V: bind the slots")
             self._checked = True
         key, value = _rows_like(query, key, value)
-        return self._launch(
-            query,
-            (query.stride(2), query.stride(1)),
-            key,
-            value,
-            (key.stride(2), key.stride(1)),
-            k_cache,
-            v_cache,
-            out,
-            (batch, num_heads, head_dim),
-            scale,
-            window,
-            chunk,
-            softcap,
-            sinks,
-        )
+        q_strides, kv_strides = (query.stride(2), query.stride(1)), (key.stride(2), key.stride(1))
+        local = (window, chunk, softcap, sinks)
+        return self._launch(query, q_strides, key, value, kv_strides, k_cache, v_cache, out, scale, *local)
 
     def _launch(
         self,
@@ -242,16 +218,15 @@ class DecodeCall:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         out: torch.Tensor,
-        shape: tuple[int, int, int],
         scale: float,
         window: int,
         chunk: int,
         softcap: float,
         sinks: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The C call; `q_strides` and `kv_strides`: (row, head) strides in elements, `shape`: (rows,
-        query heads, head dim); `key` None: nothing to store."""
-        batch, num_heads, head_dim = shape
+        """The C call into contiguous `out` (``[..., rows, query heads, head dim]``); `q_strides` and
+        `kv_strides`: (row, head) strides in elements; `key` None: nothing to store."""
+        batch, num_heads, head_dim = out.shape[-3:]
         store = key is not None
         status = self._function(
             _DTYPE_CODES.get(query.dtype, -1),  # -1: not served, the kernel returns -2

@@ -83,23 +83,8 @@ def test_unknown_attention_arguments_are_refused_and_neutral_ones_pass():
     assert "is_causal=False" in arguments_reason(call(is_causal=False), None)
 
 
-def _random_model(model_type: str, std: float, **config: Any) -> Any:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    sizes = dict(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(model_type, num_attention_heads=4, pad_token_id=0, **sizes, **config)
-    ).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            if parameter.dim() >= 2:
-                parameter.normal_(0, std)
-    return model
-
-
 def _doge_with_a_learned_bias() -> Any:
-    model = _random_model("doge", 0.2, num_key_value_heads=2, head_dim=16)
+    model = family_model("doge", sliding_window=None)  # its mask slides only where the config says
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.A.normal_(0, 1.0)  # trained: its dynamic mask biases every key
@@ -110,12 +95,10 @@ NOT_CAUSAL = {
     # Doge adds a learned per-key bias into the mask it hands attention (tokens differed from the first).
     "doge": (_doge_with_a_learned_bias, "builds an attention mask of its own"),
     # AutoModelForCausalLM over a BERT checkpoint (is_decoder=False): bidirectional layers.
-    "bert": (lambda: _random_model("bert", 0.2), "attention is not causal"),
+    "bert": (lambda: family_model("bert"), "attention is not causal"),
     # EmbeddingGemma's: a bidirectional mask, said by the module's is_causal and no keyword.
     "gemma3_text": (
-        lambda: _random_model(
-            "gemma3_text", 0.05, num_key_value_heads=2, head_dim=16, use_bidirectional_attention=True
-        ),
+        lambda: family_model("gemma3_text", use_bidirectional_attention=True),
         "attention is not causal",
     ),
 }
@@ -199,7 +182,7 @@ def test_a_window_as_long_as_the_context_reads_as_full_attention():
     assert "sliding_window=None while its mask is a window of 511" in arguments_reason(
         call(), 511, context=512
     )
-    model = _random_model("phimoe", 0.2, num_key_value_heads=2, max_position_embeddings=64, sliding_window=64)
+    model = family_model("phimoe", max_position_embeddings=64, sliding_window=64)
     ids, mask = left_padded(varied_prompts(2, seed=14))
     kwargs = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
     with torch.no_grad():
