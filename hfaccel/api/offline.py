@@ -59,7 +59,8 @@ def generate(
         logprobs: ``True``: each generated token's log-probability (`Completion.logprobs`); an int k:
             also the k most likely tokens per step (`Completion.top_logprobs`, vLLM's layout).
         prompt_logprobs: an int k: per prompt token its log-probability and the k most likely tokens
-            (`Completion.prompt_logprobs`; computed with one extra forward of the model per prompt).
+            (`Completion.prompt_logprobs`; computed with one extra forward of the model per prompt,
+            under the prompt's `adapter`).
         errors: a refused prompt (empty, longer than the context, an invalid generation argument) never
             stops the others; they complete, then ``"raise"`` raises `RequestError` (a ValueError that
             names every refused prompt and carries all completions), ``"return"`` returns them with
@@ -99,7 +100,7 @@ def generate(
                 state.get_loop(model).run(call.runnable, progress=progress, raise_errors=errors == "raise")
             completions = build_completions(call, tokenizer)
         if prompt_logprobs is not None:
-            add_prompt_logprobs(model, completions, int(prompt_logprobs))
+            add_prompt_logprobs(model, completions, int(prompt_logprobs), call.adapters)
     return raise_or_return(completions, errors)
 
 
@@ -165,7 +166,9 @@ async def agenerate(
                 await submission.await_all()
         completions = build_completions(call, tokenizer)
         if prompt_logprobs is not None:
-            await asyncio.to_thread(add_prompt_logprobs, model, completions, int(prompt_logprobs))
+            await asyncio.to_thread(
+                add_prompt_logprobs, model, completions, int(prompt_logprobs), call.adapters
+            )
     return raise_or_return(completions, errors)
 
 

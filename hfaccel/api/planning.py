@@ -119,7 +119,7 @@ def plan_call(
     if live:
         names = [f"prompts[{indexes[i]}]" for i, _ in live]
         warn_past_context([plan for _, plan in live], state.get_engine(model).max_model_len, names)
-    return Call(plans, indexes)
+    return Call(plans, indexes, adapters)
 
 
 def refused_copies(model: Any, config: GenerationConfig | None, kwargs: dict[str, Any]) -> int:

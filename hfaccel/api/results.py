@@ -125,10 +125,11 @@ class Hypothesis:
 @dataclass
 class Call:
     """One call's plan: per result, an engine `Request`, a beam `Hypothesis` or a `Done`, and the index
-    of its prompt."""
+    of its prompt; per prompt, the adapter it named (None: the model as it is)."""
 
     plans: list[Request | Hypothesis | Done]
     prompt_indexes: list[int]
+    adapters: list[str | None] = field(default_factory=list)
 
     @property
     def runnable(self) -> list[Request]:
@@ -239,9 +240,12 @@ def _hypothesis_completion(plan: Hypothesis, tokenizer: Any, prompt_index: int) 
 LOGITS_BUDGET_BYTES = 1 << 28
 
 
-def prompt_logprobs_of(model: Any, ids: list[int], k: int) -> list[dict[int, float] | None]:
+def prompt_logprobs_of(
+    model: Any, ids: list[int], k: int, adapter: str | None = None
+) -> list[dict[int, float] | None]:
     """Per prompt token: None for the first, then ``{token id: log-probability}`` of that token and the
-    `k` most likely ones, from a plain forward of `model` (its own attention, the raw distribution). A
+    `k` most likely ones, from a plain forward of `model` (its own attention, the raw distribution; with
+    PEFT's ``adapter_names`` where the prompt named an adapter, as its tokens were generated). A
     prompt whose ``[L, V]`` logits pass `LOGITS_BUDGET_BYTES` takes one forward per slice of positions
     (transformers' ``logits_to_keep``), so the logits held stay bounded."""
     device = next(model.parameters()).device
@@ -251,13 +255,15 @@ def prompt_logprobs_of(model: Any, ids: list[int], k: int) -> list[dict[int, flo
     vocab = model.get_output_embeddings().weight.shape[0]
     width = max(1, min(len(ids) - 1, LOGITS_BUDGET_BYTES // (4 * vocab)))  # float32 rows per slice
     inputs = torch.tensor([ids], device=device)
+    extra = {} if adapter is None else {"adapter_names": [adapter]}
     with torch.no_grad():
         for start in range(0, len(ids) - 1, width):
             end = min(start + width, len(ids) - 1)
             if width >= len(ids) - 1:
-                logits = model(inputs).logits[0, start:end]
+                logits = model(inputs, **extra).logits[0, start:end]
             else:
-                logits = model(inputs, logits_to_keep=torch.arange(start, end, device=device)).logits[0]
+                keep = torch.arange(start, end, device=device)
+                logits = model(inputs, logits_to_keep=keep, **extra).logits[0]
             for first in range(0, logits.shape[0], 512):  # log-softmax in slices: one float copy at most
                 rows = torch.log_softmax(logits[first : first + 512].float(), dim=-1).cpu()
                 for j, row in enumerate(rows):
@@ -265,13 +271,17 @@ def prompt_logprobs_of(model: Any, ids: list[int], k: int) -> list[dict[int, flo
     return result
 
 
-def add_prompt_logprobs(model: Any, completions: list[Completion], k: int) -> None:
+def add_prompt_logprobs(
+    model: Any, completions: list[Completion], k: int, adapters: Sequence[str | None] = ()
+) -> None:
     """`Completion.prompt_logprobs` for every completion with a prompt; one forward per prompt (the
-    copies of a prompt share it)."""
+    copies of a prompt share it), under the adapter the prompt named (`adapters`, one per prompt)."""
     done: dict[int, list[dict[int, float] | None]] = {}
     for completion in completions:
         if not completion.prompt_token_ids:
             continue
         if completion.prompt_index not in done:
-            done[completion.prompt_index] = prompt_logprobs_of(model, completion.prompt_token_ids, k)
+            index = completion.prompt_index
+            adapter = adapters[index] if index < len(adapters) else None
+            done[index] = prompt_logprobs_of(model, completion.prompt_token_ids, k, adapter)
         completion.prompt_logprobs = done[completion.prompt_index]

@@ -140,6 +140,20 @@ def test_hfaccel_generate_adapter_per_prompt():
     assert streamed == peft_mixed(model, ps[:2], ["chat", "code"])
 
 
+def test_prompt_logprobs_are_those_of_the_prompts_adapter():
+    model = patch_strict(lora_model())
+    ps = prompts(3, seed=2)
+    names = ["code", "__base__", None]  # None: the active adapter ("math")
+    done = hfaccel.generate(model, ps, adapter=names, max_new_tokens=2, prompt_logprobs=0, progress=False)
+    for prompt, name, completion in zip(ps, names, done):
+        with torch.no_grad():
+            extra = {} if name is None else {"adapter_names": [name]}
+            logits = model(input_ids=torch.tensor([prompt]), **extra).logits[0]
+        expected = torch.log_softmax(logits.float(), -1)[torch.arange(len(prompt) - 1), prompt[1:]]
+        got = torch.tensor([completion.prompt_logprobs[j][prompt[j]] for j in range(1, len(prompt))])
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=f"adapter {name}")
+
+
 def test_block_keys_are_salted_by_adapter():
     model = patch_strict(lora_model())
     p = prompts(1)[0]
