@@ -122,7 +122,7 @@ def test_stop_strings_fire_where_hfs_criteria_do_on_characters_split_over_tokens
     alone to U+FFFD: the engine's check fires at the token HF's StopStringCriteria fires at."""
     from transformers.generation.stopping_criteria import StopStringCriteria
 
-    from hfaccel.patches.params import stop_string_check
+    from hfaccel.patches.stop_strings import stop_string_check
 
     _, tokenizer = smollm2
     emoji = "an emoji 🎉, and more"

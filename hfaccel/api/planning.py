@@ -24,9 +24,9 @@ from hfaccel.engine.request import Request
 from hfaccel.patches.arguments import check_generate_kwargs, normalize_cache_argument
 from hfaccel.patches.generate import warn_past_context
 from hfaccel.patches.models import reasons_held, reasons_suspended
-from hfaccel.patches.params import stop_string_check
 from hfaccel.patches.patch_state import PatchState, fall_back
 from hfaccel.patches.planner import GenerateCall, beam_requests, make_requests
+from hfaccel.patches.stop_strings import stop_string_check
 
 # Names hfaccel.generate & co. take themselves (offered as suggestions for misspelt arguments).
 OWN_PARAMETERS = (

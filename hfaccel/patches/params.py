@@ -11,11 +11,8 @@ import copy
 import dataclasses
 import functools
 import numbers
-import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +22,7 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from hfaccel.engine.request import SamplingParams, StoppingParams
 from hfaccel.patches.criteria import RowCriteria
+from hfaccel.patches.stop_strings import after, openai_min_tokens, stop_string_check
 
 _SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 # transformers 5.23's cache implementations whose numerics are its default dynamic cache's: the KV is kept
@@ -265,13 +263,13 @@ def request_params(
     model._validate_generated_length(config, width, has_default_max)
     eos = config._eos_token_tensor
     stop_check = None
-    if config.stop_strings:
+    if config.stop_strings is not None:  # "" or []: refused below (HF stops at once on "", raises on [])
         if tokenizer is None:
             raise ValueError("stop_strings needs the tokenizer: pass tokenizer= to generate")
         strings = [config.stop_strings] if isinstance(config.stop_strings, str) else list(config.stop_strings)
         stop_check = stop_string_check(tokenizer, strings)
-        if held := _openai_stops.get():  # vLLM's min_tokens: no stop string ends a row before it
-            stop_check = _after(held, stop_check)
+        if held := openai_min_tokens():  # vLLM's min_tokens: no stop string ends a row before it
+            stop_check = after(held, stop_check)
     custom = list(logits_processor) if logits_processor is not None else []
     in_hf_order = bool(custom) or prefix_allowed_tokens_fn is not None  # every processor runs as HF runs it
     criteria = None
@@ -420,75 +418,3 @@ def split_score_only(processors: LogitsProcessorList) -> tuple[LogitsProcessorLi
     while cut > 0 and type(processors[cut - 1]) in _SCORE_ONLY:
         cut -= 1
     return LogitsProcessorList(processors[:cut]), LogitsProcessorList(processors[cut:])
-
-
-# None: transformers' stop strings; an int: OpenAI's ``stop``, held for that many tokens (`openai_stops`).
-_openai_stops: ContextVar[int | None] = ContextVar("hfaccel_openai_stops", default=None)
-
-
-def _after(
-    count: int, check: Callable[[list[int], list[int]], bool]
-) -> Callable[[list[int], list[int]], bool]:
-    """`check`, asked only once `count` tokens were generated (earlier ones end no row)."""
-    return lambda prompt, generated: len(generated) >= count and check(prompt, generated)
-
-
-@contextmanager
-def openai_stops(min_tokens: int = 0) -> Iterator[None]:
-    """Within this block (this thread or asyncio task), stop strings work as OpenAI's ``stop`` (`hfaccel
-    serve`): they match the generated text only (transformers' ``stop_strings`` also match a string that
-    begins in the prompt), and none ends a row before `min_tokens` tokens, as vLLM's ``min_tokens``
-    holds them (transformers' ``min_new_tokens`` holds EOS only)."""
-    token = _openai_stops.set(min_tokens)
-    try:
-        yield
-    finally:
-        _openai_stops.reset(token)
-
-
-def stop_string_check(
-    tokenizer: Any, stop_strings: list[str], in_prompt: bool | None = None
-) -> Callable[[list[int], list[int]], bool]:
-    """A check of (prompt ids, generated ids) that fires when a stop string ends inside the newest token
-    (overhang allowed), wherever it starts: in the prompt too, as HF's StopStringCriteria matches over
-    the whole row, unless `in_prompt` is False (None: as `openai_stops` says).
-
-    The newest token's text is where the decoded tail stops agreeing with the tail decoded without it:
-    a token may end inside a character (byte-level tokenizers split an emoji or a CJK character over
-    several tokens, each alone decoding to U+FFFD), so the shorter text is not always a prefix of the
-    longer one. A newest token that adds no text ends no stop string. The tail starts a few tokens
-    longer than the longest stop string and doubles while the text before the newest token, less the
-    U+FFFD of a tail that starts inside a character, is shorter than that string (tokens that decode to
-    nothing, characters of several tokens)."""
-    if not stop_strings or any(not isinstance(s, str) or not s for s in stop_strings):
-        raise ValueError(f"stop_strings must be non-empty strings, got {stop_strings!r}")
-    longest = max(map(len, stop_strings))
-    openai = _openai_stops.get() is not None
-    in_prompt = not openai if in_prompt is None else in_prompt
-
-    def check(prompt: list[int], generated: list[int]) -> bool:
-        available = len(generated) + (len(prompt) if in_prompt else 0)
-        size = longest + 2
-        while True:
-            tail = generated[-size:]
-            if len(tail) < size and prompt and in_prompt:
-                tail = prompt[len(tail) - size :] + tail
-            # As HF's StopStringCriteria reads tokens: their own strings, without the clean-up of spaces
-            # before punctuation a tokenizer may apply when it decodes ("a ." -> "a.").
-            text = tokenizer.decode(tail, clean_up_tokenization_spaces=False)
-            previous = (
-                tokenizer.decode(tail[:-1], clean_up_tokenization_spaces=False) if len(tail) > 1 else ""
-            )
-            if previous == text:  # the newest token adds no text: no stop string ends in it
-                return False
-            before = len(os.path.commonprefix([previous, text]))
-            # A window that starts inside a character starts with U+FFFD: not text to match against.
-            broken = len(text) - len(text.lstrip("\ufffd"))
-            if before - broken >= longest - 1 or len(tail) >= available:
-                break
-            size *= 2
-        if openai:  # a character still being decoded ends in U+FFFD, which the answer will not hold
-            text = text.rstrip("\ufffd")  # (as vLLM holds it back; transformers' strings match it)
-        return any((pos := text.rfind(s)) != -1 and pos + len(s) > before for s in stop_strings)
-
-    return check

@@ -17,9 +17,9 @@ from fastapi.sse import format_sse_event
 
 from hfaccel.api import agenerate, astream
 from hfaccel.api.detokenize import Detokenizer, special_tokens
-from hfaccel.patches.params import openai_stops
 from hfaccel.patches.patch_state import strict_calls
 from hfaccel.patches.reply_parsing import response_template
+from hfaccel.patches.stop_strings import openai_stops
 from hfaccel.server.chat_prompt import chat_prompt_ids
 from hfaccel.server.logprob_items import echoed_prompt_items, legacy_logprobs, logprob_items, shown_bytes
 from hfaccel.server.protocol import APIError, ChatMessage

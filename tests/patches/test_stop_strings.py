@@ -1,11 +1,11 @@
-"""`params.stop_string_check`, the engine's stop strings, on a byte-level tokenizer: characters split over
+"""`stop_strings.stop_string_check`, the engine's stop strings, on a byte-level tokenizer: characters split over
 tokens and tokens that decode to nothing."""
 
 from __future__ import annotations
 
 import pytest
 
-from hfaccel.patches.params import stop_string_check
+from hfaccel.patches.stop_strings import stop_string_check
 
 
 class ByteTokenizer:
@@ -107,10 +107,54 @@ def test_openai_stops_do_not_match_a_character_still_being_decoded():
     """Under OpenAI's stop (`openai_stops`, `hfaccel serve`) a U+FFFD that only stands for a character
     still being decoded ends no stop string (the answer never holds it: vLLM holds it back); transformers'
     stop strings read the token strings as they are, U+FFFD included."""
-    from hfaccel.patches.params import openai_stops
+    from hfaccel.patches.stop_strings import openai_stops
 
     ids = TOKENIZER.encode(b"a", EMOJI[:2], EMOJI[2:3], EMOJI[3:], b"a")
     assert fired(stop_string_check(TOKENIZER, ["\ufffd"]), ids) == [2]
     with openai_stops():
         assert fired(stop_string_check(TOKENIZER, ["\ufffd"]), ids) == []
         assert fired(stop_string_check(TOKENIZER, ["a🎉"]), ids) == [4]
+
+
+def test_an_id_beyond_the_tokenizer_breaks_a_stop_string_as_in_hf():
+    """The model's vocabulary (256) is larger than the tokenizer's (98): an id beyond it decodes to
+    nothing, but in HF's StopStringCriteria it matches nothing, so "Q", 175, "w" does not spell "Qw"."""
+    import torch
+
+    import hfaccel
+    from tests.helpers import tiny_model, tiny_tokenizer
+
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    q, w = tokenizer.convert_tokens_to_ids("Q"), tokenizer.convert_tokens_to_ids("w")
+    assert tokenizer.decode([q, 175, w]) == "Qw"
+    check = stop_string_check(tokenizer, ["Qw"])
+    assert fired(check, [q, 175, w, q, w]) == [5], "a match after the unknown id still fires"
+    ask = dict(
+        input_ids=torch.tensor([tokenizer("abc")["input_ids"]]),
+        max_new_tokens=6,
+        stop_strings=["Qw"],
+        tokenizer=tokenizer,
+        sequence_bias={(q,): 100.0, (q, 175): 200.0, (q, 175, w): 300.0},
+    )
+    expected = model.generate(**ask)
+    assert expected[0, -6:-3].tolist() == [q, 175, w]  # HF went on past "Q", 175, "w"
+    hfaccel.patch(model)
+    try:
+        assert torch.equal(model.generate(**ask), expected)
+    finally:
+        hfaccel.unpatch(model)
+
+
+@pytest.mark.parametrize("empty", ["", []])
+def test_empty_stop_strings_are_refused_naming_them(empty):
+    """HF stops at the first token for "" and raises for []: the engine refuses both, as it refuses [""]."""
+    import torch
+
+    import hfaccel
+    from tests.helpers import tiny_model, tiny_tokenizer
+
+    model, tokenizer = hfaccel.patch(tiny_model("llama")), tiny_tokenizer()
+    with pytest.raises(ValueError, match="stop_strings must be non-empty strings"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, stop_strings=empty, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="stop_strings must be non-empty strings"):
+        hfaccel.generate(model, [[5, 6, 7]], max_new_tokens=3, stop_strings=empty, tokenizer=tokenizer)
