@@ -73,6 +73,17 @@ class Detokenizer:
             return after[len(before) :]
         return after[len(before) :] if done else ""
 
+    def flush(self) -> str:
+        """The text held back so far: the sequence ended with no new token."""
+        if not self.windowed:
+            text = self._decode(self.tokens)
+            delta, self._text = text[len(self._text) :], text
+            return delta
+        before = self._decode(self.tokens[self._prefix : self._read])
+        after = self._decode(self.tokens[self._prefix :])
+        self._prefix, self._read = self._read, len(self.tokens)
+        return after[len(before) :]
+
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=self.skip_special_tokens) if tokens else ""
 

@@ -78,10 +78,12 @@ class RequestError(ValueError):
 
 @dataclass
 class StreamEvent:
-    """A new token of one request in `hfaccel.stream`."""
+    """A new token of one request in `hfaccel.stream`; or, for a request that ended with no new token
+    (rejected by its latency target before it ran, no room left to generate), its closing event alone:
+    ``token_id`` None, ``finished`` True and the ``finish_reason``."""
 
     index: int  # the request's position in the prompts given (times num_return_sequences)
-    token_id: int
+    token_id: int | None
     text: str | None  # the text this token adds, when a tokenizer is known
     finished: bool
     finish_reason: str | None

@@ -153,16 +153,24 @@ class StreamEvents:
                 for k, token in enumerate(plan.token_ids):
                     done = k == len(plan.token_ids) - 1
                     yield self._event(index, token, done, plan.finish_reason if done else None)
+                if not plan.token_ids:
+                    yield self._event(index, None, True, plan.finish_reason)
 
     def of(self, update: Update) -> Iterator[StreamEvent]:
         index, request = self.live[update.index]
         for k, token in enumerate(update.token_ids):
             done = update.finished and k == len(update.token_ids) - 1
             yield self._event(index, token, done, request.finish_reason if done else None, request)
+        if update.finished and not update.token_ids:  # it ended with no new token: its closing event
+            yield self._event(index, None, True, request.finish_reason)
 
     def _event(
-        self, index: int, token: int, done: bool, reason: str | None, request: Request | None = None
+        self, index: int, token: int | None, done: bool, reason: str | None, request: Request | None = None
     ) -> StreamEvent:
+        if token is None:  # a closing event: the text still held back, if any
+            held = self.detokenizers.get(index)
+            text = None if self.tokenizer is None else held.flush() if held is not None else ""
+            return StreamEvent(index, None, text, True, reason, prompt_index=self.call.prompt_indexes[index])
         position = self.counts[index] = self.counts.get(index, -1) + 1
         delta = None
         if self.tokenizer is not None:

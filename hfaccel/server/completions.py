@@ -446,6 +446,11 @@ async def stream_pieces(
         pending = [] if first is None else [first]
         async for event in _chain(pending, _while_connected(events, gone)):
             i = event.index
+            if event.token_id is None:  # the choice ended with no new token: its finish alone
+                texts[i] += "" if call.reading else event.text or ""
+                delta, sent[i] = texts[i][sent[i] :], len(texts[i])
+                yield Piece(i, delta, event.finish_reason, None if call.logprobs is False else [])
+                continue
             call.generated += 1
             if raw is not None:
                 piece = (raw[i].add(event.token_id, done=event.finished), event.text or "")

@@ -118,6 +118,22 @@ def test_a_run_of_byte_tokens_is_held_until_it_ends():
     assert deltas[len(word) : len(word) + 4] == [""] * 4  # held while the run goes on
 
 
+def test_flush_sends_what_was_held_when_a_sequence_ends_without_a_token():
+    """A stream's closing event with no token (`StreamEvents`): the held text comes out then."""
+    tokenizer = metaspace_bpe()
+    byte = {b: tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xF0, 0x9F, 0x98, 0x80)}
+    word = tokenizer.encode("snow", add_special_tokens=False)
+    tokens = word + [byte[0xF0], byte[0x9F], byte[0x98], byte[0x80]]
+    for cleanup in (tokenizer, wordpiece_with_cleanup()):
+        ids = tokens if cleanup is tokenizer else cleanup.encode("it ' s", add_special_tokens=False)
+        detokenizer = Detokenizer(cleanup)
+        sent = "".join(detokenizer.add(t) for t in ids)
+        whole = cleanup.decode(ids, skip_special_tokens=True)
+        assert sent != whole, "something was held back"
+        assert sent + detokenizer.flush() == whole
+        assert detokenizer.flush() == ""
+
+
 @settings(max_examples=40, deadline=None)
 @given(text=TEXT)
 def test_a_tokenizer_that_cleans_up_spaces_decodes_the_whole_list(text):

@@ -88,6 +88,17 @@ def test_generate_reports_rejected_requests_and_serves_the_rest():
     rejected = [c for c in completions if c.finish_reason == "rejected"]
     assert all("TTFT target 200 ms cannot be met" in c.error and c.token_ids == [] for c in rejected)
     assert engine.stats()["rejected"] == len(rejected)
+    # A stream closes every request, a rejected one with an event of its own (no token, its reason).
+    events = list(hfaccel.stream(model, prompts, max_new_tokens=3, ttft_target_ms=200))
+    closing = {e.index: e for e in events if e.finished}
+    assert sorted(closing) == [0, 1, 2, 3], "every request's stream ends"
+    assert "rejected" in {e.finish_reason for e in closing.values()}
+    for index, event in closing.items():
+        tokens = [e.token_id for e in events if e.index == index]
+        if event.finish_reason == "rejected":
+            assert tokens == [None] and event.text is None
+        else:
+            assert len(tokens) == 3 and None not in tokens
     # Without a target nothing is refused, and a warned request still completes.
     assert all(
         c.finish_reason == "length"

@@ -752,3 +752,27 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(served, client):
     ask = {"model": MODEL, "messages": CHAT, "max_tokens": 8}
     greedy = client.chat.completions.create(**ask, temperature=0).choices[0].message.content
     assert client.chat.completions.create(**ask, temperature=1e-45).choices[0].message.content == greedy
+
+
+def test_a_choice_that_ends_with_no_token_still_gets_its_finish(served, monkeypatch):
+    """`hfaccel.stream` closes a request that ended with no new token (a latency target rejected it)
+    with an event of its own, token None: its streamed choice still ends with that finish_reason."""
+    import hfaccel.server.completions as completions
+    from hfaccel.api.results import StreamEvent
+
+    async def astream(model, prompts, **kwargs):
+        yield StreamEvent(0, 40, "F", False, None)
+        yield StreamEvent(1, None, None, True, "rejected")
+        yield StreamEvent(0, 41, "G", True, "length")
+
+    monkeypatch.setattr(completions, "astream", astream)
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 2, "n": 2, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    status, _, data = send(served[0], "POST", "/v1/completions", json.dumps(body))
+    assert status == 200
+    events = [json.loads(line[6:]) for line in data.decode().splitlines() if line.startswith("data: {")]
+    finishes = {c["index"]: c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]}
+    assert finishes == {0: "length", 1: "rejected"}
+    texts = ["".join(c["text"] for e in events for c in e["choices"] if c["index"] == i) for i in (0, 1)]
+    assert texts == ["FG", ""]
+    assert events[-1]["usage"]["completion_tokens"] == 2, "a closing event is no token"
