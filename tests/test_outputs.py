@@ -58,6 +58,30 @@ def test_top_logprobs_match_hf_scores(family):
             assert len(top) == 3 + (token not in ids.tolist())
 
 
+def test_a_call_that_falls_back_still_gives_the_logprobs_asked_for():
+    """A call transformers serves (a forward hook here) gives its tokens' logprobs from HF's processed
+    scores, as the engine gives them; a stream too. Beam results carry none, like the engine's."""
+    model = hfaccel.patch(tiny_model("llama"))
+    prompts = varied_prompts(2, seed=5)
+    kwargs = {"max_new_tokens": 5, "repetition_penalty": 1.3}
+    served = hfaccel.generate(model, prompts, logprobs=2, progress=False, **kwargs)
+    hook = model.model.layers[0].register_forward_hook(lambda *args: None)
+    try:
+        with pytest.warns(UserWarning, match="falls back"):
+            fallen = hfaccel.generate(model, prompts, logprobs=2, progress=False, **kwargs)
+        events = list(hfaccel.stream(model, prompts[:1], logprobs=True, **kwargs))
+    finally:
+        hook.remove()
+    for engine, hf_run in zip(served, fallen):
+        assert hf_run.token_ids == engine.token_ids
+        assert hf_run.logprobs == pytest.approx(engine.logprobs, abs=1e-4)
+        assert [list(t) for t in hf_run.top_logprobs] == [list(t) for t in engine.top_logprobs]
+    assert [e.logprob for e in events] == pytest.approx(served[0].logprobs, abs=1e-4)
+    beams = hfaccel.generate(model, prompts[:1], logprobs=2, num_beams=2, progress=False, max_new_tokens=3)
+    assert beams[0].logprobs is None and beams[0].top_logprobs is None
+    hfaccel.unpatch(model)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_prompt_logprobs_of_a_long_prompt_are_computed_a_slice_at_a_time(family, monkeypatch):
     """Past the logits budget a prompt's logprobs come a slice of positions per forward (`logits_to_keep`):

@@ -21,6 +21,7 @@ from hfaccel.api.prompts import (
 )
 from hfaccel.api.results import Call, Done, Hypothesis, no_metrics
 from hfaccel.engine.request import Request
+from hfaccel.engine.sampler import top_logprobs as most_likely
 from hfaccel.patches.arguments import check_generate_kwargs, normalize_cache_argument
 from hfaccel.patches.generate import warn_past_context
 from hfaccel.patches.models import reasons_held, reasons_suspended
@@ -198,14 +199,21 @@ def plan_prompt(
         extra = dict(kwargs) if adapter is None else dict(kwargs, adapter_names=[adapter])  # PEFT's generate
         if config is not None:
             extra["generation_config"] = copy.deepcopy(config)
+        scored = logprobs and (call.config.num_beams or 1) == 1  # (beams: none, as the engine's beams)
+        if scored:  # the processed scores HF samples from: the log-probabilities asked for
+            extra.update(output_scores=True, return_dict_in_generate=True)
         with reasons_suspended():  # the user's code it runs may generate, in another state of the model
             output = state.run_original(input_ids, tokenizer=tokenizer, seed=seed, **extra)
         seconds = time.perf_counter() - start
         sequences = output.sequences if hasattr(output, "sequences") else output
-        return [
+        done = [
             Done(ids, new, stopped, metrics=no_metrics(seconds))
             for new, stopped in unpadded_copies(sequences, len(ids), call.config, tokenizer)
         ]
+        if scored:
+            for row, plan in enumerate(done):
+                add_scored_logprobs(plan, [step[row] for step in output.scores], top_logprobs)
+        return done
     if call.stopping.max_new_tokens <= 0:
         return [Done(ids, metrics=no_metrics(0.0)) for _ in range(call.copies)]
     engine = state.get_engine(model)
@@ -213,6 +221,17 @@ def plan_prompt(
         request = beam_requests(call, engine, targets, seed)[0]
         return [Hypothesis(request, rank) for rank in range(call.copies)]
     return make_requests(call, engine, seed, targets)
+
+
+def add_scored_logprobs(plan: Done, scores: list[torch.Tensor], top: int | None) -> None:
+    """`plan`'s logprobs (and `top` most likely tokens) from the ``[V]`` scores HF chose each token from,
+    as the engine's sampler records them (log-softmax in float32)."""
+    plan.logprobs, plan.top_logprobs = [], None if top is None else []
+    for token, row in zip(plan.token_ids, scores):
+        logprobs = torch.log_softmax(row.float(), dim=-1).cpu()
+        plan.logprobs.append(float(logprobs[token]))
+        if plan.top_logprobs is not None:
+            plan.top_logprobs.append(most_likely(logprobs, token, top))
 
 
 def unpadded_copies(

@@ -114,6 +114,8 @@ class Done:
     finish_reason: str = "length"
     error: str | None = None
     metrics: dict[str, float | None] = field(default_factory=no_metrics)
+    logprobs: list[float] | None = None  # asked for, of a run by HF: from its processed scores
+    top_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -158,7 +160,9 @@ def build_completion(plan: Request | Hypothesis | Done, tokenizer: Any, prompt_i
             text,
             plan.finish_reason,
             dict(plan.metrics),
+            plan.logprobs,
             error=plan.error,
+            top_logprobs=plan.top_logprobs,
             prompt_index=prompt_index,
         )
     metrics = {
@@ -233,7 +237,12 @@ def _hypothesis_completion(plan: Hypothesis, tokenizer: Any, prompt_index: int) 
     stopped = bool(tokens) and tokens[-1] in plan.request.stopping.eos_token_ids
     text = tokenizer.decode(tokens, skip_special_tokens=True) if tokenizer is not None else None
     return dataclasses.replace(
-        completion, token_ids=tokens, text=text, finish_reason="stop" if stopped else "length", logprobs=None
+        completion,
+        token_ids=tokens,
+        text=text,
+        finish_reason="stop" if stopped else "length",
+        logprobs=None,
+        top_logprobs=None,
     )
 
 

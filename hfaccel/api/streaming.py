@@ -152,7 +152,11 @@ class StreamEvents:
             if isinstance(plan, Done):
                 for k, token in enumerate(plan.token_ids):
                     done = k == len(plan.token_ids) - 1
-                    yield self._event(index, token, done, plan.finish_reason if done else None)
+                    event = self._event(index, token, done, plan.finish_reason if done else None)
+                    if plan.logprobs is not None:  # asked for: from HF's scores (`add_scored_logprobs`)
+                        event.logprob = plan.logprobs[k]
+                        event.top_logprobs = None if plan.top_logprobs is None else plan.top_logprobs[k]
+                    yield event
                 if not plan.token_ids:
                     yield self._event(index, None, True, plan.finish_reason)
 
