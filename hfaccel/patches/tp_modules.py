@@ -64,6 +64,17 @@ def run_locally(model: nn.Module, styles: dict[str, Any], tp: TPState) -> int:
                 if isinstance(param, DTensor):
                     local = param.to_local().detach().clone()
                     setattr(module, name, nn.Parameter(local, requires_grad=False))
+            for name, buffer in list(module.named_buffers(recurse=False)):  # (Gemma's embed_scale)
+                if isinstance(buffer, DTensor) and all(p.is_replicate() for p in buffer.placements):
+                    module.register_buffer(
+                        name,
+                        buffer.to_local().clone(),
+                        persistent=name not in module._non_persistent_buffers_set,
+                    )
+            if isinstance(module, nn.Embedding):
+                # Its class's own forward runs on the shard (`_lookup`), where a global padding row may
+                # lie outside the local rows; the padding row only matters to gradients.
+                module.padding_idx = None
             if isinstance(style, ColwiseParallel):
                 gather = style.output_layouts[0] == REPLICATE
                 module.forward = partial(_colwise_forward, module, gather, tp)
@@ -74,9 +85,16 @@ def run_locally(model: nn.Module, styles: dict[str, Any], tp: TPState) -> int:
     return switched
 
 
+def _lookup(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding's own forward on its local shard: a subclass's too (Gemma's scales the rows by the
+    square root of the hidden size), which works row by row and column by column, so a shard of the
+    table gives the shard of its output exactly."""
+    return type(module).forward(module, ids)
+
+
 def _colwise_forward(module: nn.Module, gather: bool, tp: TPState, x: torch.Tensor) -> torch.Tensor:
     embedding = isinstance(module, nn.Embedding)
-    y = F.embedding(x, module.weight) if embedding else F.linear(x, module.weight, module.bias)
+    y = _lookup(module, x) if embedding else F.linear(x, module.weight, module.bias)
     return gather_last(y, tp) if gather else y
 
 
@@ -85,7 +103,7 @@ def _rowwise_forward(module: nn.Module, split: bool, tp: TPState, x: torch.Tenso
         rows = module.weight.shape[0]
         local = x - tp.rank * rows
         outside = (local < 0) | (local >= rows)
-        y = F.embedding(local.masked_fill(outside, 0), module.weight)
+        y = _lookup(module, local.masked_fill(outside, 0))
         y = y.masked_fill(outside.unsqueeze(-1), 0.0)
         bias = None
     else:

@@ -85,6 +85,13 @@ def test_family_parity(family, sequence_parallel):
 
 
 @full_only
+def test_scaled_embeddings_keep_their_scale():
+    """Gemma's embedding module scales its rows by sqrt(hidden): the local runtime's vocab-sharded lookup
+    runs the module's own forward on its shard."""
+    check_parity_results(run_ranks("tests.distributed.workers:parity", model_type="gemma"), False)
+
+
+@full_only
 def test_kv_heads_fewer_than_ranks_are_replicated():
     results = run_ranks("tests.distributed.workers:parity", kv_heads=1, sequence_parallel=True)
     check_parity_results(results, True)

@@ -44,11 +44,17 @@ def parity(
     kv_heads: int | None = None,
     runtime: str = "local",
     check_divergence: bool = False,
+    model_type: str | None = None,
 ) -> dict:
     """Greedy parity of a TP=2 model with the single-process engine: chunked prefill (16-token budget),
     prefix-cache hits and preemption (a small KV cache); then a seeded sampled run, the step plans, and
     what the residual stream looked like at each step."""
-    model = tiny_model(family) if kv_heads is None else _tiny_with_kv_heads(family, kv_heads)
+    if model_type is not None:  # another family, from `bench.families` (2 layers, as tiny_model's)
+        from hfaccel.bench.families import family_model
+
+        model = family_model(model_type, num_hidden_layers=2)
+    else:
+        model = tiny_model(family) if kv_heads is None else _tiny_with_kv_heads(family, kv_heads)
     unsharded = copy.deepcopy(model)
     prompts = varied_prompts(12)
     reference = _greedy_reference(unsharded, prompts)
