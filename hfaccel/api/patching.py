@@ -15,7 +15,8 @@ import torch
 from hfaccel.config import EngineConfig, is_draft_model
 from hfaccel.distributed.dp import setup_data_parallel
 from hfaccel.distributed.layout import parallel_layout
-from hfaccel.distributed.pp import setup_pipeline_parallel
+from hfaccel.distributed.pp import check_pipeline_size, setup_pipeline_parallel
+from hfaccel.patches import pp_stages
 from hfaccel.patches.attention import register_attention, restore_attention
 from hfaccel.patches.ep_modules import setup_expert_parallel
 from hfaccel.patches.generate import patched_generate
@@ -142,6 +143,7 @@ def patch(
             # The served model's checks, with the dtype its weights will have, before they change (a
             # patch refused leaves them as they were). A parallel layout is checked once set up.
             check_engine_config(model, engine_config, dtype=planned_dtype(model, weights))
+        check_pipeline_stages(model, layout["pipeline_parallel_size"])
         apply_weights(model, weights)
         tp_args = (layout["tensor_parallel_size"], device_mesh, layout["sequence_parallel"])
         setup_tensor_parallel(model, *tp_args, engine_config.batching)  # shards the model when N > 1
@@ -293,3 +295,14 @@ def patched_for_call(model: Any) -> Iterator[PatchState]:
                 state.temporary_users -= 1
                 if state.temporary and state.temporary_users == 0 and model.__dict__.get("_hfaccel") is state:
                     unpatch(model)
+
+
+def check_pipeline_stages(model: Any, size: int | None) -> None:
+    """Refuse pipeline parallelism (before anything is set up) where the stages would compute other than
+    the model's own forward (`pp_stages.unsupported_reason`)."""
+    if size is None or size == 1 or parallel_layout(model).pp is not None:
+        return
+    check_pipeline_size(size, model.config.get_text_config(decoder=True).num_hidden_layers)
+    reason = pp_stages.unsupported_reason(model)
+    if reason is not None:
+        raise ValueError(f"pipeline_parallel_size={size} is not possible: {reason}")

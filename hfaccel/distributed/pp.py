@@ -60,7 +60,8 @@ def check_pipeline_size(size: Any, num_layers: int) -> None:
 
 
 def setup_pipeline_parallel(model: Any, size: int | None) -> PPState | None:
-    """What `hfaccel.patch` does about pipeline parallelism; the model's `PPState` (or None)."""
+    """What `hfaccel.patch` does about pipeline parallelism; the model's `PPState` (or None). The model's
+    forward was checked first (`patches/pp_stages.py`)."""
     existing = parallel_layout(model).pp
     if size is None:
         return existing
@@ -72,13 +73,6 @@ def setup_pipeline_parallel(model: Any, size: int | None) -> PPState | None:
         if existing.size != size:
             raise ValueError(f"the model is already split into {existing.size} stages")
         return existing
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    missing = [n for n in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(base, n)]
-    if missing:
-        raise ValueError(
-            f"pipeline parallelism runs Llama-style decoders (embed_tokens, rotary_emb, layers, norm); "
-            f"{type(model).__name__} lacks {', '.join(missing)}"
-        )
     if parallel_layout(model).tp is not None:
         raise ValueError("pipeline parallelism combined with tensor parallelism is not supported yet")
     init_world(size, "pipeline_parallel_size", next(model.parameters()).device)

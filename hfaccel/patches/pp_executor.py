@@ -3,7 +3,8 @@
 The stage calls its own decoder layers the way HF's ``LlamaModel.forward`` does (rotary position
 embeddings from ``model.model.rotary_emb`` and the step's ``position_ids``; no mask: the paged metadata
 carries causality), the first stage embeds the tokens, the last applies the final norm and the LM head
-at the sampled positions. Activations ``[1, T_m, hidden]`` travel between stages by point-to-point
+at the sampled positions, with the model-level scales of its family (`pp_stages.StageModel`, checked
+against the model's own forward at patch). Activations ``[1, T_m, hidden]`` travel between stages by point-to-point
 ops; every rank knows each microbatch's token count T_m (the ranks schedule in lock step), so every
 receive is posted with its shape before the data arrives.
 
@@ -41,6 +42,7 @@ from hfaccel.kernels.op import ForwardContext, forward_context
 from hfaccel.patches.arguments import CACHE_NAME
 from hfaccel.patches.attention import engine_attention
 from hfaccel.patches.executor import HFExecutor
+from hfaccel.patches.pp_stages import StageModel
 
 
 class StageCaches(Sequence):
@@ -69,12 +71,10 @@ class PPExecutor(HFExecutor):
         self.pp = pp
         self.num_layers = pp.layer_end - pp.layer_start
         self.step_sync = StepSync(pp.group, pp.ranks[-1], pp.size)
-        base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        self.base = base
-        self.layers = list(base.layers[pp.layer_start : pp.layer_end])
-        config = model.config.get_text_config(decoder=True)
-        self.hidden_size = config.hidden_size
-        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.stage_model = StageModel(model)  # the forward around the layers (checked at patch)
+        self.base = self.stage_model.base
+        self.layers = list(self.base.layers[pp.layer_start : pp.layer_end])
+        self.hidden_size = model.config.get_text_config(decoder=True).hidden_size
         # (step, stage, microbatch, phase, start_s, end_s) per microbatch this stage ran, for tests.
         self.trace: deque[tuple[int, int, str, float, float]] = deque(maxlen=100_000)
         self.num_steps = 0
@@ -113,7 +113,7 @@ class PPExecutor(HFExecutor):
         for m, part in enumerate(parts):
             input_ids, positions, logits_indices, context = prepare(part)
             if pp.first:
-                hidden = self.base.embed_tokens(input_ids)
+                hidden = self.stage_model.embed(input_ids)
             else:
                 if prefill:
                     recv_works[m].wait()
@@ -124,10 +124,7 @@ class PPExecutor(HFExecutor):
             hidden = self._layers(hidden, positions, context)
             if pp.last:
                 hidden = self.base.norm(hidden)
-                logits = self.model.get_output_embeddings()(hidden[:, logits_indices])
-                if self.softcap:  # as the families with final_logit_softcapping do after the head
-                    logits = torch.tanh(logits / self.softcap) * self.softcap
-                outputs.append(logits[0])
+                outputs.append(self.stage_model.logits(hidden[:, logits_indices])[0])
             # The stage's work ends before its send: a blocking send returns only once the next stage
             # took the data, so a timestamp after it could fall after that stage started.
             self.trace.append((step, pp.stage, m, phase, start, time.perf_counter()))
@@ -156,7 +153,7 @@ class PPExecutor(HFExecutor):
         stage_context = ForwardContext(
             context.backend, context.metadata, StageCaches(context.kv_caches, self.pp.layer_start)
         )
-        position_embeddings = self.base.rotary_emb(hidden, position_ids=positions)
+        position_embeddings = self.stage_model.position_embeddings(hidden, positions)
         with engine_attention(self.model), forward_context(stage_context):
             for layer in self.layers:
                 hidden = layer(

@@ -11,10 +11,18 @@ from tests.distributed.workers import MAX_NEW, _greedy_reference
 from tests.helpers import assert_same_or_near_tie, tiny_model, varied_prompts
 
 
-def pp_parity(rank: int, microbatches: int = 2, layers: int = 4, family: str = "llama") -> dict:
+def pp_parity(
+    rank: int, microbatches: int = 2, layers: int = 4, family: str = "llama", scales: dict | None = None
+) -> dict:
     """Greedy parity of PP=2 (tiny model, `layers` decoder layers) with the single-process engine, with
-    chunked prefill (a 32-token budget) and `microbatches` microbatches per step."""
-    model = tiny_model(family, layers=layers)
+    chunked prefill (a 32-token budget) and `microbatches` microbatches per step. With `scales`, a
+    `bench.families` model of `family` with those model-level scales in its config."""
+    if scales is None:
+        model = tiny_model(family, layers=layers)
+    else:
+        from hfaccel.bench.families import family_model
+
+        model = family_model(family, num_hidden_layers=layers, **scales)
     whole = copy.deepcopy(model)
     prompts = varied_prompts(8)
     reference = _greedy_reference(whole, prompts)

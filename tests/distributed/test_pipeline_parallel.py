@@ -67,6 +67,17 @@ def test_pp2_families(family):
     check(run_ranks("tests.distributed.pp_workers:pp_parity", family=family), 2)
 
 
+@full_only
+@pytest.mark.parametrize(
+    ("family", "scales"),
+    [("granite", {"embedding_multiplier": 12.0, "logits_scaling": 8.0}), ("cohere", {"logit_scale": 0.0625})],
+)
+def test_pp2_model_level_scales(family, scales):
+    """Granite scales the embeddings and the logits, Cohere the logits: the stages do as the model does
+    (greedy and, through the logprobs, the distribution)."""
+    check(run_ranks("tests.distributed.pp_workers:pp_parity", family=family, scales=scales), 2)
+
+
 @pytest.mark.parametrize("bad", [0, 1.5, True])
 def test_bad_pipeline_sizes_are_refused(bad):
     import hfaccel
