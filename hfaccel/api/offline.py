@@ -4,6 +4,7 @@ order."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from typing import Any
@@ -112,7 +113,10 @@ def run_data_parallel(
     plans = call.plans
     indices = [i for i, plan in enumerate(plans) if isinstance(plan, Request)]
     owner = data_parallel.spread(
-        dp, state.get_engine(model), [len(plans[i].prompt_token_ids) for i in indices]
+        dp,
+        state.get_engine(model),
+        [len(plans[i].prompt_token_ids) for i in indices],
+        call_fingerprint(plans),
     )
     mine = [i for i, o in zip(indices, owner) if o == dp.replica]
     if mine:  # an error of its own comes back as an error completion: every rank reaches the gather
@@ -123,6 +127,20 @@ def run_data_parallel(
         done[i] if i in done else build_completion(plan, tokenizer, index_of[i])
         for i, plan in enumerate(plans)
     ]
+
+
+def call_fingerprint(plans: list) -> str:
+    """A digest of what a call asks: each result's kind, prompt and (for an engine request) its length
+    limits and whether it samples; data-parallel ranks compare it (`data_parallel.spread`)."""
+    parts = []
+    for plan in plans:
+        request = plan if isinstance(plan, Request) else getattr(plan, "request", None)  # (a beam's)
+        limits = None
+        if request is not None:
+            stopping, sampling = request.stopping, request.sampling
+            limits = (stopping.max_new_tokens, stopping.min_new_tokens, sampling.do_sample)
+        parts.append((type(plan).__name__, list((request or plan).prompt_token_ids), limits))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
 
 
 async def agenerate(

@@ -86,10 +86,20 @@ def assign_requests(costs: list[int], loads: list[tuple[int, int]]) -> list[int]
     return owner
 
 
-def spread(dp: DPState, engine: Any, costs: list[int]) -> list[int]:
-    """Every replica's load gathered (a collective over the world), then `assign_requests`."""
-    loads: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(loads, replica_load(engine))
+def spread(dp: DPState, engine: Any, costs: list[int], call: str = "") -> list[int]:
+    """Every replica's load gathered (a collective over the world), then `assign_requests`. `call`
+    fingerprints the rank's call: every rank must have made the same one (each returns all the
+    completions), so ranks that did not all raise, at once."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (replica_load(engine), call))
+    calls = [c for _, c in gathered]
+    if any(c != calls[0] for c in calls):
+        differ = [r for r, c in enumerate(calls) if c != calls[0]]
+        raise ValueError(
+            "data parallelism: every rank must call hfaccel.generate with the same prompts and arguments "
+            f"(each returns all the completions); rank(s) {differ} called with others than rank 0"
+        )
+    loads = [load for load, _ in gathered]
     per_replica = [loads[r * dp.ranks_per_replica] for r in range(dp.size)]
     owner = assign_requests(costs, per_replica)
     dp.assignments.append((owner, per_replica))

@@ -125,6 +125,26 @@ def dp_parity(
     }
 
 
+def dp_different_calls(rank: int) -> dict:
+    """Each rank of DP=2 calls with its own prompts, then its own max_new_tokens: both raise, the same
+    error at once (each would have got the other's completions), and the replicas stay usable."""
+    model = hfaccel.patch(tiny_model("llama"), data_parallel_size=2)
+    errors = []
+    for kwargs in (
+        {"prompts": [[5, 6, 7], [8 + rank, 9]], "max_new_tokens": 3},
+        {"prompts": [[5, 6, 7], [8, 9]], "max_new_tokens": 3 + rank},
+        {"prompts": [[5, 6, 7]] * (1 + rank), "max_new_tokens": 3},
+    ):
+        prompts = kwargs.pop("prompts")
+        try:
+            hfaccel.generate(model, prompts, do_sample=False, progress=False, **kwargs)
+            errors.append(None)
+        except ValueError as error:
+            errors.append(str(error))
+    same = hfaccel.generate(model, [[5, 6, 7], [8, 9]], max_new_tokens=3, do_sample=False, progress=False)
+    return {"errors": errors, "after": [c.token_ids for c in same]}
+
+
 def ep_parity(rank: int, family: str = "mixtral", microbatches: int = 2) -> dict:
     """Greedy parity of EP=2 (half the experts per rank, all-to-all routing) with the single-process
     engine, with `microbatches` microbatches per step."""

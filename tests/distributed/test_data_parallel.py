@@ -31,6 +31,15 @@ def test_dp2_parity():
     check(run_ranks("tests.distributed.pp_workers:dp_parity"), 1)
 
 
+def test_ranks_that_call_with_different_prompts_or_arguments_all_raise():
+    results = run_ranks("tests.distributed.pp_workers:dp_different_calls")
+    for result in results:
+        assert all(
+            e is not None and "rank(s) [1] called with others than rank 0" in e for e in result["errors"]
+        )
+    assert results[0]["after"] == results[1]["after"] and all(results[0]["after"])
+
+
 @full_only
 def test_dp2_with_tp2_inside():
     check(run_ranks("tests.distributed.pp_workers:dp_parity", world=4, tensor_parallel_size=2), 2)
