@@ -180,13 +180,17 @@ class LatencyConfig:
 
     def __post_init__(self) -> None:
         for name in ("tpot_target_ms", "ttft_target_ms"):
-            value = getattr(self, name)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
-            ):
-                raise ValueError(f"{name} must be a positive number of milliseconds or None, got {value!r}")
+            check_latency_target(name, getattr(self, name))
         if self.admission not in ADMISSION_MODES:
             raise ValueError(f"admission must be one of {ADMISSION_MODES}, got {self.admission!r}")
+
+
+def check_latency_target(name: str, value: Any) -> None:
+    """A latency target is a positive number of milliseconds or None (NaN is none of these)."""
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+    ):
+        raise ValueError(f"{name} must be a positive number of milliseconds or None, got {value!r}")
 
 
 @dataclass(frozen=True)

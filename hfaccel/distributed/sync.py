@@ -69,7 +69,6 @@ class StepSync:
     def check_step(self, step: Any, packed: Any) -> None:
         """Record this rank's step plan and raise RuntimeError (on every rank) unless all ranks are about
         to run the very same packed step."""
-        self.plans.append((tuple(r.request_id for r in step.requests), tuple(step.num_tokens)))
         layout = packed.layout
         fields = (
             packed.input_ids,
@@ -79,6 +78,17 @@ class StepSync:
             layout.query_lens,
             layout.seq_lens,
         )
+        self._check((tuple(r.request_id for r in step.requests), tuple(step.num_tokens)), fields)
+
+    def check_drained(self) -> None:
+        """This rank's engine has just emptied (its requests finished, failed or were cancelled): an empty
+        plan checked against the others', which empty at the same step when they ran the same calls, so
+        a rank whose call ended alone (a processor that raised on it only, other length limits) raises
+        on every rank instead of leaving the others waiting at their next step for ever."""
+        self._check(((), ()), ())
+
+    def _check(self, plan: tuple[tuple[Any, ...], tuple[int, ...]], fields: tuple) -> None:
+        self.plans.append(plan)
         digest = hashlib.blake2b(digest_size=8)
         for values in fields:
             digest.update(array("q", values).tobytes())

@@ -357,6 +357,23 @@ class BeamGroup:
         return nb * blocks_for(longest, block_size) - (nb - 1) * shared
 
 
+def check_beam_request(request: Request, max_model_len: int) -> None:
+    """Check a beam search request for an engine of `max_model_len` (unstreamed, within the context) and
+    attach its group."""
+    if request.sampling.do_sample != request.sampling.beam.do_sample:
+        raise ValueError("beam search: SamplingParams.do_sample must be its BeamParams.do_sample")
+    prompt = len(request.prompt_token_ids) - request.masked_last  # a masked last token is not kept
+    if prompt + request.stopping.max_new_tokens > max_model_len:
+        raise ValueError(
+            f"beam search: the prompt ({prompt} tokens) plus max_new_tokens "
+            f"({request.stopping.max_new_tokens}) runs past the model's context (max_model_len="
+            f"{max_model_len}); lower max_new_tokens"
+        )
+    if request.stopping.stop_check is not None:
+        raise ValueError("beam search with stop strings is not served by the engine")
+    attach(request)
+
+
 def attach(request: Request) -> BeamGroup | None:
     """Give a beam request (``sampling.beam`` set) its group, once; None for other requests."""
     params = getattr(request.sampling, "beam", None)

@@ -12,11 +12,10 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from hfaccel.config import EngineConfig
+from hfaccel.config import EngineConfig, check_latency_target
 from hfaccel.engine.async_step import AsyncStepper, resolve_async_scheduling
 from hfaccel.engine.batch import pack_step
-from hfaccel.engine.beam_search import attach as attach_beams
-from hfaccel.engine.beam_search import snapshot_kv
+from hfaccel.engine.beam_search import check_beam_request, snapshot_kv
 from hfaccel.engine.block_manager import blocks_for
 from hfaccel.engine.cost_model import StepCostModel
 from hfaccel.engine.decode_buckets import resolve_compile_mode
@@ -116,6 +115,7 @@ class Engine:
         self.warmup_seconds: float | None = None
         self._requests_bring_proposers = False  # some request has its own draft source: draft every step
         self._imported_kv = False  # some request brought K/V to write into its blocks when admitted
+        self._drain_owed = False  # ranks in lock step: held work since the last empty check (`sync_drain`)
         if draft is None:
             self.proposer = make_proposer(self.config)
         else:
@@ -285,11 +285,9 @@ class Engine:
         the executor applies to this request alone (it must have ``check_adapter``); its prefix-cache
         blocks are shared only with requests of the same adapter. `masked_last`: the prompt's last token
         is HF's masked last column (`Request.masked_last`), fed for its logits and never kept."""
-        for name, value in (("tpot_target_ms", tpot_target_ms), ("ttft_target_ms", ttft_target_ms)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
-            ):
-                raise ValueError(f"{name} must be a positive number of milliseconds or None, got {value!r}")
+        if tpot_target_ms is not None or ttft_target_ms is not None:
+            check_latency_target("tpot_target_ms", tpot_target_ms)
+            check_latency_target("ttft_target_ms", ttft_target_ms)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         ids = [int(t) for t in prompt_token_ids]
@@ -319,24 +317,9 @@ class Engine:
         if sampling.do_sample:
             request.seed = int(seed) if seed is not None else int(torch.randint(0, 2**62, ()).item())
         if sampling.beam is not None:
-            self._check_beam_request(request)
+            check_beam_request(request, self.max_model_len)
         self.scheduler.check(request)
         return request
-
-    def _check_beam_request(self, request: Request) -> None:
-        """A beam search request (engine/beam_search.py): unstreamed, within the context."""
-        if request.sampling.do_sample != request.sampling.beam.do_sample:
-            raise ValueError("beam search: SamplingParams.do_sample must be its BeamParams.do_sample")
-        prompt = len(request.prompt_token_ids) - request.masked_last  # a masked last token is not kept
-        if prompt + request.stopping.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"beam search: the prompt ({prompt} tokens) plus max_new_tokens "
-                f"({request.stopping.max_new_tokens}) runs past the model's context (max_model_len="
-                f"{self.max_model_len}); lower max_new_tokens"
-            )
-        if request.stopping.stop_check is not None:
-            raise ValueError("beam search with stop strings is not served by the engine")
-        attach_beams(request)
 
     def add(self, request: Request) -> None:
         """Queue a request built by `make_request`."""
@@ -350,6 +333,14 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def sync_drain(self) -> None:
+        """Ranks in lock step (tensor or pipeline parallel): once this engine has emptied after holding
+        work, check an empty plan against the other ranks' (`StepSync.check_drained`): RuntimeError on
+        every rank where another still has work, rather than a rank waiting for the others for ever."""
+        if self.step_sync is not None and self._drain_owed and not self.scheduler.has_unfinished():
+            self._drain_owed = False
+            self.step_sync.check_drained()
 
     def step(self, draining: bool = False) -> list[Request]:
         """Run one iteration; returns the requests that finished in it.
@@ -399,6 +390,7 @@ class Engine:
             self.runner.copy_blocks(*copies)
         if self.step_sync is not None:  # tensor parallel: every rank runs this very step
             self.step_sync.check_step(step, packed)
+            self._drain_owed = True
         packed_at = time.perf_counter()
         logits, tokens, ran_at, overlapped = self._run_and_sample(packed)
         if self.step_sync is not None:  # tensor parallel: rank 0's tokens everywhere
@@ -441,6 +433,7 @@ class Engine:
         self.num_steps += 1
         self.num_generated_tokens += sum(len(t) if isinstance(t, list) else 1 for t in tokens)
         self.scheduler.scheduled = []  # the step is done: nothing of it is left to fail
+        self.sync_drain()
         return finished + rejected
 
     def _run_and_sample(self, packed: Any) -> tuple[Any, list, float, float]:

@@ -22,6 +22,7 @@ import asyncio
 import atexit
 import contextlib
 import itertools
+import logging
 import threading
 import weakref
 from collections import deque
@@ -33,6 +34,8 @@ from hfaccel.engine.engine import Engine
 from hfaccel.engine.request import Request
 from hfaccel.engine.submission import LoopClosed, Submission, Update
 from hfaccel.engine.submission import this_thread as _this_thread
+
+logger = logging.getLogger("hfaccel")
 
 _loops: weakref.WeakSet[EngineLoop] = weakref.WeakSet()
 _THREAD_NAME = "hfaccel-engine-loop"
@@ -331,6 +334,8 @@ class EngineLoop:
         if self._busy():
             self._send_held()
             self._step()
+        elif any(kind == "cancel" for kind, _ in commands):
+            self._check_drained()
         with self._lock:
             if not self._busy() and not self._inbox:
                 self._idle = True
@@ -400,6 +405,14 @@ class EngineLoop:
         if served:
             threads = frozenset(s.thread for s in served.values())
             self.step_log.append(LoopStep(step_number, num_seqs, frozenset(served), threads))
+
+    def _check_drained(self) -> None:
+        """Cancels emptied the engine: ranks in lock step check that they all did (`Engine.sync_drain`).
+        Its callers are gone; the other ranks' calls get the divergence."""
+        try:
+            self.engine.sync_drain()
+        except RuntimeError as error:
+            logger.warning("hfaccel: %s", error)
 
     def _after_failed_step(self, error: Exception) -> None:
         """A step raised. The engine fails that step's requests (finish_reason "error", `request.error`);

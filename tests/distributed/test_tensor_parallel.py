@@ -84,6 +84,15 @@ def test_family_parity(family, sequence_parallel):
     )
 
 
+def test_a_call_that_ends_on_one_rank_raises_on_every_rank():
+    first, second = run_ranks("tests.distributed.workers:one_rank_ends_alone")
+    assert first["errors"][0].startswith("RuntimeError: tensor-parallel ranks diverged")
+    assert second["errors"][0] == "ValueError: a processor failed on rank 1"
+    for result in (first, second):  # rank 0 emptied first, rank 1 still had work: both see it
+        assert result["errors"][1].startswith("RuntimeError: tensor-parallel ranks diverged")
+    assert first["after"] == second["after"] and all(len(t) == 4 for t in first["after"])
+
+
 @full_only
 def test_scaled_embeddings_keep_their_scale():
     """Gemma's embedding module scales its rows by sqrt(hidden): the local runtime's vocab-sharded lookup

@@ -187,3 +187,31 @@ def dropout_pause(rank: int) -> dict:
         model.generate(torch.tensor([list(range(5, 40))]), max_new_tokens=2, do_sample=False)
         sharing[mode] = model._hfaccel.engine.block_manager.enable_prefix_caching
     return sharing
+
+
+def one_rank_ends_alone(rank: int) -> dict:
+    """TP=2 calls that end on one rank only: a logits processor that raises on rank 1 (errors="raise":
+    rank 1's call cancels its other request), then other max_new_tokens per rank (rank 0 empties first).
+    Every rank must raise, none wait for the other for ever; then the same call on both succeeds."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class RaisesOnRankOne(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if rank == 1 and input_ids.shape[-1] >= 8:
+                raise ValueError("a processor failed on rank 1")
+            return scores
+
+    model = hfaccel.patch(tiny_model("llama"), tensor_parallel_size=2)
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    errors = []
+    for kwargs in (
+        {"logits_processor": LogitsProcessorList([RaisesOnRankOne()]), "max_new_tokens": 8},
+        {"max_new_tokens": 4 + 4 * rank},
+    ):
+        try:
+            hfaccel.generate(model, prompts, do_sample=False, progress=False, **kwargs)
+            errors.append(None)
+        except (RuntimeError, ValueError) as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    after = hfaccel.generate(model, prompts, max_new_tokens=4, do_sample=False, progress=False)
+    return {"errors": errors, "after": [c.token_ids for c in after]}

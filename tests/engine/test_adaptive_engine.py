@@ -117,6 +117,11 @@ def test_invalid_targets_are_refused_with_the_field_named():
     engine = Engine(MODEL, EngineConfig(kv_cache_memory=4_000_000))
     with pytest.raises(ValueError, match="tpot_target_ms must be a positive number"):
         engine.make_request([5, 6], StoppingParams(max_new_tokens=2), tpot_target_ms=0)
+    for value in (float("nan"), -1.0):
+        with pytest.raises(ValueError, match="ttft_target_ms must be a positive number"):
+            engine.make_request([5, 6], StoppingParams(max_new_tokens=2), ttft_target_ms=value)
+        with pytest.raises(ValueError, match="tpot_target_ms must be a positive number"):
+            EngineConfig(tpot_target_ms=value)
     with pytest.raises(ValueError, match="priority must be an integer"):
         engine.make_request([5, 6], StoppingParams(max_new_tokens=2), priority=1.5)
     with pytest.raises(ValueError, match="admission must be one of"):
