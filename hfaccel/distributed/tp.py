@@ -59,6 +59,8 @@ class TPState:
         sequence_parallel: shard the token dimension in prefill steps.
         sharded_by: ``"hfaccel"`` (`parallelize_module` at patch time) or ``"transformers"`` (at load).
         kv_replicated: KV heads fewer than N: each rank holds a copy of the KV head its query heads use.
+        heads_gathered: the attention projections gather their outputs (OLMo 2's plan, which norms q and
+            k across all heads): every rank's attention runs every head.
     """
 
     mesh: Any
@@ -68,6 +70,7 @@ class TPState:
     sequence_parallel: bool
     sharded_by: str
     kv_replicated: bool = False
+    heads_gathered: bool = False
 
     @property
     def group(self) -> Any:

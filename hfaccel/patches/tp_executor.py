@@ -36,7 +36,7 @@ class TPExecutor(HFExecutor):
     def __init__(self, model: Any, tp: TPState) -> None:
         super().__init__(model)
         self.tp = tp
-        self.num_q_heads, self.num_kv_heads = local_heads(model, self.head_dim)
+        self.num_q_heads, self.num_kv_heads = local_heads(model, self.head_dim, tp.heads_gathered)
         self.sequence_parallel = tp.sequence_parallel
         self.step_sync = StepSync(tp.group, tp.src, tp.size)
         # A prefill step grows by at most N - 1 padded tokens: the runner sizes its buffers with this.

@@ -101,6 +101,11 @@ def check_shardable(model: Any, n: int, sequence_parallel: bool) -> dict[str, st
             f"mapped: {sorted(MAPPED_STYLES)}. Load it with from_pretrained(..., tp_plan='auto') instead "
             "(transformers shards it at load and hfaccel serves it as it is)"
         )
+    if not any(_attention_projections(module) for module in model.modules()):
+        raise ValueError(
+            f"{name}'s attention has no separate q_proj and k_proj (a fused projection): hfaccel counts each "
+            "rank's heads from them"
+        )
     g = _geometry(model)
     problems = []
     if g["heads"] % n:
@@ -197,6 +202,7 @@ def shard_model(
         sequence_parallel=sequence_parallel,
         sharded_by="hfaccel",
         kv_replicated=g["kv_heads"] % n != 0,
+        heads_gathered=_gathers_heads(plan),
     )
     tied = _tied_embeddings(model)
     styles = torch_plan(model, plan, tp)
@@ -212,6 +218,11 @@ def shard_model(
         if getattr(embed, "placements", None) == getattr(head.weight, "placements", None):
             head.weight = embed
     return tp
+
+
+def _gathers_heads(plan: dict[str, str]) -> bool:
+    """Whether the plan gathers the query projection's output (every rank then attends with all heads)."""
+    return any(key.endswith("q_proj") and style in _COLWISE_GATHERED for key, style in plan.items())
 
 
 def _tied_embeddings(model: Any) -> bool:
@@ -238,6 +249,7 @@ def transformers_sharding(model: Any) -> TPState | None:
         src=group_src(mesh),
         sequence_parallel=False,
         sharded_by="transformers",
+        heads_gathered=_gathers_heads(hf_plan(model)),
     )
 
 
@@ -247,11 +259,22 @@ def has_dtensor_parameters(model: Any) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def local_heads(model: Any, head_dim: int) -> tuple[int, int]:
-    """(query heads, KV heads) this rank computes: read off the first attention layer's projections."""
+def _attention_projections(module: nn.Module) -> tuple[nn.Linear, nn.Linear] | None:
+    q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
+    if hasattr(module, "layer_idx") and isinstance(q, nn.Linear) and isinstance(k, nn.Linear):
+        return q, k
+    return None
+
+
+def local_heads(model: Any, head_dim: int, gathered: bool = False) -> tuple[int, int]:
+    """(query heads, KV heads) this rank computes: read off the first attention layer's projections, or
+    every head where the projections gather their outputs (`gathered`)."""
+    if gathered:
+        g = _geometry(model)
+        return g["heads"], g["kv_heads"]
     for module in model.modules():
-        q, k = getattr(module, "q_proj", None), getattr(module, "k_proj", None)
-        if hasattr(module, "layer_idx") and isinstance(q, nn.Linear) and isinstance(k, nn.Linear):
+        if (projections := _attention_projections(module)) is not None:
+            q, k = projections
             return _local_rows(q.weight) // head_dim, _local_rows(k.weight) // head_dim
     raise ValueError("cannot find the attention projections (q_proj, k_proj) to count the rank's heads")
 

@@ -94,6 +94,12 @@ def test_a_call_that_ends_on_one_rank_raises_on_every_rank():
 
 
 @full_only
+def test_gathered_attention_projections_run_every_head():
+    """OLMo 2's plan gathers q, k and v (its norms span all heads): every rank attends with all heads."""
+    check_parity_results(run_ranks("tests.distributed.workers:parity", model_type="olmo2"), False)
+
+
+@full_only
 def test_scaled_embeddings_keep_their_scale():
     """Gemma's embedding module scales its rows by sqrt(hidden): the local runtime's vocab-sharded lookup
     runs the module's own forward on its shard."""
@@ -131,6 +137,7 @@ def test_refusals_in_a_process_group():
     for result in run_ranks("tests.distributed.workers:bad_sizes"):
         assert "larger than the world" in result["larger_than_world"]
         assert "batching='dynamic'" in result["dynamic_batching"]
+        assert "no separate q_proj and k_proj (a fused projection)" in result["fused"]
         assert result["untouched"] and not result["patched"]
 
 

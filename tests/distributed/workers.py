@@ -25,15 +25,15 @@ def _greedy_reference(model, prompts):
 
 
 def _layer0_tokens(model):
-    """Record the token count layer 0's input norm sees at each forward (the residual stream's width)."""
+    """Record the token count layer 0 sees at each forward (the residual stream's width)."""
     seen: list[int] = []
-    norm = model.model.layers[0].input_layernorm
+    layer = model.model.layers[0]
 
     def record(module, args):
         seen.append(args[0].shape[1])
 
     record.hfaccel_packed = True  # it reads the packed steps, as it means to: the engine keeps the call
-    norm.register_forward_pre_hook(record)
+    layer.register_forward_pre_hook(record)
     return seen
 
 
@@ -172,6 +172,16 @@ def bad_sizes(rank: int) -> dict:
             errors[name] = str(error)
     errors["untouched"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     errors["patched"] = hfaccel.api.is_patched(model)
+    from hfaccel.bench.families import family_model
+
+    fused = family_model("phi3", num_hidden_layers=2)  # one qkv_proj: its heads cannot be counted
+    before = [p.clone() for p in fused.parameters()]
+    try:
+        hfaccel.patch(fused, tensor_parallel_size=2)
+        errors["fused"] = None
+    except ValueError as error:
+        errors["fused"] = str(error)
+    errors["untouched"] &= all(torch.equal(a, b) for a, b in zip(before, fused.parameters()))
     return errors
 
 
