@@ -19,6 +19,7 @@ replaces that call, on every such module, with `ep_experts_forward`:
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -38,6 +39,16 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
         and isinstance(getattr(m, "down_proj", None), torch.Tensor)
         and m.gate_up_proj.dim() == 3
     ]
+
+
+def _routed_experts(module: nn.Module, hidden_size: int) -> bool:
+    """Whether `module` is experts of the layout `ep_experts_forward` replaces: called with the routing
+    (its forward takes hidden_states, top_k_index, top_k_weights), gate_up_proj ``[E, 2I, H]``."""
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return len(parameters) >= 4 and module.gate_up_proj.shape[2] == hidden_size
 
 
 def setup_expert_parallel(model: Any, size: int | None) -> EPState | None:
@@ -67,6 +78,12 @@ def setup_expert_parallel(model: Any, size: int | None) -> EPState | None:
         if extra:
             raise ValueError(
                 f"experts with parameters {extra} (biases) are not supported by expert parallelism"
+            )
+        if not _routed_experts(module, model.config.get_text_config(decoder=True).hidden_size):
+            raise ValueError(
+                "expert parallelism splits experts called with (hidden_states, top_k_index, top_k_weights) "
+                "that hold gate_up_proj as [experts, 2 x intermediate, hidden] (Mixtral's layout); "
+                f"{type(module).__name__} is not such experts"
             )
     if parallel_layout(model).tp is not None or parallel_layout(model).pp is not None:
         raise ValueError(

@@ -37,3 +37,17 @@ def test_ep_on_a_dense_model_is_refused():
 
     with pytest.raises(ValueError, match="MoE model"):
         hfaccel.patch(tiny_model("llama"), expert_parallel_size=2)
+
+
+def test_experts_of_another_layout_are_refused_before_any_is_split():
+    """Llama 4's experts are called without the routing and hold gate_up_proj as [E, H, 2I]."""
+    import torch
+
+    import hfaccel
+    from hfaccel.bench.families import family_model
+
+    model = family_model("llama4_text")
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="Llama4TextExperts is not such experts"):
+        hfaccel.patch(model, expert_parallel_size=2)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
