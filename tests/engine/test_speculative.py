@@ -229,3 +229,38 @@ def test_a_sampled_request_drafting_with_the_target_itself_keeps_every_draft():
         hfaccel.unpatch(model)
     assert all(len(c.token_ids) == 24 for c in completions)
     assert totals.drafted > 0 and totals.rejections == 0 and totals.accepted == totals.drafted, totals
+
+
+def test_processors_only_see_histories_of_kept_tokens():
+    """Drafts are verified one position at a time where the request has processors: a processor that
+    raises on a history it forbids (a parser, a grammar) never sees a rejected draft, as in HF, whose
+    prompt lookup drafts no forbidden token. Every token >= 100 is followed by 5 in the prompt, and the
+    processor forbids ids below 100."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    prompt = [x for t in range(100, 256) for x in (t, 5)]
+
+    class OnlyHigh(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if (input_ids[0, len(prompt) :] < 100).any():
+                raise ValueError(f"a forbidden history: {input_ids[0, len(prompt) :].tolist()}")
+            scores = scores.clone()
+            scores[:, :100] = -float("inf")
+            return scores
+
+    model = tiny_model("llama")
+    ask = dict(max_new_tokens=12, logits_processor=LogitsProcessorList([OnlyHigh()]))
+    expected = hf_greedy(model, prompt, **ask)
+    lookup = dict(ask, prompt_lookup_num_tokens=3, max_matching_ngram_size=1)
+    hfaccel.patch(model)
+    assert (
+        model.generate(torch.tensor([prompt]), do_sample=False, **lookup)[0, len(prompt) :].tolist()
+        == expected
+    )
+    hfaccel.patch(model, speculative="ngram", num_speculative_tokens=3)
+    ids = torch.tensor([prompt])
+    assert model.generate(ids, do_sample=False, **ask)[0, len(prompt) :].tolist() == expected
+    torch.manual_seed(0)
+    plain = hfaccel.generate(model, [prompt], do_sample=True, seed=4, progress=False, **ask)[0]
+    assert plain.finish_reason == "length" and min(plain.token_ids) >= 100
+    hfaccel.unpatch(model)

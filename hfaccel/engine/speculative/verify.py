@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from hfaccel.engine.request import NOT_FINITE, Request, position_generator
-from hfaccel.engine.speculative.rejection import accept_greedy, accept_sampled
+from hfaccel.engine.speculative.rejection import accept_greedy, accept_sampled, draw
 from hfaccel.kernels.cpu_argmax import argmax_index
 
 
@@ -41,6 +41,8 @@ def verify_drafts(logits: torch.Tensor, request: Request, drafts: list[int]) -> 
     """Tokens to emit for `request` given ``[len(drafts) + 1, V]`` target logits (`rejection.py`: the
     target's own tokens, greedy or sampled with each position's noise)."""
     scores = logits.to(dtype=torch.float32, copy=True)
+    if request.sampling.processors or request.sampling.warpers:
+        return _verify_in_order(scores, request, drafts)
     try:
         for j in range(len(drafts) + 1):
             scores[j : j + 1] = process_row(scores[j : j + 1], request, drafts[:j])
@@ -55,3 +57,30 @@ def verify_drafts(logits: torch.Tensor, request: Request, drafts: list[int]) -> 
         return [0]
     first = len(request.output_token_ids)  # the output position of the row block's first token
     return accept_sampled(probs, drafts, lambda j: position_generator(request, first + j, probs.device))
+
+
+def _verify_in_order(scores: torch.Tensor, request: Request, drafts: list[int]) -> list[int]:
+    """`verify_drafts` for a request with logits processors: one position at a time, stopping at the
+    first draft the target does not keep, so the processors only ever see histories of kept tokens (as
+    decoding one token at a time shows them; a processor may raise on a history it forbids, and HF's
+    prompt lookup never drafts a token the processors forbid)."""
+    first = len(request.output_token_ids)  # the output position of the row block's first token
+    out: list[int] = []
+    for j in range(len(drafts) + 1):
+        try:
+            row = process_row(scores[j : j + 1], request, drafts[:j])
+        except Exception as error:  # the request's own processors raised: it fails alone (as in `sample`)
+            request.fail(error, alone=True)
+            return [0]  # (a failed request keeps none of its tokens)
+        if request.sampling.do_sample:
+            probs = torch.softmax(row[0], dim=-1)
+            if not bool(probs[0].isfinite()):  # NaN scores make the whole row NaN: as `sample` fails it
+                request.fail(RuntimeError(NOT_FINITE), alone=True)
+                return [0]
+            token = draw(probs, position_generator(request, first + j, probs.device))
+        else:
+            token = argmax_index(row[0])
+        out.append(token)
+        if j == len(drafts) or token != drafts[j]:
+            break
+    return out
