@@ -23,7 +23,8 @@ Whatever HF refuses for assisted decoding (a batch of more than one row, ``num_r
 change which tokens are accepted (``assistant_ensemble_weight``) or draft from elsewhere
 (``speculation_type``, different tokenizers). Stop strings and custom stopping criteria fall back with
 an assistant: HF checks them once per accepted block of tokens (not after each token), so its result
-may run past a stop that plain greedy (and the engine) stops at. HF's knobs of the draft length
+may run past a stop that plain greedy (and the engine) stops at. So do the inputs with which HF's
+assisted path gives other results than its plain decoding (`inputs_reason`). HF's knobs of the draft length
 (``num_assistant_tokens``, its schedule, ``assistant_confidence_threshold``) change the speed only; the
 engine uses its own.
 """
@@ -91,6 +92,23 @@ def unsupported_reason(
             f"assisted decoding ({what}) with stop_strings, stopping_criteria or max_time (transformers checks them "
             "once per accepted block of tokens, not after each token)"
         )
+    return None
+
+
+def inputs_reason(embeds: bool, cache: bool, config: GenerationConfig) -> str | None:
+    """Inputs with which transformers' assisted path gives other results than its plain decoding (so
+    the call runs there, for its results): a prompt given as `inputs_embeds` (it re-embeds the ids, or
+    raises without them), a cache passed in (it feeds the whole prompt onto it again), hidden states or
+    attentions (a draft kept in the first iteration gets the prompt's first position's)."""
+    what = "assisted decoding ({})".format(
+        "prompt_lookup_num_tokens" if config.prompt_lookup_num_tokens is not None else "assistant_model"
+    )
+    if embeds:
+        return f"{what} of a prompt given as inputs_embeds (transformers' assisted path differs there)"
+    if cache:
+        return f"{what} with a cache given (transformers' assisted path feeds the prompt onto it again)"
+    if config.output_hidden_states or config.output_attentions:
+        return f"{what} with output_hidden_states or output_attentions (transformers' assisted path's own)"
     return None
 
 

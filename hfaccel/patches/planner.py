@@ -372,6 +372,8 @@ def _options_gate(call: GenerateCall) -> str | None:
         reason = assisted.unsupported_reason(call.model, config, assistant, speculative, ids.shape[0], stops)
         if reason is not None:
             return reason
+        if reason := assisted.inputs_reason(call.embeds is not None, call.cache is not None, config):
+            return reason
     model_kwargs = call._prepared[1]
     if any(model_kwargs.get(name) is not None for name in ("position_ids", "logits_to_keep")):
         return extra_inputs.unsupported_reason(model_kwargs, ids, mask)

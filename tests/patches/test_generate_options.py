@@ -735,6 +735,32 @@ def test_assisted_decoding_falls_back_where_hf_refuses_or_differs():
     assert len(calls) == 5
 
 
+def test_assisted_decoding_of_embeddings_or_over_a_given_cache_is_hfs():
+    """transformers' assisted path gives other tokens than its plain decoding for a prompt given as
+    inputs_embeds (it re-embeds the ids) and over a cache passed in (it feeds the prompt again): such
+    calls run there, for its results."""
+    from transformers import DynamicCache
+
+    model = patch(tiny_model("llama"))
+    one = torch.tensor([REPEATS])
+    embeds = model.get_input_embeddings()(one).detach()
+
+    def cache():
+        given = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(one[:, :-1], past_key_values=given, use_cache=True)
+        return given
+
+    for given, reason in (
+        (lambda: {"inputs_embeds": embeds}, "of a prompt given as inputs_embeds"),
+        (lambda: {"past_key_values": cache()}, "with a cache given"),
+    ):
+        ask = dict(max_new_tokens=6, prompt_lookup_num_tokens=2)
+        expected = hf(model, inputs=one, **ask, **given())
+        with pytest.warns(UserWarning, match=f"assisted decoding \\(prompt_lookup_num_tokens\\) {reason}"):
+            assert torch.equal(model.generate(one, **ask, **given()), expected)
+
+
 def test_speculation_on_a_padded_batch_shows_processors_the_padded_row():
     """With the engine speculating (patch(speculative="ngram")), verification runs the processors on
     each draft position with the row's left padding before it, as decoding one token at a time does."""

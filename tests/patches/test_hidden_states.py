@@ -174,22 +174,26 @@ def test_beam_search_states_are_its_running_beams(use_cache):
 
 
 @pytest.mark.parametrize("assist", ["prompt_lookup", "draft_model"])
-def test_assisted_decoding_states_are_hfs(assist):
-    """Drafts verified several at a time: HF splits each verification's states into one step per token;
-    so does the engine's record, a rejected draft's record replaced by the token fed in its place."""
+def test_speculative_decoding_states_are_those_of_decoding_one_token_at_a_time(assist):
+    """Drafts verified several at a time: the engine records one step per token, a rejected draft's
+    record replaced by the token fed in its place, as HF's plain decoding gives them. HF's assisted
+    decoding (an assistant or prompt lookup asked for in the call) goes to HF with these outputs: its
+    first iteration's kept drafts get the prompt's first position's states there."""
     model = tiny_model()
     model.set_attn_implementation("eager")
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])  # repeats: prompt lookup drafts
     draft = tiny_model(seed=3)  # a random draft: most of its drafts are rejected
-    extra = {"prompt_lookup_num_tokens": 3} if assist == "prompt_lookup" else {"assistant_model": draft}
-    kwargs = {"max_new_tokens": 8, **STATES, **extra}
+    kwargs = {"max_new_tokens": 8, **STATES}
     with torch.no_grad():
         reference = type(model).generate(model, ids, **kwargs)
-    speculative = {} if assist == "prompt_lookup" else {"speculative": draft}
-    hfaccel.patch(model, kv_cache_memory=4_000_000, strict=True, **speculative)
+    speculative = "ngram" if assist == "prompt_lookup" else draft
+    hfaccel.patch(model, kv_cache_memory=4_000_000, strict=True, speculative=speculative)
     try:
         out = model.generate(ids, **kwargs)
         drafted = model._hfaccel.engine.scheduler.spec_totals
+        extra = {"prompt_lookup_num_tokens": 3} if assist == "prompt_lookup" else {"assistant_model": draft}
+        with pytest.raises(ValueError, match="output_hidden_states or output_attentions"):
+            model.generate(ids, **kwargs, **extra)  # strict: what would fall back raises
     finally:
         hfaccel.unpatch(model)
     assert torch.equal(out.sequences, reference.sequences)
