@@ -130,6 +130,9 @@ def validate_values(config: GenerationConfig) -> None:
             setattr(config, name, value)
         if value is not None and not isinstance(value, (numbers.Integral, torch.Tensor)):
             raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    for name in ("prompt_lookup_num_tokens", "max_matching_ngram_size"):  # (checked where HF reads them)
+        if _integer_scalar(value := getattr(config, name, None)):
+            setattr(config, name, int(value))
     if config.num_beams is not None and config.num_beams < 1:  # transformers divides by it
         raise ValueError(f"num_beams must be >= 1, got {config.num_beams}")
     if config.num_return_sequences is not None and config.num_return_sequences < 0:

@@ -949,3 +949,6 @@ def test_integer_scalars_of_numpy_and_torch_are_served_as_ints(as_given):
     reference = hf(model, **given, **kwargs)
     patch(model, strict=True)
     assert torch.equal(model.generate(**given, **kwargs), reference)
+    one = torch.tensor([REPEATS])  # prompt lookup's integers too (it fell back: "transformers refuses it")
+    lookup = dict(max_new_tokens=6, prompt_lookup_num_tokens=as_given(2), max_matching_ngram_size=as_given(2))
+    assert torch.equal(model.generate(one, **lookup), hf(model, inputs=one, **lookup))
