@@ -198,3 +198,16 @@ def test_config_repr_names_the_draft_model_without_printing_it():
     draft = tiny_model("llama", layers=1)
     text = repr(EngineConfig(speculative=draft))
     assert "speculative=<LlamaForCausalLM>" in text and "Embedding" not in text
+
+
+def test_a_draft_model_resized_after_the_engine_was_built_is_refused_naming_it():
+    model = tiny_model("llama")
+    draft = copy.deepcopy(model)
+    hfaccel.patch(model, speculative=draft, num_speculative_tokens=4)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    model.generate(ids, max_new_tokens=3, do_sample=False)  # the engine is built, the draft checked
+    draft.resize_token_embeddings(300, mean_resizing=False)
+    with pytest.raises(ValueError, match="the draft model's vocabulary now has 300 tokens, the model's 256"):
+        model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert model._hfaccel.engine.block_manager.num_used_blocks == 0
+    hfaccel.unpatch(model)

@@ -79,6 +79,7 @@ class DraftModelProposer:
         self.decode_query_len = runner.backend.capabilities.decode_query_len
         self.num_passes = 0
         self.num_tokens_fed = 0
+        self.vocab_size = runner.executor.vocab_size  # the target's too (checked when the engine was built)
 
     def propose(self, requests: list[Request], budgets: list[int]) -> list[list[int]]:
         """Drafts for each request, at most `budgets[i]` tokens each. Allocates the lookahead blocks of
@@ -151,6 +152,11 @@ class DraftModelProposer:
         self.num_passes += 1
         self.num_tokens_fed += len(packed.input_ids)
         logits = self.runner.run(packed)
+        if logits.shape[-1] != self.vocab_size:  # resized since: its tokens would index past the target's
+            raise ValueError(
+                f"speculative: the draft model's vocabulary now has {logits.shape[-1]} tokens, the model's "
+                f"{self.vocab_size}; a draft model must share the model's vocabulary"
+            )
         # The runner returns rows in packed order (decodes first): put them back in `rows` order.
         wanted = [i for i in order if rows[i].logits]
         back = sorted(range(len(wanted)), key=lambda r: wanted[r])
