@@ -23,7 +23,7 @@ def plot_run(engine: Any, completions: Sequence[Any] | None = None, path: str | 
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise ImportError("plot_run needs matplotlib: pip install matplotlib") from error
-    engine = getattr(getattr(engine, "_hfaccel", None), "engine", None) or engine
+    engine = _engine_of(engine, "plot_run")
     steps = list(getattr(engine, "step_stats", ()))
     if not steps:
         raise ValueError("the engine has run no step yet: generate something first")
@@ -94,7 +94,7 @@ def plot_cost_model(engine: Any, path: str | None = None) -> Any:
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise ImportError("plot_cost_model needs matplotlib: pip install matplotlib") from error
-    engine = getattr(getattr(engine, "_hfaccel", None), "engine", None) or engine
+    engine = _engine_of(engine, "plot_cost_model")
     model = engine.cost_model()
     fit = model.fit(force=True)
     if fit is None:
@@ -141,3 +141,15 @@ def engine_state(model: Any) -> Any:
     if state is None:
         raise ValueError("this model is not patched: call hfaccel.patch(model) first")
     return state
+
+
+def _engine_of(given: Any, where: str) -> Any:
+    """The engine `given` is, or a patched model's (built at its first generate); else ValueError."""
+    engine = getattr(getattr(given, "_hfaccel", None), "engine", None) or given
+    if not hasattr(engine, "step_stats"):
+        state = "patched, but has not generated yet" if hasattr(given, "_hfaccel") else "not patched"
+        raise ValueError(
+            f"{where} takes an Engine or a patched model that has generated; this {type(given).__name__} is "
+            f"{state}"
+        )
+    return engine

@@ -276,3 +276,62 @@ def test_a_stream_says_which_of_generates_parameters_it_does_not_take(name):
         ValueError, match=rf"hfaccel.stream does not take {name}= \(hfaccel.generate's parameter\)"
     ):
         next(iter(hfaccel.stream(tiny_model(), [[5, 6]], max_new_tokens=2, **{name: 1})))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"prompts": 5}, ValueError, "prompts must be a string, a list of token ids, .*got int"),
+        ({"adapter": 3}, TypeError, "adapter must be an adapter's name, None, or a list of one per prompt"),
+        ({"adapter": ["a", 3]}, TypeError, r"adapter\[1\] must be an adapter's name or None"),
+        ({"tokenizer": "gpt2"}, TypeError, "tokenizer must be a transformers tokenizer"),
+        (
+            {"generation_config": {"max_new_tokens": 2}},
+            TypeError,
+            "generation_config must be a GenerationConfig",
+        ),
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_refused_naming_them(kwargs, error, message):
+    """Before anything runs (a tokenizer that cannot decode raised only once everything had run)."""
+    model = tiny_model()
+    prompts = kwargs.pop("prompts", [[5, 6], [7]])
+    for call in ENTRY_POINTS.values():
+        with pytest.raises(error, match=message):
+            call(model, prompts, max_new_tokens=2, **kwargs)
+
+
+def test_integer_scalars_are_taken_for_seed_and_logprobs():
+    import numpy as np
+
+    model = tiny_model()
+    plain = _generate(model, [[5, 6]], seed=3, logprobs=2, max_new_tokens=3, do_sample=True)[0]
+    for seed, k in ((torch.tensor(3), np.int64(2)), (np.int64(3), torch.tensor(2).item())):
+        again = _generate(model, [[5, 6]], seed=seed, logprobs=k, max_new_tokens=3, do_sample=True)[0]
+        assert again.token_ids == plain.token_ids and len(again.top_logprobs[0]) >= 2
+
+
+def test_patch_and_unpatch_name_their_wrong_arguments():
+    model = tiny_model()
+    with pytest.raises(TypeError, match="config must be an EngineConfig, got dict"):
+        hfaccel.patch(model, config={"max_num_seqs": 2})
+    with pytest.raises(TypeError, match="strict must be True or False, got 'no'"):
+        hfaccel.patch(model, strict="no")
+    with pytest.raises(TypeError, match="progress must be True or False"):
+        hfaccel.patch(model, progress=1)
+    with pytest.raises(TypeError, match="unpatch takes the model hfaccel.patch was given, got NoneType"):
+        hfaccel.unpatch(None)
+    assert getattr(model, "_hfaccel", None) is None
+
+
+def test_notebook_plots_say_the_model_has_not_generated():
+    from hfaccel.notebook import plot_cost_model, plot_run
+
+    pytest.importorskip("matplotlib")
+    model = tiny_model()
+    with pytest.raises(ValueError, match="plot_cost_model takes an Engine or .* is not patched"):
+        plot_cost_model(model)
+    hfaccel.patch(model)
+    with pytest.raises(ValueError, match="plot_run takes an Engine or .* has not generated yet"):
+        plot_run(model)
+    hfaccel.unpatch(model)

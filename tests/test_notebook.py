@@ -16,7 +16,7 @@ def test_plot_run_and_engine_state(tmp_path):
     model = hfaccel.patch(tiny_model(), kv_cache_memory=1_000_000)
     state = hfaccel.engine_state(model)
     assert "not built yet" in repr(state)
-    with pytest.raises(ValueError, match="has run no step yet"):
+    with pytest.raises(ValueError, match="patched, but has not generated yet"):
         hfaccel.plot_run(model)
     completions = hfaccel.generate(model, varied_prompts(6), max_new_tokens=5, progress=False)
     assert "steps=" in repr(state) and "backend='torch'" in repr(state)

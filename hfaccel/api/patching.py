@@ -82,6 +82,7 @@ def patch(
     """
     # One patch of a model at a time (two threads patching it at once recorded the first one's
     # patched generate as "the original"), and never during a temporary patch's setup or teardown.
+    _check_patch_arguments(config, strict, progress)
     with _temporary_patch_lock:
         state: PatchState | None = getattr(model, "_hfaccel", None)
         parallel = (tensor_parallel_size, device_mesh, sequence_parallel)
@@ -201,6 +202,8 @@ def _check_draft_model(model: Any, config: EngineConfig) -> None:
 def unpatch(model: Any) -> Any:
     """Undo `patch`: the original `generate` comes back exactly, the engine loop stops and the KV cache
     is released (requests still in flight fail with `LoopClosed`)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"unpatch takes the model hfaccel.patch was given, got {type(model).__name__}")
     with _temporary_patch_lock:
         state: PatchState | None = model.__dict__.pop("_hfaccel", None)
         if state is None:
@@ -306,3 +309,15 @@ def check_pipeline_stages(model: Any, size: int | None) -> None:
     reason = pp_stages.unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"pipeline_parallel_size={size} is not possible: {reason}")
+
+
+def _check_patch_arguments(config: Any, strict: Any, progress: Any) -> None:
+    """`patch`'s own arguments, named where they are wrong (the model: `check_model`)."""
+    if config is not None and not isinstance(config, EngineConfig):
+        raise TypeError(
+            f"config must be an EngineConfig, got {type(config).__name__}: pass EngineConfig(**fields), or "
+            "the fields themselves as keyword arguments (patch(model, max_num_seqs=8))"
+        )
+    for name, value in (("strict", strict), ("progress", progress)):
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")

@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 
 from hfaccel.api.prompts import (
     adapter_checks,
+    check_tokenizer,
     encode_prompt,
     per_prompt_adapters,
     per_prompt_configs,
@@ -79,6 +80,7 @@ def plan_call(
     (`beams`; False, for the streams: it falls back). Call-level mistakes (unknown arguments, prompts
     of the wrong shape) raise ValueError before anything is planned."""
     prompts = prompt_list(prompts)
+    check_tokenizer(tokenizer)
     configs = per_prompt_configs(generation_config, len(prompts))
     for name, hint in NOT_FOR_PROMPT_LISTS.items():
         if kwargs.get(name) is not None:
@@ -143,6 +145,8 @@ def _seeds(seed: Any, count: int) -> int | list[int] | None:
 
     if seed is None:
         return None
+    if isinstance(seed, torch.Tensor) and seed.dim() == 0 and not seed.is_floating_point():
+        seed = int(seed)  # a 0-d integer tensor, as numpy's integers are taken
     if not isinstance(seed, (numbers.Integral, str)) and hasattr(seed, "__len__"):  # a list, an array
         if len(seed) != count:
             raise ValueError(f"seed: a list of {len(seed)} seeds for {count} prompts (one per prompt)")
@@ -282,8 +286,8 @@ def check_top_k(name: str, value: Any, allow_none: bool = False) -> None:
         return
     if isinstance(value, bool) and not allow_none:
         return
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0:
+        return  # (numpy's integers too: the callers take int(value))
     wanted = "an int k >= 0 (the most likely tokens to list per position) or None"
     if not allow_none:
         wanted = "True, False, or an int k >= 0 (the most likely tokens to list per token)"

@@ -4,7 +4,7 @@ prompt or many), encoded to token ids, with one generation config and one adapte
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,16 @@ def per_prompt_configs(
 ) -> list[GenerationConfig | None]:
     if generation_config is None or isinstance(generation_config, GenerationConfig):
         return [generation_config] * count
+    if isinstance(generation_config, Mapping) or not isinstance(generation_config, Sequence):
+        raise TypeError(
+            f"generation_config must be a GenerationConfig or a list of one per prompt, got "
+            f"{type(generation_config).__name__}: pass GenerationConfig(**fields), or the fields as keyword "
+            "arguments"
+        )
     configs = list(generation_config)
+    for i, config in enumerate(configs):
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise TypeError(f"generation_config[{i}] must be a GenerationConfig, got {type(config).__name__}")
     if len(configs) != count:
         raise ValueError(
             f"generation_config has {len(configs)} entries for {count} prompts; give one per prompt"
@@ -52,8 +61,11 @@ def prompt_list(prompts: Any) -> list[Any]:
             "padded batch would become part of the prompts), or call model.generate(input_ids=..., "
             "attention_mask=...)"
         )
-    if prompts is None:
-        raise ValueError("prompts is None: pass a list of strings, token-id lists or chat message lists")
+    if prompts is None or not isinstance(prompts, Iterable):
+        raise ValueError(
+            f"prompts must be a string, a list of token ids, a list of chat messages, or a list of these; got "
+            f"{type(prompts).__name__}"
+        )
     items = list(prompts)
     if items and all(_is_token_id(t) for t in items):
         return [items]  # one token-id list (ints, numpy's, 0-d tensors: a 1-D tensor listed)
@@ -78,7 +90,14 @@ def _is_token_id(value: Any) -> bool:
 def per_prompt_adapters(adapter: str | Sequence[str | None] | None, count: int) -> list[str | None]:
     if adapter is None or isinstance(adapter, str):
         return [adapter] * count
+    if not isinstance(adapter, Sequence):
+        raise TypeError(
+            f"adapter must be an adapter's name, None, or a list of one per prompt; got {type(adapter).__name__}"
+        )
     adapters = list(adapter)
+    for i, name in enumerate(adapters):
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"adapter[{i}] must be an adapter's name or None, got {type(name).__name__}")
     if len(adapters) != count:
         raise ValueError(f"adapter has {len(adapters)} entries for {count} prompts; give one per prompt")
     return adapters
@@ -98,10 +117,21 @@ def adapter_checks(model: Any, adapters: list[str | None]) -> dict[str, ValueErr
     return checks
 
 
+def check_tokenizer(tokenizer: Any) -> None:
+    """A tokenizer decodes (`Completion.text`); refused up front, before anything runs, where it cannot."""
+    if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+        raise TypeError(
+            f"tokenizer must be a transformers tokenizer (AutoTokenizer.from_pretrained(...)), got "
+            f"{type(tokenizer).__name__}"
+        )
+
+
 def encode_prompt(prompt: Prompt, tokenizer: Any) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a string prompt needs tokenizer= to encode it")
+        if not callable(tokenizer):
+            raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
         return list(tokenizer(prompt)["input_ids"])
     if isinstance(prompt, Mapping):
         raise ValueError(f"a prompt is a dict (a tokenizer's output?): {DICT_PROMPT}")
