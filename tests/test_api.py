@@ -493,3 +493,15 @@ def test_speculative_verification_of_nan_scores_raises_too():
             )  # fmt: skip
     finally:
         hfaccel.unpatch(model)
+
+
+def test_a_call_warns_about_transformers_default_length_once_not_per_prompt():
+    """transformers warns about its default max_length (naming each prompt's) for every prompt it
+    prepares; a call of many prompts says it once, as one generate call does."""
+    import warnings
+
+    model = tiny_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hfaccel.generate(model, [[5, 6], [7, 8, 9], [10], [11, 12, 13, 14]], progress=False)
+    assert len([w for w in caught if "model-agnostic default `max_length`" in str(w.message)]) == 1

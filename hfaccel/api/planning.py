@@ -6,7 +6,9 @@ from __future__ import annotations
 import copy
 import numbers
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -97,7 +99,7 @@ def plan_call(
     checks = adapter_checks(model, adapters)
     plans: list[Request | Hypothesis | Done] = []
     indexes: list[int] = []
-    with reasons_held(model):  # the model's own reasons, worked out once for all prompts
+    with reasons_held(model), _each_warning_once():  # (the model's own reasons: once for all prompts)
         for index, (prompt, config, name) in enumerate(zip(prompts, configs, adapters)):
             try:
                 first = (
@@ -123,6 +125,24 @@ def plan_call(
         names = [f"prompts[{indexes[i]}]" for i, _ in live]
         warn_past_context([plan for _, plan in live], state.get_engine(model).max_model_len, names)
     return Call(plans, indexes, adapters)
+
+
+@contextmanager
+def _each_warning_once() -> Iterator[None]:
+    """The warnings raised while a call's prompts are planned, once per place that raised them, as one
+    generate call raises them (transformers warns about its default max_length, naming each prompt's,
+    for every prompt it prepares), from where they were raised, under the caller's filters; hfaccel's own
+    once per text (a fallback's reasons differ)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    seen = set()
+    for warning in caught:
+        text = str(warning.message)
+        key = (warning.category, warning.filename, warning.lineno, text if text.startswith("hfaccel") else "")
+        if key not in seen:
+            seen.add(key)
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def refused_copies(model: Any, config: GenerationConfig | None, kwargs: dict[str, Any]) -> int:

@@ -75,7 +75,10 @@ async def astream(
 ) -> AsyncIterator[StreamEvent]:
     """`stream` for asyncio: ``async for event in hfaccel.astream(model, prompts, ...)``, the same events.
 
-    Leaving the loop early (or cancelling the task) cancels what is left.
+    Closing it early cancels what is left (freeing its KV blocks): ``await events.aclose()``, or iterate
+    inside ``async with contextlib.aclosing(hfaccel.astream(...)) as events``; so does cancelling the
+    task. An async generator left by ``break`` is closed only when it is garbage-collected, so one still
+    referenced keeps its requests running until then.
     """
     with patched_for_call(model) as state:
         call, submission = start_stream(
