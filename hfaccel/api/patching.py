@@ -119,8 +119,8 @@ def patch(
             if state.temporary:  # patched on purpose now: it stays patched after temporary users end,
                 state.temporary = False  # and its generate runs on the engine from now on
                 model.generate = types.MethodType(patched_generate, model)
-            state.strict = state.strict if strict is None else strict
-            state.progress = state.progress if progress is None else progress
+            state.strict = state.strict if strict is None else bool(strict)
+            state.progress = state.progress if progress is None else bool(progress)
             return model
         check_model(model)
         engine_config = (config or EngineConfig()).with_overrides(**overrides)
@@ -319,5 +319,5 @@ def _check_patch_arguments(config: Any, strict: Any, progress: Any) -> None:
             "the fields themselves as keyword arguments (patch(model, max_num_seqs=8))"
         )
     for name, value in (("strict", strict), ("progress", progress)):
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
+        if value is not None and not isinstance(value, bool) and type(value).__name__ != "bool_":
+            raise TypeError(f"{name} must be True or False, got {value!r}")  # (numpy's bools are taken)

@@ -6,9 +6,7 @@ from __future__ import annotations
 import copy
 import numbers
 import time
-import warnings
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,6 +26,7 @@ from hfaccel.engine.sampler import top_logprobs as most_likely
 from hfaccel.patches.arguments import check_generate_kwargs, normalize_cache_argument
 from hfaccel.patches.generate import warn_past_context
 from hfaccel.patches.models import reasons_held, reasons_suspended
+from hfaccel.patches.params import one_default_length_warning
 from hfaccel.patches.patch_state import PatchState, fall_back
 from hfaccel.patches.planner import GenerateCall, beam_requests, make_requests
 from hfaccel.patches.stop_strings import stop_string_check
@@ -99,7 +98,7 @@ def plan_call(
     checks = adapter_checks(model, adapters)
     plans: list[Request | Hypothesis | Done] = []
     indexes: list[int] = []
-    with reasons_held(model), _each_warning_once():  # (the model's own reasons: once for all prompts)
+    with reasons_held(model), one_default_length_warning():  # (the model's reasons: once for all prompts)
         for index, (prompt, config, name) in enumerate(zip(prompts, configs, adapters)):
             try:
                 first = (
@@ -125,24 +124,6 @@ def plan_call(
         names = [f"prompts[{indexes[i]}]" for i, _ in live]
         warn_past_context([plan for _, plan in live], state.get_engine(model).max_model_len, names)
     return Call(plans, indexes, adapters)
-
-
-@contextmanager
-def _each_warning_once() -> Iterator[None]:
-    """The warnings raised while a call's prompts are planned, once per place that raised them, as one
-    generate call raises them (transformers warns about its default max_length, naming each prompt's,
-    for every prompt it prepares), from where they were raised, under the caller's filters; hfaccel's own
-    once per text (a fallback's reasons differ)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield
-    seen = set()
-    for warning in caught:
-        text = str(warning.message)
-        key = (warning.category, warning.filename, warning.lineno, text if text.startswith("hfaccel") else "")
-        if key not in seen:
-            seen.add(key)
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def refused_copies(model: Any, config: GenerationConfig | None, kwargs: dict[str, Any]) -> int:

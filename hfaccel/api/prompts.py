@@ -90,7 +90,7 @@ def _is_token_id(value: Any) -> bool:
 def per_prompt_adapters(adapter: str | Sequence[str | None] | None, count: int) -> list[str | None]:
     if adapter is None or isinstance(adapter, str):
         return [adapter] * count
-    if not isinstance(adapter, Sequence):
+    if isinstance(adapter, Mapping) or not isinstance(adapter, Iterable):  # (a list, an array, a Series)
         raise TypeError(
             f"adapter must be an adapter's name, None, or a list of one per prompt; got {type(adapter).__name__}"
         )

@@ -359,6 +359,7 @@ class Engine:
         try:
             return self._step(draining)
         except BaseException as error:
+            self._drain_owed = False  # (a divergence raised on every rank: none owes the others a check)
             self._recover(error)
             raise
 

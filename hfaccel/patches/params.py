@@ -12,7 +12,9 @@ import dataclasses
 import functools
 import numbers
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -98,6 +100,20 @@ _INTEGERS = (
 
 
 _LENGTHS = frozenset({"max_new_tokens", "max_length"})  # HF refuses a float min_length itself
+
+# Within `one_default_length_warning`: whether transformers already warned about its default max_length.
+_default_length_warned: ContextVar[list[bool] | None] = ContextVar("hfaccel_length_warned", default=None)
+
+
+@contextmanager
+def one_default_length_warning() -> Iterator[None]:
+    """Within this block (one call of many prompts, each prepared alone), transformers' warning about its
+    default max_length comes once, as one generate call gives it, not once per prompt."""
+    token = _default_length_warned.set([False])
+    try:
+        yield
+    finally:
+        _default_length_warned.reset(token)
 
 
 def _integer_scalar(value: Any) -> bool:
@@ -263,7 +279,10 @@ def request_params(
         input_ids_length=width,
         inputs_tensor=input_ids if inputs_embeds is None else inputs_embeds,
     )
-    model._validate_generated_length(config, width, has_default_max)
+    warned = _default_length_warned.get()  # (a call of many prompts: transformers warns once)
+    model._validate_generated_length(config, width, has_default_max and not (warned and warned[0]))
+    if warned is not None and has_default_max:
+        warned[0] = True
     eos = config._eos_token_tensor
     stop_check = None
     if config.stop_strings is not None:  # "" or []: refused below (HF stops at once on "", raises on [])

@@ -307,3 +307,41 @@ def test_a_bf16_model_decodes_through_the_cpu_kernel(monkeypatch):
     tokens, seen = _greedy_through(bf16_model, True, monkeypatch)
     assert {(q, c) for q, c, _ in seen} == {(torch.bfloat16, torch.bfloat16)}
     assert all(len(t) == 16 or t[-1] == EOS for t in tokens)
+
+
+class RecordingSync:
+    """A stand-in for `StepSync` (ranks in lock step) in one process: records the checks, and makes the
+    step check raise when asked, as a divergence does on every rank."""
+
+    def __init__(self) -> None:
+        self.checks: list[str] = []
+        self.diverge_at: int | None = None  # raise at this many step checks
+
+    def check_step(self, step, packed) -> None:
+        self.checks.append("step")
+        if self.checks.count("step") == self.diverge_at:
+            raise RuntimeError("tensor-parallel ranks diverged (stand-in)")
+
+    def check_drained(self) -> None:
+        self.checks.append("drained")
+
+    def agree_tokens(self, tokens):
+        return tokens
+
+
+def test_an_engine_in_lock_step_checks_once_when_it_empties(model):
+    """Ranks in lock step: one empty-plan check at the step that empties the engine (not per step, not
+    when it was already empty), and none owed after a step that raised (every rank raised)."""
+    engine = Engine(model, EngineConfig(kv_cache_memory=4_000_000))
+    sync = engine.step_sync = RecordingSync()
+    run(engine, [[5, 6, 7], [8, 9]], max_new=3)
+    assert sync.checks.count("drained") == 1 and sync.checks[-1] == "drained"
+    assert sync.checks.count("step") >= 3
+    engine.sync_drain()  # already checked: nothing more
+    assert sync.checks.count("drained") == 1
+    sync.diverge_at = sync.checks.count("step") + 2  # the second step of the next call
+    with pytest.raises(RuntimeError, match="diverged"):
+        run(engine, [[5, 6, 7]], max_new=3)
+    engine.sync_drain()  # the divergence was raised on every rank: no rank owes the others a check
+    assert sync.checks.count("drained") == 1
+    assert engine.block_manager.num_used_blocks == 0

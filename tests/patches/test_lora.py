@@ -154,6 +154,18 @@ def test_prompt_logprobs_are_those_of_the_prompts_adapter():
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-5, msg=f"adapter {name}")
 
 
+def test_adapter_names_may_come_as_an_array():
+    import numpy as np
+
+    model = patch_strict(lora_model())
+    ps = prompts(2, seed=3)
+    listed = hfaccel.generate(model, ps, adapter=["code", "chat"], max_new_tokens=3, progress=False)
+    arrayed = hfaccel.generate(
+        model, ps, adapter=np.array(["code", "chat"]), max_new_tokens=3, progress=False
+    )
+    assert [c.token_ids for c in arrayed] == [c.token_ids for c in listed]
+
+
 def test_block_keys_are_salted_by_adapter():
     model = patch_strict(lora_model())
     p = prompts(1)[0]
