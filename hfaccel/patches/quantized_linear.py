@@ -25,6 +25,31 @@ INT4_GROUP = 32
 ACTIVATION_DTYPE = torch.bfloat16
 
 
+class _FrozenProduct(torch.autograd.Function):
+    """A quantized layer's product, differentiable in its input (its weights are frozen), so what lies
+    before it (embeddings, norms, LoRA adapters) can still be trained: the gradient reads the weight as
+    the kernel does, ``W.T = product(identity)``, built in the backward pass only."""
+
+    @staticmethod
+    def forward(ctx: Any, flat: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        ctx.layer = layer
+        return layer.product(flat)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        layer = ctx.layer
+        dtype = layer.activation_dtype
+        transposed = layer.product(torch.eye(layer.in_features, dtype=dtype, device=grad.device))  # [in, out]
+        return grad.to(dtype) @ transposed.t(), None
+
+
+def _product(layer: nn.Module, flat: torch.Tensor) -> torch.Tensor:
+    """The packed kernel's product, through `_FrozenProduct` where a gradient is wanted."""
+    if flat.requires_grad and torch.is_grad_enabled():
+        return _FrozenProduct.apply(flat, layer)
+    return layer.product(flat)
+
+
 class Int8Linear(nn.Module):
     """``y = x @ (q * scale).T + bias`` with ``q`` int8 [out, in] and one scale per output row."""
 
@@ -35,9 +60,16 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale.reshape(-1).to(ACTIVATION_DTYPE).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.scale.dtype
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(flat, self.qdata, self.scale)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.scale.dtype).contiguous()
-        out = torch.ops.aten._weight_int8pack_mm(flat, self.qdata, self.scale)
+        out = _product(self, flat)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
@@ -59,10 +91,19 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(ACTIVATION_DTYPE).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
+    def product(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            flat, self.packed, INT4_GROUP, self.scales_and_zeros
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # In the scales' dtype: `model.float()` / `.half()` cast them, and the kernel takes the two alike.
         flat = x.reshape(-1, self.in_features).to(self.scales_and_zeros.dtype).contiguous()
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, INT4_GROUP, self.scales_and_zeros)
+        out = _product(self, flat)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

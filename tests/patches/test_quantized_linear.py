@@ -232,3 +232,27 @@ def test_the_route_the_lora_refusal_advises_serves_transformers_tokens():
         assert hfaccel.generate(model, [prompt], max_new_tokens=8, progress=False)[0].token_ids == expected
     finally:
         hfaccel.unpatch(model)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_layer_passes_gradients_to_its_input(kind):
+    """The weights are frozen, but what lies before a layer (embeddings, norms, adapters) still trains:
+    the input's gradient is that of the product with the dequantized weight (its operation had no
+    derivative: any backward through a patched model failed)."""
+    model = torch.nn.Sequential(_linear(64, 48))
+    quantize_linears(model, kind)
+    layer = model[0]
+    weight = layer.product(torch.eye(64, dtype=torch.bfloat16)).float().t()  # [out, in], as the kernel reads it
+    x = torch.randn(5, 64).bfloat16().requires_grad_()
+    grad = torch.randn(5, 48)
+    model(x).float().backward(grad)
+    torch.testing.assert_close(x.grad.float(), grad @ weight, rtol=2e-2, atol=2e-2)
+    with torch.no_grad():
+        assert not model(x).requires_grad
+
+    lm = tiny_model("llama")
+    hfaccel.patch(lm, weights=kind)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    lm(ids, labels=ids).loss.backward()
+    assert lm.get_input_embeddings().weight.grad.abs().sum() > 0
+    hfaccel.unpatch(lm)
