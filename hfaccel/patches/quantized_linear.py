@@ -43,6 +43,21 @@ class _FrozenProduct(torch.autograd.Function):
         return grad.to(dtype) @ transposed.t(), None
 
 
+class _NoFloatWeight:
+    """A quantized layer has no float ``weight`` to read, tie or resize: saying so where transformers
+    reaches for it (`resize_token_embeddings`, `tie_weights`), rather than a bare AttributeError or a
+    resize that leaves the quantized rows behind."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "weight":  # (still an AttributeError: getattr(layer, "weight", None) gives None)
+            raise AttributeError(
+                f"{type(self).__name__} holds quantized weights (hfaccel.patch(weights=...)): there is no "
+                "float weight to read, tie or resize; reload the model (or resize it before quantizing) to "
+                "change its vocabulary"
+            )
+        return super().__getattr__(name)
+
+
 def _product(layer: nn.Module, flat: torch.Tensor) -> torch.Tensor:
     """The packed kernel's product, through `_FrozenProduct` where a gradient is wanted."""
     if flat.requires_grad and torch.is_grad_enabled():
@@ -50,7 +65,7 @@ def _product(layer: nn.Module, flat: torch.Tensor) -> torch.Tensor:
     return layer.product(flat)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_NoFloatWeight, nn.Module):
     """``y = x @ (q * scale).T + bias`` with ``q`` int8 [out, in] and one scale per output row."""
 
     def __init__(self, qdata: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -78,7 +93,7 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_NoFloatWeight, nn.Module):
     """``y = x @ W.T + bias`` with W in groups of `INT4_GROUP` columns, each ``(q - 8) * s + z``:
     torchao's tinygemm parameters, packed for PyTorch's CPU int4 kernel."""
 

@@ -242,7 +242,9 @@ def test_a_quantized_layer_passes_gradients_to_its_input(kind):
     model = torch.nn.Sequential(_linear(64, 48))
     quantize_linears(model, kind)
     layer = model[0]
-    weight = layer.product(torch.eye(64, dtype=torch.bfloat16)).float().t()  # [out, in], as the kernel reads it
+    weight = (
+        layer.product(torch.eye(64, dtype=torch.bfloat16)).float().t()
+    )  # [out, in], as the kernel reads it
     x = torch.randn(5, 64).bfloat16().requires_grad_()
     grad = torch.randn(5, 48)
     model(x).float().backward(grad)
@@ -256,3 +258,20 @@ def test_a_quantized_layer_passes_gradients_to_its_input(kind):
     lm(ids, labels=ids).loss.backward()
     assert lm.get_input_embeddings().weight.grad.abs().sum() > 0
     hfaccel.unpatch(lm)
+
+
+def test_resizing_a_quantized_head_says_why_it_cannot():
+    """transformers' resize and tie read the head's float weight: a quantized head has none (a bare
+    AttributeError, or a resize after tie_weights that left the quantized rows behind and then failed on
+    every call)."""
+    for tied in (False, True):
+        model = tiny_model("llama")
+        if tied:
+            model.config.tie_word_embeddings = True
+        hfaccel.patch(model, weights="int8")
+        if tied:
+            model.tie_weights()
+        assert getattr(model.get_output_embeddings(), "weight", None) is None
+        with pytest.raises(AttributeError, match="Int8Linear holds quantized weights .* reload the model"):
+            model.resize_token_embeddings(300)
+        hfaccel.unpatch(model)
