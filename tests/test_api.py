@@ -505,3 +505,8 @@ def test_a_call_warns_about_transformers_default_length_once_not_per_prompt():
         warnings.simplefilter("always")
         hfaccel.generate(model, [[5, 6], [7, 8, 9], [10], [11, 12, 13, 14]], progress=False)
     assert len([w for w in caught if "model-agnostic default `max_length`" in str(w.message)]) == 1
+    with warnings.catch_warnings(record=True) as caught:  # a prompt with its own length does not count
+        warnings.simplefilter("always")
+        configs = [GenerationConfig(max_new_tokens=3), GenerationConfig()]
+        hfaccel.generate(model, [[5, 6], [7, 8, 9]], generation_config=configs, progress=False)
+    assert len([w for w in caught if "model-agnostic default `max_length`" in str(w.message)]) == 1

@@ -282,8 +282,13 @@ def test_a_stream_says_which_of_generates_parameters_it_does_not_take(name):
     ("kwargs", "error", "message"),
     [
         ({"prompts": 5}, ValueError, "prompts must be a string, a list of token ids, .*got int"),
-        ({"adapter": 3}, TypeError, "adapter must be an adapter's name, None, or a list of one per prompt"),
+        (
+            {"adapter": 3},
+            TypeError,
+            r"adapter must be an adapter's name, None, or a list \(in prompt order\)",
+        ),
         ({"adapter": ["a", 3]}, TypeError, r"adapter\[1\] must be an adapter's name or None"),
+        ({"adapter": {"a", "b"}}, TypeError, r"adapter must be .* a list \(in prompt order\)"),
         ({"tokenizer": "gpt2"}, TypeError, "tokenizer must be a transformers tokenizer"),
         (
             {"generation_config": {"max_new_tokens": 2}},
@@ -319,6 +324,11 @@ def test_patch_and_unpatch_name_their_wrong_arguments():
         hfaccel.patch(model, strict="no")
     with pytest.raises(TypeError, match="progress must be True or False"):
         hfaccel.patch(model, progress=1)
+    import numpy as np
+
+    hfaccel.patch(model, strict=np.True_, progress=np.False_)  # numpy's booleans are booleans
+    assert model._hfaccel.strict is True and model._hfaccel.progress is False
+    hfaccel.unpatch(model)
     with pytest.raises(TypeError, match="unpatch takes the model hfaccel.patch was given, got NoneType"):
         hfaccel.unpatch(None)
     assert getattr(model, "_hfaccel", None) is None

@@ -319,5 +319,6 @@ def _check_patch_arguments(config: Any, strict: Any, progress: Any) -> None:
             "the fields themselves as keyword arguments (patch(model, max_num_seqs=8))"
         )
     for name, value in (("strict", strict), ("progress", progress)):
-        if value is not None and not isinstance(value, bool) and type(value).__name__ != "bool_":
-            raise TypeError(f"{name} must be True or False, got {value!r}")  # (numpy's bools are taken)
+        numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+        if value is not None and not isinstance(value, bool) and not numpy_bool:
+            raise TypeError(f"{name} must be True or False, got {value!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -90,9 +91,10 @@ def _is_token_id(value: Any) -> bool:
 def per_prompt_adapters(adapter: str | Sequence[str | None] | None, count: int) -> list[str | None]:
     if adapter is None or isinstance(adapter, str):
         return [adapter] * count
-    if isinstance(adapter, Mapping) or not isinstance(adapter, Iterable):  # (a list, an array, a Series)
+    if isinstance(adapter, (Mapping, AbstractSet)) or not isinstance(adapter, Iterable):  # (a list, an array)
         raise TypeError(
-            f"adapter must be an adapter's name, None, or a list of one per prompt; got {type(adapter).__name__}"
+            f"adapter must be an adapter's name, None, or a list (in prompt order) of one per prompt; got "
+            f"{type(adapter).__name__}"
         )
     adapters = list(adapter)
     for i, name in enumerate(adapters):

@@ -251,6 +251,13 @@ def _hypothesis_completion(plan: Hypothesis, tokenizer: Any, prompt_index: int) 
 LOGITS_BUDGET_BYTES = 1 << 28
 
 
+def output_rows(model: Any) -> int:
+    """The rows of `model`'s logits: its output head's features (a quantized head has no float weight)."""
+    head = model.get_output_embeddings()
+    rows = getattr(head, "out_features", None)
+    return int(rows) if rows is not None else int(head.weight.shape[0])
+
+
 def prompt_logprobs_of(
     model: Any, ids: list[int], k: int, adapter: str | None = None
 ) -> list[dict[int, float] | None]:
@@ -263,7 +270,7 @@ def prompt_logprobs_of(
     result: list[dict[int, float] | None] = [None]
     if len(ids) < 2:
         return result
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = output_rows(model)
     width = max(1, min(len(ids) - 1, LOGITS_BUDGET_BYTES // (4 * vocab)))  # float32 rows per slice
     inputs = torch.tensor([ids], device=device)
     extra = {} if adapter is None else {"adapter_names": [adapter]}

@@ -280,9 +280,11 @@ def request_params(
         inputs_tensor=input_ids if inputs_embeds is None else inputs_embeds,
     )
     warned = _default_length_warned.get()  # (a call of many prompts: transformers warns once)
-    model._validate_generated_length(config, width, has_default_max and not (warned and warned[0]))
-    if warned is not None and has_default_max:
-        warned[0] = True
+    warns = has_default_max and config.max_new_tokens is None  # transformers' condition for it
+    quiet = warns and warned is not None and warned[0]
+    if warns and warned is not None:
+        warned[0] = True  # (before: it may warn, then refuse the prompt)
+    model._validate_generated_length(config, width, has_default_max and not quiet)
     eos = config._eos_token_tensor
     stop_check = None
     if config.stop_strings is not None:  # "" or []: refused below (HF stops at once on "", raises on [])

@@ -27,8 +27,7 @@ ACTIVATION_DTYPE = torch.bfloat16
 
 class _FrozenProduct(torch.autograd.Function):
     """A quantized layer's product, differentiable in its input (its weights are frozen), so what lies
-    before it (embeddings, norms, LoRA adapters) can still be trained: the gradient reads the weight as
-    the kernel does, ``W.T = product(identity)``, built in the backward pass only."""
+    before it (embeddings, norms, LoRA adapters) can still be trained: `layer.input_grad`."""
 
     @staticmethod
     def forward(ctx: Any, flat: torch.Tensor, layer: nn.Module) -> torch.Tensor:
@@ -37,16 +36,18 @@ class _FrozenProduct(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        layer = ctx.layer
-        dtype = layer.activation_dtype
-        transposed = layer.product(torch.eye(layer.in_features, dtype=dtype, device=grad.device))  # [in, out]
-        return grad.to(dtype) @ transposed.t(), None
+        return ctx.layer.input_grad(grad), None
 
 
 class _NoFloatWeight:
     """A quantized layer has no float ``weight`` to read, tie or resize: saying so where transformers
     reaches for it (`resize_token_embeddings`, `tie_weights`), rather than a bare AttributeError or a
     resize that leaves the quantized rows behind."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "weight":  # transformers' tie_weights: a float weight the layer would never read
+            self.__getattr__(name)
+        super().__setattr__(name, value)
 
     def __getattr__(self, name: str) -> Any:
         if name == "weight":  # (still an AttributeError: getattr(layer, "weight", None) gives None)
@@ -82,6 +83,11 @@ class Int8Linear(_NoFloatWeight, nn.Module):
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(flat, self.qdata, self.scale)
 
+    def input_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad @ (q * scale)``: the product's gradient in its input, one matmul."""
+        dtype = self.activation_dtype
+        return (grad.to(dtype) * self.scale) @ self.qdata.to(dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(self.scale.dtype).contiguous()
         out = _product(self, flat)
@@ -113,6 +119,13 @@ class Int4Linear(_NoFloatWeight, nn.Module):
     def product(self, flat: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             flat, self.packed, INT4_GROUP, self.scales_and_zeros
+        )
+
+    def input_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        # The packed layout is the kernel's own: reading the weight back would cost in^2 x out a layer.
+        raise RuntimeError(
+            "weights='int4' layers pass no gradient to their input (their packed weights are the kernel's "
+            "alone): train over weights='int8' or unquantized weights"
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

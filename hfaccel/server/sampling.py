@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hfaccel.api.detokenize import decodes_locally
+from hfaccel.api.results import output_rows
 from hfaccel.server.penalties import OutputTokenPenalties
 from hfaccel.server.prompt_rows import prefix_clash
 from hfaccel.server.protocol import APIError, SamplingFields
@@ -139,7 +140,7 @@ def grammar_job(
             "response_format needs an EOS token to end the answer; this model has none",
             "response_format",
         )
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = output_rows(model)
 
     def compiled() -> GrammarProcessor:
         try:

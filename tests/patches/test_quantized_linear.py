@@ -234,17 +234,15 @@ def test_the_route_the_lora_refusal_advises_serves_transformers_tokens():
         hfaccel.unpatch(model)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_a_quantized_layer_passes_gradients_to_its_input(kind):
+def test_an_int8_layer_passes_gradients_to_its_input():
     """The weights are frozen, but what lies before a layer (embeddings, norms, adapters) still trains:
-    the input's gradient is that of the product with the dequantized weight (its operation had no
-    derivative: any backward through a patched model failed)."""
+    the input's gradient is that of the product with the dequantized weight, one matmul (its operation
+    had no derivative: any backward through a patched model failed). int4's packed weights are the
+    kernel's alone: its backward says so."""
     model = torch.nn.Sequential(_linear(64, 48))
-    quantize_linears(model, kind)
+    quantize_linears(model, "int8")
     layer = model[0]
-    weight = (
-        layer.product(torch.eye(64, dtype=torch.bfloat16)).float().t()
-    )  # [out, in], as the kernel reads it
+    weight = layer.qdata.float() * layer.scale.float().reshape(-1, 1)
     x = torch.randn(5, 64).bfloat16().requires_grad_()
     grad = torch.randn(5, 48)
     model(x).float().backward(grad)
@@ -253,11 +251,23 @@ def test_a_quantized_layer_passes_gradients_to_its_input(kind):
         assert not model(x).requires_grad
 
     lm = tiny_model("llama")
-    hfaccel.patch(lm, weights=kind)
+    hfaccel.patch(lm, weights="int8")
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     lm(ids, labels=ids).loss.backward()
     assert lm.get_input_embeddings().weight.grad.abs().sum() > 0
     hfaccel.unpatch(lm)
+    four = torch.nn.Sequential(_linear(64, 48))
+    quantize_linears(four, "int4")
+    with pytest.raises(RuntimeError, match="weights='int4' layers pass no gradient to their input"):
+        four(x).float().sum().backward()
+
+
+def test_prompt_logprobs_of_a_quantized_model():
+    """Their vocabulary is read off the head's features: a quantized head has no float weight."""
+    model = hfaccel.patch(tiny_model("llama"), weights="int8")
+    done = hfaccel.generate(model, [[5, 6, 7, 8]], max_new_tokens=2, prompt_logprobs=1, progress=False)[0]
+    assert len(done.prompt_logprobs) == 4 and done.prompt_logprobs[0] is None
+    hfaccel.unpatch(model)
 
 
 def test_resizing_a_quantized_head_says_why_it_cannot():
@@ -269,8 +279,9 @@ def test_resizing_a_quantized_head_says_why_it_cannot():
         if tied:
             model.config.tie_word_embeddings = True
         hfaccel.patch(model, weights="int8")
-        if tied:
-            model.tie_weights()
+        if tied:  # it would attach a float weight the quantized head never reads
+            with pytest.raises(AttributeError, match="Int8Linear holds quantized weights"):
+                model.tie_weights()
         assert getattr(model.get_output_embeddings(), "weight", None) is None
         with pytest.raises(AttributeError, match="Int8Linear holds quantized weights .* reload the model"):
             model.resize_token_embeddings(300)
