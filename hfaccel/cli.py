@@ -16,9 +16,10 @@ import sys
 import torch
 
 from hfaccel.cli_bench import add_bench_parser, run_bench
-from hfaccel.cli_loading import CommandError, load_model, read_templates
+from hfaccel.cli_loading import CommandError, check_serving_templates, load_model, read_templates
 from hfaccel.cli_types import (
     DTYPES,
+    _host,
     _key,
     _memory,
     _non_negative_float,
@@ -108,7 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv.add_argument("model", nargs="?", metavar="MODEL_DIR", default=None, help="a local model folder")
     srv.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+        "--host",
+        type=_host,
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1: this machine only)",
     )
     srv.add_argument("--port", type=_port, default=8000, help="port (default 8000)")
     srv.add_argument(
@@ -295,6 +299,7 @@ def run_serve(args: argparse.Namespace) -> None:
         tokenizer.chat_template = chat_template
     if response_template is not None:
         tokenizer.response_template = response_template
+    check_serving_templates(tokenizer, chat_template is not None, response_template is not None)
     name = args.served_model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else None)
     engine = {
         key: value

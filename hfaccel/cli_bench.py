@@ -142,8 +142,8 @@ def run_bench(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     suites = args.suite or [s.strip() for s in args.suites.split(",") if s.strip()]
     unknown = sorted(set(suites) - set(SUITES))
-    if unknown:
-        raise SystemExit(f"unknown suite(s) {unknown}; choose from {', '.join(SUITES)}")
+    if unknown or not suites:  # (main turns a ValueError into its one-line error, exit code 2)
+        raise ValueError(f"unknown suite(s) {unknown or suites!r}; choose from {', '.join(SUITES)}")
     dtype = DTYPES[args.dtype]
     if "coverage" in suites:  # a tiny random model of its own, seconds
         from hfaccel.bench.coverage import run_coverage

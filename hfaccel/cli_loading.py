@@ -120,11 +120,36 @@ def read_templates(chat: str | None, response: str | None) -> tuple[str | None, 
     return (None if chat is None else _file_or_text(chat, "--chat-template")), template
 
 
+def check_serving_templates(tokenizer: Any, chat_given: bool, response_given: bool) -> None:
+    """Templates given on the command line, checked against the model before it serves: the chat
+    template renders a conversation, and a response template's start anchor occurs in its generation
+    prompt (a reply is read from the anchor on: without it the prompt itself came back as the answer)."""
+    if not (chat_given or response_given):
+        return
+    sample = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    try:
+        prompt = tokenizer.apply_chat_template(sample, add_generation_prompt=True, tokenize=False)
+    except Exception as error:  # a template's own error: jinja's, or its raise_exception
+        if chat_given:
+            raise CommandError(f"--chat-template: it cannot render a conversation: {error}") from error
+        return  # no usable chat template: chat requests get their own error
+    template = getattr(tokenizer, "response_template", None)
+    anchor = template.get("start_anchor") if isinstance(template, dict) else None
+    if response_given and anchor and anchor not in prompt:
+        raise CommandError(
+            f"--response-template: its start_anchor {anchor!r} is not in this model's generation prompt "
+            f"(...{prompt[-40:]!r}): it reads another chat format's replies"
+        )
+
+
 def _file_or_text(value: str, option: str) -> str:
     """The file's text, or `value` itself when it is the template; a value that names a file (a path or a
     file name, no template syntax) that is not there is an error, not a template."""
     if os.path.isfile(value):
-        return Path(value).read_text()
+        try:
+            return Path(value).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            raise CommandError(f"{option} {value}: {error}") from error
     looks_like_path = "{" not in value and (
         "/" in value or os.sep in value or value.endswith((".jinja", ".json"))
     )

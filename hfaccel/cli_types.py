@@ -45,6 +45,8 @@ def _memory(text: str) -> int | float:
         if not 0 < value <= 1:
             raise argparse.ArgumentTypeError(problem) from None
         return value
+    if value == 1:  # "1": all of the free memory, not one byte
+        return 1.0
     if value <= 0:
         raise argparse.ArgumentTypeError(problem)
     return value
@@ -82,6 +84,12 @@ def _names_from(choices: tuple[str, ...]) -> Callable[[str], tuple[str, ...]]:
         return tuple(names)
 
     return check
+
+
+def _host(text: str) -> str:
+    if not text.strip():  # `--host "$HOST"` with HOST unset would bind every interface
+        raise argparse.ArgumentTypeError("the address is empty (0.0.0.0 binds every interface)")
+    return text
 
 
 def _key(text: str) -> str:

@@ -52,8 +52,10 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be bytes (int) or a fraction (float), got {memory!r}")
         if isinstance(memory, float) and not 0.0 < memory <= 1.0:
             raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {memory}")
-        if isinstance(memory, int) and memory <= 1:
-            raise ValueError(f"kv_cache_memory in bytes must be positive, got {memory}")
+        if isinstance(memory, int) and memory <= 1:  # (1 as a fraction is the float 1.0)
+            raise ValueError(
+                f"kv_cache_memory in bytes must be more than 1, got {memory} (all of the free memory: 1.0)"
+            )
         if isinstance(self.dtype, torch.dtype):
             floating = self.dtype.is_floating_point and self.dtype.itemsize >= 2
             if not floating and self.dtype != torch.int8:

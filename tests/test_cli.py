@@ -5,6 +5,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,6 +164,9 @@ def test_generate_reads_stdin_one_prompt_per_line(model_folder, capsys, monkeypa
             "argument --goodput-systems: expected comma-separated names",
         ),
         (["bench", "--rates", "0"], "argument --rates: expected comma-separated numbers > 0"),
+        (["bench", "nosuch"], "hfaccel bench: error: unknown suite(s) ['nosuch']"),
+        (["bench", "--suites", ","], "hfaccel bench: error: unknown suite(s) []"),
+        (["serve", "--host", ""], "argument --host: the address is empty"),
     ],
 )
 def test_bad_arguments_give_one_line_errors(argv, message, capsys):
@@ -337,3 +341,39 @@ def test_serve_reads_its_templates_from_files_or_as_given(tmp_path):
     )
     assert _read_templates("{{ 1 }}", json.dumps(TEMPLATE)) == ("{{ 1 }}", TEMPLATE)
     assert _read_templates(None, None) == (None, None)
+
+
+def test_kv_cache_memory_of_1_is_all_of_the_free_memory():
+    from hfaccel.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--kv-cache-memory", "1"]).kv_cache_memory == 1.0
+
+
+@pytest.mark.parametrize(
+    ("templates", "message"),
+    [
+        (
+            ["--response-template", "examples/response_templates/hermes.json"],
+            "its start_anchor '<|im_start|>",
+        ),
+        (["--chat-template", "{{ bad"], "--chat-template: it cannot render a conversation"),
+    ],
+)
+def test_serve_refuses_templates_that_do_not_fit_the_model_before_serving(
+    model_folder, templates, message, capsys, monkeypatch
+):
+    """A response template of another chat format read the prompt as the reply (the system prompt came
+    back as the answer); a broken chat template was taken and every chat request refused as the client's."""
+    import hfaccel.server.server as server
+
+    monkeypatch.setattr(server, "run_forever", lambda *a, **k: pytest.fail("it served"))
+    with pytest.raises(SystemExit) as info:
+        main(["serve", str(model_folder), *templates])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_reply_read_with_another_formats_template_holds_no_prompt_text():
+    from hfaccel.patches.reply_parsing import parse_reply
+
+    template = json.loads(Path("examples/response_templates/hermes.json").read_text())
+    assert parse_reply(template, "SECRET-SYSTEM<u>hi<a>", ["d", "D"], None).content == "dD"

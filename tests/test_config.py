@@ -13,7 +13,7 @@ from hfaccel import EngineConfig
         ("max_num_batched_tokens", 8, r"max_num_batched_tokens \(8\) must be at least block_size \(16\)"),
         ("kv_cache_memory", 1.5, r"kv_cache_memory as a fraction must be in \(0, 1\]"),
         ("kv_cache_memory", 0.0, r"kv_cache_memory as a fraction must be in \(0, 1\]"),
-        ("kv_cache_memory", -5, "kv_cache_memory in bytes must be positive"),
+        ("kv_cache_memory", -5, "kv_cache_memory in bytes must be more than 1"),
         ("kv_cache_memory", "1GB", "kv_cache_memory must be bytes"),
         ("backend", "cuda-magic", "backend must be one of"),
         ("dtype", "float8", "dtype must be a torch.dtype or one of"),

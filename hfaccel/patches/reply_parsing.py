@@ -144,6 +144,9 @@ class ReplyStream:
         self._open: str | None = None  # the field open now, in the reply
         self._failed = False
         self._pending = self._parts(self._parser.initial_events, in_reply=False)  # fields the prompt opened
+        anchor = template.get("start_anchor")
+        if anchor and anchor not in prompt:  # another chat format's template: the prompt is no reply
+            self._pending = []
 
     def feed(self, text: str) -> list[ReplyPart]:
         return self._trimmed(self._feed(text))
