@@ -20,7 +20,13 @@ from hfaccel.engine.block_manager import blocks_for
 from hfaccel.engine.cost_model import StepCostModel
 from hfaccel.engine.decode_buckets import resolve_compile_mode
 from hfaccel.engine.executor import ModelExecutor, make_executor
-from hfaccel.engine.limits import Limits, counting_blocks, free_memory_bytes, resolve_limits
+from hfaccel.engine.limits import (
+    Limits,
+    cap_to_blocks,
+    counting_blocks,
+    free_memory_bytes,
+    resolve_limits,
+)
 from hfaccel.engine.metrics import StepStats
 from hfaccel.engine.model_watch import ModelWatch
 from hfaccel.engine.prompt_inputs import write_imported_kv
@@ -93,6 +99,7 @@ class Engine:
             self.executor, self.config, self.max_model_len, self.num_blocks, state_slots, draft is not None
         )
         self.num_blocks = self.block_manager.num_blocks
+        self.config = cap_to_blocks(self.config, self.num_blocks, self.max_model_len)
         self._cost_model = StepCostModel()
         self._cost_model_seen = 0  # the last step the model was fed (step 0 never is)
         self.scheduler = Scheduler(self.block_manager, self.config, self.max_model_len, self._cost_model)

@@ -11,11 +11,13 @@ fill an 8k context, and preemption covers the ones that grow past their share), 
 throughput; a GPU's decode step is flat much longer). The step's token budget is per device too (a CPU
 prefill chunk of 2,048 tokens already takes about a second on a 135M model). What the static defaults
 cannot know, the machine's actual step times, the step-time model learns online; with a TPOT target the
-scheduler then bounds each step by it (`engine/scheduler.py`). Explicit values are always used exactly.
+scheduler then bounds each step by it (`engine/scheduler.py`). Explicit values are used exactly, except a
+`max_num_seqs` beyond the KV cache's blocks (`cap_to_blocks`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,8 @@ CPU_MAX_SEQS = 64
 GPU_MAX_SEQS = 256
 CPU_TOKENS = 2048
 GPU_TOKENS = 8192
+
+logger = logging.getLogger("hfaccel")
 
 
 @dataclass(frozen=True)
@@ -129,3 +133,18 @@ def free_memory_bytes(device: torch.device) -> int:
     except OSError:
         pass
     return 8 * 1024**3  # no way to ask: assume a modest 8 GiB
+
+
+def cap_to_blocks(config: Any, num_blocks: int, max_model_len: int) -> Any:
+    """`config` with `max_num_seqs` no more than the KV cache's blocks (a running sequence holds one at
+    least) and then a step's token budget no more than their slots (each token computed takes one):
+    `max_num_seqs=10**8` sized the step buffers for that many (a server was killed for memory)."""
+    if not 0 < num_blocks < config.max_num_seqs:
+        return config
+    logger.warning(
+        "hfaccel: max_num_seqs=%d is more than the KV cache's %d blocks: at most %d sequences run at once",
+        config.max_num_seqs, num_blocks, num_blocks,
+    )  # fmt: skip
+    slots = num_blocks * config.block_size
+    budget = min(config.max_num_batched_tokens, max(slots, max_model_len))
+    return config.with_overrides(max_num_seqs=num_blocks, max_num_batched_tokens=budget)

@@ -345,3 +345,13 @@ def test_an_engine_in_lock_step_checks_once_when_it_empties(model):
     engine.sync_drain()  # the divergence was raised on every rank: no rank owes the others a check
     assert sync.checks.count("drained") == 1
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_max_num_seqs_beyond_the_blocks_is_capped_at_them(model, caplog):
+    """max_num_seqs=10**8 sized the step buffers for 10**8 sequences (a server was killed for memory);
+    a running sequence holds a block at least, so no more than the blocks run at once."""
+    engine = Engine(model, EngineConfig(kv_cache_memory=4_000_000, max_num_seqs=10**8))
+    assert engine.config.max_num_seqs == engine.num_blocks < 10**8
+    assert "at most" in caplog.text and "sequences run at once" in caplog.text
+    requests = run(engine, [[5, 6, 7], [8, 9]], max_new=3)
+    assert all(len(r.output_token_ids) == 3 for r in requests)
