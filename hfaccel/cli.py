@@ -16,7 +16,13 @@ import sys
 import torch
 
 from hfaccel.cli_bench import add_bench_parser, run_bench
-from hfaccel.cli_loading import CommandError, check_serving_templates, load_model, read_templates
+from hfaccel.cli_loading import (
+    CommandError,
+    check_model_folder,
+    check_serving_templates,
+    load_model,
+    read_templates,
+)
 from hfaccel.cli_types import (
     DTYPES,
     _host,
@@ -26,6 +32,7 @@ from hfaccel.cli_types import (
     _origins,
     _port,
     _positive_int,
+    _seed,
 )
 
 _CleanError = CommandError
@@ -88,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="0: greedy; > 0: sample (default: the model's generation config, as transformers does)",
     )
-    gen.add_argument("--seed", type=int, default=None, help="random seed of sampled answers")
+    gen.add_argument("--seed", type=_seed, default=None, help="random seed of sampled answers")
     gen.add_argument(
         "--dtype",
         choices=("auto", *DTYPES),
@@ -231,6 +238,9 @@ def main(argv: list[str] | None = None) -> None:
 def _run(args: argparse.Namespace) -> None:
     if args.command == "doctor":
         from hfaccel.doctor import run_doctor
+
+        if args.model is not None:  # before the backends' report (and its restart), not after it
+            check_model_folder(args.model)
 
         if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
             # Triton's interpreter must be on before triton is first imported (importing transformers

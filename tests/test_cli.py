@@ -167,6 +167,8 @@ def test_generate_reads_stdin_one_prompt_per_line(model_folder, capsys, monkeypa
         (["bench", "nosuch"], "hfaccel bench: error: unknown suite(s) ['nosuch']"),
         (["bench", "--suites", ","], "hfaccel bench: error: unknown suite(s) []"),
         (["serve", "--host", ""], "argument --host: the address is empty"),
+        (["generate", "--seed", "-1", "hi"], "argument --seed: expected an integer in [0, 2**63)"),
+        (["doctor", "--model", "/no/such/folder"], "--model /no/such/folder: no such folder"),
     ],
 )
 def test_bad_arguments_give_one_line_errors(argv, message, capsys):
