@@ -67,6 +67,10 @@ def load_model(
     return model, tokenizer
 
 
+# The files a tokenizer is saved as (one of them is enough for AutoTokenizer).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def check_model_folder(path: str, option: str = "--model") -> None:
     """CommandError, naming `option`, unless `path` is a folder holding a model's config.json."""
     if os.path.isfile(path):
@@ -98,6 +102,11 @@ def _load_folder(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     options = {"local_files_only": True, "trust_remote_code": trust_remote_code}
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        raise CommandError(
+            f"{option} {path}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}): save the "
+            "tokenizer beside the model (tokenizer.save_pretrained(folder))"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **options)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", **options)

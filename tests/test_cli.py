@@ -181,6 +181,7 @@ def test_bad_arguments_give_one_line_errors(argv, message, capsys):
 
 
 def test_a_broken_model_folder_is_one_line(tmp_path, capsys):
+    tiny_tokenizer().save_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(tmp_path), "hi"])
@@ -379,3 +380,12 @@ def test_a_reply_read_with_another_formats_template_holds_no_prompt_text():
 
     template = json.loads(Path("examples/response_templates/hermes.json").read_text())
     assert parse_reply(template, "SECRET-SYSTEM<u>hi<a>", ["d", "D"], None).content == "dD"
+
+
+def test_a_model_folder_without_a_tokenizer_says_so(tmp_path, capsys):
+    """transformers' message for it was about sentencepiece and tiktoken."""
+    tiny_model().save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(tmp_path), "hi"])
+    assert info.value.code == 2
+    assert f"--model {tmp_path}: no tokenizer there (none of tokenizer.json" in capsys.readouterr().err
