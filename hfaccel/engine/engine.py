@@ -20,13 +20,7 @@ from hfaccel.engine.block_manager import blocks_for
 from hfaccel.engine.cost_model import StepCostModel
 from hfaccel.engine.decode_buckets import resolve_compile_mode
 from hfaccel.engine.executor import ModelExecutor, make_executor
-from hfaccel.engine.limits import (
-    Limits,
-    cap_to_blocks,
-    counting_blocks,
-    free_memory_bytes,
-    resolve_limits,
-)
+from hfaccel.engine.limits import Limits, cap_to_blocks, counting_blocks, free_memory_bytes, resolve_limits
 from hfaccel.engine.metrics import StepStats
 from hfaccel.engine.model_watch import ModelWatch
 from hfaccel.engine.prompt_inputs import write_imported_kv
@@ -441,7 +435,8 @@ class Engine:
         self.num_steps += 1
         self.num_generated_tokens += sum(len(t) if isinstance(t, list) else 1 for t in tokens)
         self.scheduler.scheduled = []  # the step is done: nothing of it is left to fail
-        self.sync_drain()
+        if self.step_sync is not None:  # (one process: no call on the step's path)
+            self.sync_drain()
         return finished + rejected
 
     def _run_and_sample(self, packed: Any) -> tuple[Any, list, float, float]:

@@ -79,6 +79,16 @@ def peft_mixed(model, ps: list[list[int]], names: list[str], **kwargs) -> list[l
     return [row[ids.shape[1] :].tolist() for row in out]
 
 
+def patched_mixed(model, ps: list[list[int]], names: list[str]) -> list[list[int]]:
+    """The (patched) model's own `generate` with `adapter_names` on the left-padded batch; new tokens
+    per row, as `peft_mixed` gives them."""
+    ids, mask = left_padded(ps)
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, adapter_names=names
+    )
+    return [row[ids.shape[1] :].tolist() for row in out]
+
+
 def patch_strict(model):
     return hfaccel.patch(model, strict=True, block_size=16, kv_cache_memory=8_000_000)
 
@@ -230,25 +240,11 @@ def test_unbatched_lora_kinds_fall_back_with_one_warning():
     hfaccel.patch(model, block_size=16, kv_cache_memory=8_000_000)
     ids, mask = left_padded(ps)
     with pytest.warns(UserWarning, match="Embedding layer"):
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            adapter_names=["emb", "math"],
-        )
-    assert [row[ids.shape[1] :].tolist() for row in out] == ref
+        assert patched_mixed(model, ps, ["emb", "math"]) == ref
     # Adapters the engine batches still run on it in the same model.
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            adapter_names=["code", "chat"],
-        )
-    assert [row[ids.shape[1] :].tolist() for row in out] == peft_mixed(model, ps, ["code", "chat"])
+        assert patched_mixed(model, ps, ["code", "chat"]) == peft_mixed(model, ps, ["code", "chat"])
     with pytest.warns(UserWarning, match="DoRA"), pytest.raises(ValueError, match="DoRA"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, adapter_names=["dora", "math"])
     # (Nothing runs after this on the model: PEFT leaves its adapter_names hooks registered when its
@@ -302,16 +298,8 @@ def test_adapter_names_of_another_peft_method_go_to_peft():
     ps = prompts(2)
     expected = peft_mixed(model, ps, ["default", "__base__"])
     hfaccel.patch(model, block_size=16, kv_cache_memory=8_000_000)
-    ids, mask = left_padded(ps)
     with pytest.warns(UserWarning, match="ia3 adapters"):
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            adapter_names=["default", "__base__"],
-        )
-    assert [row[ids.shape[1] :].tolist() for row in out] == expected
+        assert patched_mixed(model, ps, ["default", "__base__"]) == expected
 
 
 def test_lora_layers_outside_engine_steps_are_untouched():
@@ -360,11 +348,7 @@ def test_lora_bias_is_served():
     ref = peft_mixed(model, ps, names)
     assert ref != peft_mixed(model, ps, ["__base__", "code", "__base__"])
     patch_strict(model)
-    ids, mask = left_padded(ps)
-    out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, adapter_names=names
-    )
-    assert [row[ids.shape[1] :].tolist() for row in out] == ref
+    assert patched_mixed(model, ps, names) == ref
 
 
 def test_lora_on_the_lm_head_is_served_per_row():
@@ -378,11 +362,7 @@ def test_lora_on_the_lm_head_is_served_per_row():
     ref = peft_mixed(model, ps, names)
     assert ref != peft_mixed(model, ps, ["x", "x", "x", "x"])
     patch_strict(model)
-    ids, mask = left_padded(ps)
-    out = model.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, adapter_names=names
-    )
-    assert [row[ids.shape[1] :].tolist() for row in out] == ref
+    assert patched_mixed(model, ps, names) == ref
     completions = hfaccel.generate(model, ps, adapter=names, max_new_tokens=NEW_TOKENS, progress=False)
     assert [c.token_ids for c in completions] == ref
 
