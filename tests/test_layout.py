@@ -31,8 +31,10 @@ LAYERS = [
 MAX_LINES = 600
 # 14 until every step read the model's sentinel (engine/model_watch.py, patches/model_state.py: a change
 # made and undone between admissions left stale KV in the prefix cache).
-MAX_DECODE_STEP_FILES = 16
-MAX_WARM_GENERATE_FILES = 24  # 22 until the loop's caller side (engine/submission.py) left loop.py: same code
+# 16 until the eager step ran the layer loop itself (patches/layer_loop.py), not transformers' top-level
+# forward and its wrappers: one file of ours for a dozen functions of theirs a step.
+MAX_DECODE_STEP_FILES = 17
+MAX_WARM_GENERATE_FILES = 25  # 22 until the loop's caller side (engine/submission.py) left loop.py: same code
 
 
 def modules() -> dict[str, Path]:

@@ -16,7 +16,7 @@ from hfaccel.config import EngineConfig, is_draft_model
 from hfaccel.distributed.dp import setup_data_parallel
 from hfaccel.distributed.layout import parallel_layout
 from hfaccel.distributed.pp import check_pipeline_size, setup_pipeline_parallel
-from hfaccel.patches import pp_stages
+from hfaccel.patches import layer_loop
 from hfaccel.patches.attention import register_attention, restore_attention
 from hfaccel.patches.ep_modules import setup_expert_parallel
 from hfaccel.patches.generate import patched_generate
@@ -302,11 +302,11 @@ def patched_for_call(model: Any) -> Iterator[PatchState]:
 
 def check_pipeline_stages(model: Any, size: int | None) -> None:
     """Refuse pipeline parallelism (before anything is set up) where the stages would compute other than
-    the model's own forward (`pp_stages.unsupported_reason`)."""
+    the model's own forward (`layer_loop.unsupported_reason`)."""
     if size is None or size == 1 or parallel_layout(model).pp is not None:
         return
     check_pipeline_size(size, model.config.get_text_config(decoder=True).num_hidden_layers)
-    reason = pp_stages.unsupported_reason(model)
+    reason = layer_loop.unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"pipeline_parallel_size={size} is not possible: {reason}")
 

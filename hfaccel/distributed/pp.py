@@ -61,7 +61,7 @@ def check_pipeline_size(size: Any, num_layers: int) -> None:
 
 def setup_pipeline_parallel(model: Any, size: int | None) -> PPState | None:
     """What `hfaccel.patch` does about pipeline parallelism; the model's `PPState` (or None). The model's
-    forward was checked first (`patches/pp_stages.py`)."""
+    forward was checked first (`patches/layer_loop.py`)."""
     existing = parallel_layout(model).pp
     if size is None:
         return existing

@@ -471,6 +471,9 @@ class Engine:
         """Drop what a change of the model leaves stale: the prefix cache's KV and (with `graphs`) every
         captured CUDA graph (it replays the weights' addresses and the adapters' control flow)."""
         self.block_manager.reset_prefix_cache()
+        forget = getattr(self.runner.executor, "forget_outputs", None)  # (optional in the protocol)
+        if forget is not None:
+            forget()
         if graphs:
             self.runner.graphs.clear()
 

@@ -12,9 +12,11 @@ from typing import Any
 import torch
 
 from hfaccel.engine.executor import ExecutorBase
+from hfaccel.kernels.op import current_forward_context
 from hfaccel.patches import lora
 from hfaccel.patches.attention import engine_attention, register_attention, restore_attention
 from hfaccel.patches.compiled_forward import CompiledForward, own_code
+from hfaccel.patches.layer_loop import LeanForward
 from hfaccel.patches.layer_support import (
     attention_needs,
     embedding_rows,
@@ -63,6 +65,11 @@ class HFExecutor(ExecutorBase):
             model.get_output_embeddings() if self.device.type == "cpu" and type(self) is HFExecutor else None
         )
         self._logit_rows = None if head is None else LogitRows(head, config.hidden_size, self.dtype)
+        # Eager decode steps without the top-level forward's wrappers, once checked (`LeanForward`): one
+        # process (a parallel model's executors run their own forwards), no recurrent state (a checking
+        # step runs its layers twice).
+        plain = type(self) is HFExecutor and not self.recurrent
+        self._lean = LeanForward(model) if plain and LeanForward.unavailable_reason(model) is None else None
         self.recorded: tuple[Any, Any] | None = (
             None  # the last recording forward's (hidden states, attentions)
         )
@@ -93,11 +100,38 @@ class HFExecutor(ExecutorBase):
             logits_indices = padded_indices(logits_indices, self._logit_rows.rows(wanted))
         with engine_attention(self.model):
             if token_adapters is None and prompt_embeds is None:
+                if compiled is None and self._lean is not None and self._lean_step():
+                    return self._lean_forward(input_ids, positions, logits_indices)[:wanted]
                 return (compiled or self._model_forward)(input_ids, positions, logits_indices)[:wanted]
             if token_adapters is None:
                 return self._model_forward(input_ids, positions, logits_indices, prompt_embeds)[:wanted]
             with self._adapter_step(token_adapters, logits_indices):  # each token gets its request's LoRA
                 return self._model_forward(input_ids, positions, logits_indices, prompt_embeds)[:wanted]
+
+    def _lean_step(self) -> bool:
+        """Whether this eager step may run the lean forward: decodes only, outside a CUDA graph capture
+        (a check compares tensors on the host), with nothing wrapping the top-level modules."""
+        layout = current_forward_context().layout
+        if layout is None or layout.num_decodes != len(layout.query_lens):
+            return False
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        return self._lean.usable()
+
+    def _lean_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        lean = self._lean
+        if lean.verified:
+            return lean(input_ids, positions, logits_indices)
+        logits = self._model_forward(input_ids, positions, logits_indices)
+        lean.verify(logits, input_ids, positions, logits_indices)
+        return logits
+
+    def forget_outputs(self) -> None:
+        """The model changed: check the lean forward again before it serves."""
+        if self._lean is not None:
+            self._lean.forget()
 
     def _adapter_step(self, token_adapters: list[str | None], logits_indices: torch.Tensor) -> Any:
         """Each packed token's LoRA adapter for this step; the LM head's, for the logit rows it sees."""

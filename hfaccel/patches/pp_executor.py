@@ -3,7 +3,7 @@
 The stage calls its own decoder layers the way HF's ``LlamaModel.forward`` does (rotary position
 embeddings from ``model.model.rotary_emb`` and the step's ``position_ids``; no mask: the paged metadata
 carries causality), the first stage embeds the tokens, the last applies the final norm and the LM head
-at the sampled positions, with the model-level scales of its family (`pp_stages.StageModel`, checked
+at the sampled positions, with the model-level scales of its family (`layer_loop.AroundLayers`, checked
 against the model's own forward at patch). Activations ``[1, T_m, hidden]`` travel between stages by point-to-point
 ops; every rank knows each microbatch's token count T_m (the ranks schedule in lock step), so every
 receive is posted with its shape before the data arrives.
@@ -42,7 +42,7 @@ from hfaccel.kernels.op import ForwardContext, forward_context
 from hfaccel.patches.arguments import CACHE_NAME
 from hfaccel.patches.attention import engine_attention
 from hfaccel.patches.executor import HFExecutor
-from hfaccel.patches.pp_stages import StageModel
+from hfaccel.patches.layer_loop import AroundLayers
 
 
 class StageCaches(Sequence):
@@ -71,7 +71,7 @@ class PPExecutor(HFExecutor):
         self.pp = pp
         self.num_layers = pp.layer_end - pp.layer_start
         self.step_sync = StepSync(pp.group, pp.ranks[-1], pp.size)
-        self.stage_model = StageModel(model)  # the forward around the layers (checked at patch)
+        self.stage_model = AroundLayers(model)  # the forward around the layers (checked at patch)
         self.base = self.stage_model.base
         self.layers = list(self.base.layers[pp.layer_start : pp.layer_end])
         self.hidden_size = model.config.get_text_config(decoder=True).hidden_size

@@ -1,0 +1,214 @@
+"""A decoder's forward as a loop over its layers, for what cannot or should not call the model's own forward.
+
+`AroundLayers` is what the model computes outside its decoder layers: the token embeddings, the rotary
+position embeddings every layer is given, and the logits from the final norm's output. A pipeline stage
+runs a slice of the layers between them (checked at patch time: `unsupported_reason`); an eager engine
+step runs them all, without the wrappers of transformers' top-level forward (`LeanForward`, checked at
+its first step).
+
+Both are written out as Llama's shape, with the model-level scales some families add (Granite's
+embedding multiplier and logits scaling, Cohere's logit scale, the final soft-capping of Gemma 2's
+kind); a family whose forward does anything else is found by each one's check and keeps its own
+forward (a pipeline of it is refused before any process group is touched).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.nn.modules import module as torch_module
+from transformers import PreTrainedModel
+
+from hfaccel.patches.arguments import CACHE_NAME
+
+logger = logging.getLogger("hfaccel")
+
+# The keyword arguments a stage gives each layer, and those transformers also passes that change nothing
+# in a forward without a cache (`output_router_logits`: the router logits are recorded by hooks).
+LAYER_KEYWORDS = {"attention_mask", "position_embeddings", "position_ids", CACHE_NAME, "use_cache"}
+IGNORED_KEYWORDS = {"output_router_logits", "cache_position"}
+
+
+class AroundLayers:
+    """The parts of `model`'s forward around its decoder layers."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        config = model.config.get_text_config(decoder=True)
+        self.embedding_multiplier = getattr(config, "embedding_multiplier", None)  # Granite
+        self.logits_scaling = getattr(config, "logits_scaling", None)  # Granite: logits divided by it
+        self.logit_scale = getattr(config, "logit_scale", None)  # Cohere: logits multiplied by it
+        self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.base.embed_tokens(input_ids)
+        return hidden if self.embedding_multiplier is None else hidden * self.embedding_multiplier
+
+    def position_embeddings(self, hidden: torch.Tensor, positions: torch.Tensor) -> Any:
+        return self.base.rotary_emb(hidden, position_ids=positions)
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The logits of the final norm's output `normed`."""
+        logits = self.model.get_output_embeddings()(normed)
+        if self.logits_scaling is not None:
+            logits = logits / self.logits_scaling
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why pipeline stages would compute other than `model`'s own forward (None: they compute the same):
+    a forward of four tokens, its layer 0 inputs and final norm output caught by hooks, against
+    `AroundLayers`'s embeddings, position embeddings and logits."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    missing = [n for n in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(base, n)]
+    if missing:
+        return (
+            f"pipeline stages run Llama-style decoders (embed_tokens, rotary_emb, layers, norm); "
+            f"{type(model).__name__} lacks {', '.join(missing)}"
+        )
+    parameter = next(model.parameters())
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = (torch.arange(4, device=parameter.device) % vocab)[None]
+    positions = torch.arange(4, device=parameter.device)[None]
+    seen: dict[str, Any] = {}
+
+    def layer_inputs(module: Any, args: tuple, kwargs: dict) -> None:
+        seen.setdefault("hidden", args[0] if args else kwargs.get("hidden_states"))
+        seen.setdefault("kwargs", kwargs)
+
+    def norm_output(module: Any, args: tuple, output: torch.Tensor) -> None:
+        seen["normed"] = output
+
+    hooks = [
+        base.layers[0].register_forward_pre_hook(layer_inputs, with_kwargs=True),
+        base.norm.register_forward_hook(norm_output),
+    ]
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    stage = AroundLayers(model)
+    name = type(model).__name__
+    with torch.no_grad():
+        hidden = stage.embed(ids)
+        if seen.get("hidden") is None or not torch.equal(hidden, seen["hidden"]):
+            return f"{name}'s forward computes its first layer's input other than from the token embeddings"
+        extra = sorted(set(seen["kwargs"]) - LAYER_KEYWORDS - IGNORED_KEYWORDS)
+        if extra:
+            return f"{name}'s decoder layers are given {', '.join(extra)}, which a stage does not pass"
+        try:
+            position_embeddings = stage.position_embeddings(hidden, positions)
+        except TypeError as error:  # Gemma 3's rotary embedding asks for each layer's type
+            return f"{name}'s rotary embedding takes arguments a stage does not pass ({error})"
+        if not _same(position_embeddings, seen["kwargs"].get("position_embeddings")):
+            return f"{name}'s layers are given other position embeddings than its rotary_emb's"
+        if "normed" not in seen or not torch.allclose(
+            stage.logits(seen["normed"]), logits, rtol=1e-5, atol=1e-5
+        ):
+            return f"{name}'s forward computes its logits other than from its final norm and LM head"
+    return None
+
+
+def _same(ours: Any, theirs: Any) -> bool:
+    if isinstance(ours, torch.Tensor) and isinstance(theirs, torch.Tensor):
+        return ours.shape == theirs.shape and torch.equal(ours, theirs)
+    if isinstance(ours, (tuple, list)) and isinstance(theirs, (tuple, list)):
+        return len(ours) == len(theirs) and all(_same(a, b) for a, b in zip(ours, theirs))
+    return False
+
+
+class LeanForward:
+    """An eager step's forward as the layer loop, without transformers' top-level forward around it.
+
+    An eager step of a small model spends as much time in the wrappers of that forward (output capture,
+    argument checks, mask functions that return None under the engine's attention, output dataclasses)
+    as in its attention: about 0.2 ms a step for a four-layer model, 15% of it. This calls the same
+    modules in the same order, so each module's hooks, adapters and quantized weights still apply.
+
+    It serves only once shown to compute the model's own logits (`verified`): the first step it could
+    serve runs the model's forward and then this one over the same inputs (attention stores the same
+    K/V at the same slots again) and compares the logits bit for bit. Equal, it serves the steps that
+    follow; different or raising, the model's forward keeps them, until the model changes (`forget`).
+    Hooks on the two top-level modules, global hooks or a replaced ``forward`` would be skipped by it:
+    a step with any of them runs the model's forward (`usable`).
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.stage = AroundLayers(model)
+        self.base = self.stage.base
+        self.verified: bool | None = None  # None: not checked since the last change of the model
+
+    @staticmethod
+    def unavailable_reason(model: Any) -> str | None:
+        """Why `model` has no layer loop this forward can run (None: it has one)."""
+        if not isinstance(model, PreTrainedModel):
+            return f"{type(model).__name__} is not a transformers model"
+        base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+        missing = [n for n in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(base, n)]
+        if missing:
+            return f"its decoder lacks {', '.join(missing)}"
+        return None
+
+    def usable(self) -> bool:
+        """Whether this step may skip the two top-level modules: nothing of the user's or a library's
+        wraps them (a few dictionary reads a step)."""
+        if self.verified is False:
+            return False
+        for module in (self.model, self.base):
+            if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
+                return False
+            if module._compiled_call_impl is not None:
+                return False
+        return not (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """The logits ``[len(logits_indices), vocab]`` of a packed ``[1, T]`` step."""
+        hidden = self.stage.embed(input_ids)
+        position_embeddings = self.stage.position_embeddings(hidden, positions)
+        for layer in self.base.layers:
+            hidden = layer(
+                hidden,
+                attention_mask=None,  # what the model's mask functions return under the engine's attention
+                position_embeddings=position_embeddings,
+                position_ids=positions,
+                **{CACHE_NAME: None},
+                use_cache=False,
+            )
+        hidden = self.base.norm(hidden)
+        return self.stage.logits(hidden[:, logits_indices])[0]
+
+    def verify(
+        self,
+        logits: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor,
+    ) -> None:
+        """Compare this forward's logits on a step with the model's own `logits` of it."""
+        try:
+            ours = self(input_ids, positions, logits_indices)
+        except Exception as error:  # a layer that wants other arguments: the model's forward serves
+            self.verified = False
+            logger.debug("hfaccel: the lean forward raised (%r); the model's forward serves", error)
+            return
+        self.verified = ours.shape == logits.shape and bool(torch.equal(ours, logits))
+        if not self.verified:
+            logger.debug("hfaccel: the lean forward differs from the model's; the model's forward serves")
+
+    def forget(self) -> None:
+        """Check again at the next step it could serve (the model changed: its config's scales too)."""
+        self.stage = AroundLayers(self.model)
+        self.base = self.stage.base
+        self.verified = None
