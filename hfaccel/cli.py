@@ -28,6 +28,7 @@ from hfaccel.cli_types import (
     _host,
     _key,
     _memory,
+    _model_len,
     _non_negative_float,
     _origins,
     _port,
@@ -145,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_device_and_weights(srv)
     srv.add_argument("--max-num-seqs", type=_positive_int, default=None, help="most sequences in one step")
-    srv.add_argument("--max-model-len", type=_positive_int, default=None, help="longest sequence served")
+    srv.add_argument("--max-model-len", type=_model_len, default=None, help="longest sequence served")
     srv.add_argument(
         "--kv-cache-memory", type=_memory, default=None, help="KV cache bytes, or a fraction of free"
     )

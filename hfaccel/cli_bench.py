@@ -8,7 +8,15 @@ import importlib
 
 import torch
 
-from hfaccel.cli_types import DTYPES, _names_from, _positive_int, _positive_ints, _positive_numbers
+from hfaccel.cli_types import (
+    DTYPES,
+    _count,
+    _names_from,
+    _positive_float,
+    _positive_int,
+    _positive_ints,
+    _positive_numbers,
+)
 
 SUITES = (
     "offline", "prefix", "chunked", "batching", "concurrency", "speculative", "rollouts", "step", "start",
@@ -101,17 +109,21 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     bench.add_argument(
         "--step-e2e-repeats",
-        type=int,
+        type=_count,
         default=3,
         help="step: alternated end-to-end runs of each mode (0: none)",
     )
-    bench.add_argument("--spec-new-tokens", type=int, default=96, help="speculative: new tokens per request")
+    bench.add_argument(
+        "--spec-new-tokens", type=_positive_int, default=96, help="speculative: new tokens per request"
+    )
     bench.add_argument(
         "--rates", type=_positive_numbers, default="1,2,4,8", help="goodput: arrival rates (requests/s)"
     )
-    bench.add_argument("--goodput-requests", type=int, default=20, help="goodput: requests per rate")
-    bench.add_argument("--tpot-target-ms", type=float, default=250.0, help="goodput: TPOT target")
-    bench.add_argument("--ttft-target-ms", type=float, default=2000.0, help="goodput: TTFT target")
+    bench.add_argument(
+        "--goodput-requests", type=_positive_int, default=20, help="goodput: requests per rate"
+    )
+    bench.add_argument("--tpot-target-ms", type=_positive_float, default=250.0, help="goodput: TPOT target")
+    bench.add_argument("--ttft-target-ms", type=_positive_float, default=2000.0, help="goodput: TTFT target")
     bench.add_argument(
         "--goodput-systems",
         type=_names_from(("defaults", "best fixed", "adaptive", "hf")),
@@ -120,7 +132,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     bench.add_argument(
         "--goodput-repeats",
-        type=int,
+        type=_positive_int,
         default=1,
         help="goodput: sweeps, the systems' order reversed each time",
     )

@@ -32,6 +32,18 @@ def _positive_int(text: str) -> int:
     return _number(text, int, lambda v: v > 0, "a positive integer")
 
 
+def _count(text: str) -> int:
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
+
+
+def _positive_float(text: str) -> float:
+    return _number(text, float, lambda v: v > 0, "a number > 0")
+
+
+def _model_len(text: str) -> int:
+    return _number(text, int, lambda v: v >= 2, "an integer >= 2 (a prompt token and a new one)")
+
+
 def _port(text: str) -> int:
     return _number(text, int, lambda v: 0 <= v <= 65535, "a port in 0-65535 (0: any free one)")
 

@@ -67,6 +67,8 @@ class CacheConfig:
             raise ValueError(f"dtype must be a torch.dtype or one of {tuple(_DTYPES)}, got {self.dtype!r}")
         if self.max_model_len is not None:
             _require_positive_int("max_model_len", self.max_model_len)
+            if self.max_model_len < 2:  # a sequence of one token has no room for a new one
+                raise ValueError("max_model_len must be at least 2 (a prompt token and a new one), got 1")
         _require_bool("enable_prefix_caching", self.enable_prefix_caching)
         _require_bool("window_pool", self.window_pool)
 

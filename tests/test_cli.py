@@ -169,6 +169,13 @@ def test_generate_reads_stdin_one_prompt_per_line(model_folder, capsys, monkeypa
         (["serve", "--host", ""], "argument --host: the address is empty"),
         (["generate", "--seed", "-1", "hi"], "argument --seed: expected an integer in [0, 2**63)"),
         (["doctor", "--model", "/no/such/folder"], "--model /no/such/folder: no such folder"),
+        (["serve", "--max-model-len", "1"], "argument --max-model-len: expected an integer >= 2"),
+        (["bench", "--step-e2e-repeats", "-1"], "argument --step-e2e-repeats: expected an integer >= 0"),
+        (["bench", "--goodput-repeats", "0"], "argument --goodput-repeats: expected a positive integer"),
+        (["bench", "--tpot-target-ms", "0"], "argument --tpot-target-ms: expected a number > 0"),
+        (["bench", "--spec-new-tokens", "-5"], "argument --spec-new-tokens: expected a positive integer"),
+        # Checked before the model loads and HF's baseline runs (minutes), not after.
+        (["demo", "--tensor-parallel-size", "2"], "tensor_parallel_size=2 needs 2 processes: launch with"),
     ],
 )
 def test_bad_arguments_give_one_line_errors(argv, message, capsys):

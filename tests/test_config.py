@@ -18,6 +18,7 @@ from hfaccel import EngineConfig
         ("backend", "cuda-magic", "backend must be one of"),
         ("dtype", "float8", "dtype must be a torch.dtype or one of"),
         ("max_model_len", 0, "max_model_len must be a positive integer"),
+        ("max_model_len", 1, r"max_model_len must be at least 2 \(a prompt token and a new one\)"),
         ("block_size", True, "block_size must be a positive integer"),
         ("dtype", torch.uint8, r"dtype torch.uint8 cannot hold a KV cache"),
         ("dtype", torch.float8_e4m3fn, r"dtype torch.float8_e4m3fn cannot hold a KV cache"),

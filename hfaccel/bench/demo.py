@@ -28,6 +28,7 @@ import hfaccel
 from hfaccel.bench.machine import cpu_description, fast_dtype
 from hfaccel.bench.workloads import QUESTIONS
 from hfaccel.default_model import load_default_model
+from hfaccel.distributed.world import check_launch
 
 print = functools.partial(print, flush=True)  # lines show at once when piped (under make, tee)
 
@@ -153,6 +154,8 @@ def run_demo(
 
     ``tensor_parallel_size=N`` (under ``torchrun --nproc-per-node N``) shards the model N ways when it is
     patched (docs/parallelism.md); the HF baseline runs first, unsharded, on every rank."""
+    if tensor_parallel_size > 1:  # before minutes of HF baseline, not after
+        check_launch(tensor_parallel_size, "tensor_parallel_size")
     if dtype is None:
         dtype = fast_dtype()
         print(f"dtype: {dtype} (the fast one for this CPU; exact parity with HF is only expected in float32)")

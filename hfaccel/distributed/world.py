@@ -13,12 +13,12 @@ import torch.distributed as dist
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def init_world(size: int, what: str, device: torch.device) -> int:
-    """Start the process group from torchrun's environment if none exists (NCCL on CUDA, each rank on
-    its ``LOCAL_RANK`` device; gloo otherwise); the world size. `what` names the argument asking for
-    `size` processes in the errors: no process group and no torchrun environment, a world smaller than
-    `size`, or one `size` does not divide."""
-    if not dist.is_initialized():
+def check_launch(size: int, what: str) -> None:
+    """ValueError unless this process can join a world of `size` processes or more that `size` divides:
+    a process group, or torchrun's environment to start one from (checked before anything slow runs)."""
+    if dist.is_initialized():
+        world = dist.get_world_size()
+    else:
         missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
         if missing:
             raise ValueError(
@@ -26,17 +26,24 @@ def init_world(size: int, what: str, device: torch.device) -> int:
                 "or call torch.distributed.init_process_group first (no process group and no torchrun "
                 f"environment: {', '.join(missing)} unset)"
             )
-        if int(os.environ["WORLD_SIZE"]) < size:
-            raise ValueError(f"{what}={size} is larger than the world ({os.environ['WORLD_SIZE']} processes)")
-        if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    world = dist.get_world_size()
+        world = int(os.environ["WORLD_SIZE"])
     if size > world:
         raise ValueError(f"{what}={size} is larger than the world ({world} processes)")
     if world % size:
         raise ValueError(f"{what}={size} does not divide the world size {world}")
-    return world
+
+
+def init_world(size: int, what: str, device: torch.device) -> int:
+    """Start the process group from torchrun's environment if none exists (NCCL on CUDA, each rank on
+    its ``LOCAL_RANK`` device; gloo otherwise); the world size. `what` names the argument asking for
+    `size` processes in the errors: no process group and no torchrun environment, a world smaller than
+    `size`, or one `size` does not divide."""
+    check_launch(size, what)
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_world_size()
 
 
 def split_groups(size: int) -> tuple[list[int], Any]:
