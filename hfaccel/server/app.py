@@ -15,7 +15,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -132,6 +132,35 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
+class RefusalCounter:
+    """Counts each generation request answered 4xx (refused before it ran: a bad body, a call the engine
+    does not serve, no API key, too large, too many waiting) as outcome "rejected" in
+    ``hfaccel_requests_total``, where the routes count those that ran. A plain ASGI middleware, as
+    `BodyLimit` (whose 413s it sees)."""
+
+    ENDPOINTS: ClassVar[dict[str, str]] = {
+        "/v1/chat/completions": "chat",
+        "/v1/completions": "completions",
+        "/v1/responses": "responses",
+    }
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        endpoint = self.ENDPOINTS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if endpoint is None or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting(message: dict) -> None:
+            if message["type"] == "http.response.start" and 400 <= message["status"] < 500:
+                self.metrics.finished(endpoint, "rejected", 0, 0, {})
+            await send(message)
+
+        await self.app(scope, receive, counting)
+
+
 class FailuresAsJSON:
     """A request whose route fails unexpectedly is answered with OpenAI's error JSON (500), its traceback
     logged, and its connection kept. Starlette's own handler for ``Exception`` re-raises after its
@@ -185,6 +214,7 @@ def make_app(served: ServedModel) -> FastAPI:
 
     app.add_middleware(BodyLimit, max_bytes=served.limits.max_body_bytes)
     app.add_middleware(FailuresAsJSON)
+    app.add_middleware(RefusalCounter, metrics=metrics)
     if served.allowed_origins:  # outermost: a preflight, and every answer (errors too), gets its headers
         app.add_middleware(
             CORSMiddleware,

@@ -315,8 +315,7 @@ async def run_call(served: Any, call: CompletionCall, metrics: Any) -> dict[str,
                     logprobs=call.logprobs, **call.kwargs,
                 )  # fmt: skip
         prompts = await echoed_prompt_items(served, call)
-    except ValueError as error:
-        metrics.finished(endpoint, "error", call.prompt_tokens, 0, {})
+    except ValueError as error:  # refused: counted with the other 4xx (`RefusalCounter`)
         raise APIError(400, str(error)) from error
     except BaseException as error:
         metrics.finished(endpoint, _outcome(error), call.prompt_tokens, 0, {})
@@ -417,9 +416,8 @@ async def stream_pieces(
     try:
         with strict_calls(), openai_stops(call.min_tokens):  # planning runs here, at the first step
             first = await anext(events, None)
-    except ValueError as error:
+    except ValueError as error:  # refused: counted with the other 4xx (`RefusalCounter`)
         await events.aclose()
-        metrics.finished(endpoint, "error", call.prompt_tokens, 0, {})
         raise APIError(400, str(error)) from error
     except BaseException as error:  # the client left while the request waited (`_until_disconnected`)
         await events.aclose()

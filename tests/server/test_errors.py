@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.server.conftest import CHAT, MODEL, send
+from tests.server.conftest import CHAT, MODEL, post, send
 
 pytest.importorskip("fastapi")
 
@@ -175,3 +175,35 @@ def test_a_body_over_the_limit_is_a_413_announced_or_sent_in_chunks():
             assert post(small, chunked)[0] == 200
     finally:
         server.stop()
+
+
+def _requests_total(server, endpoint: str, outcome: str) -> float:
+    _, _, data = send(server, "GET", "/metrics")
+    line = f'hfaccel_requests_total{{endpoint="{endpoint}",outcome="{outcome}"}} '
+    found = [row for row in data.decode().splitlines() if row.startswith(line)]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+def test_refused_requests_are_counted_as_rejected_once(served, monkeypatch):
+    """Every 4xx a generation route answers counts once, as outcome "rejected": a bad body, a model
+    this server does not serve, a call the engine refuses (a ValueError of the front-end), whether the
+    answer would have streamed or not."""
+    server = served[0]
+    kinds = [("chat", o) for o in ("rejected", "ok", "error")] + [("completions", "rejected")]
+    before = {kind: _requests_total(server, *kind) for kind in kinds}
+    assert post(server, "/v1/chat/completions", {"messages": [USER], "max_tokens": -1})[0] == 400
+    assert post(server, "/v1/chat/completions", {"model": "other", "messages": [USER]})[0] == 404
+    assert post(server, "/v1/completions", {"prompt": []})[0] == 400
+
+    async def refuse(*args, **kwargs):
+        raise ValueError("the engine does not serve this call")
+
+    monkeypatch.setattr("hfaccel.server.completions.agenerate", refuse)
+    assert post(server, "/v1/chat/completions", {"messages": [USER], "max_tokens": 2})[0] == 400
+    grown = {kind: _requests_total(server, *kind) - before[kind] for kind in kinds}
+    assert grown == {
+        ("chat", "rejected"): 3,
+        ("chat", "ok"): 0,
+        ("chat", "error"): 0,
+        ("completions", "rejected"): 1,
+    }
