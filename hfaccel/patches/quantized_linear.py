@@ -16,6 +16,7 @@ docs/benchmarks.md ("Quantized weights"). A layer whose shape a kernel does not 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -282,7 +283,19 @@ def quantize_linears(model: nn.Module, weights: str) -> int:
 
     quantization.quantize_(model, quantization.Int8WeightOnlyConfig(), filter_fn=int8_here)
     convert = _int8_from_torchao if weights == "int8" else _int8_or_int4
-    return _replace(model, convert)
+    swapped = _replace(model, convert)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, _NoFloatWeight):
+        # transformers resizes the input embeddings first and fails at the head: refuse before either.
+        model.resize_token_embeddings = functools.partial(_refuse_resize, type(head).__name__)
+    return swapped
+
+
+def _refuse_resize(kind: str, *args: Any, **kwargs: Any) -> None:
+    raise AttributeError(
+        f"the LM head is an {kind}, which holds quantized weights (hfaccel.patch(weights=...)): there is no "
+        "float weight to resize; reload the model (or resize it before quantizing) to change its vocabulary"
+    )
 
 
 def _int8_or_int4(linear: nn.Linear) -> nn.Module | None:

@@ -283,6 +283,9 @@ def test_resizing_a_quantized_head_says_why_it_cannot():
             with pytest.raises(AttributeError, match="Int8Linear holds quantized weights"):
                 model.tie_weights()
         assert getattr(model.get_output_embeddings(), "weight", None) is None
-        with pytest.raises(AttributeError, match="Int8Linear holds quantized weights .* reload the model"):
+        with pytest.raises(AttributeError, match="Int8Linear, which holds quantized weights .* reload the"):
             model.resize_token_embeddings(300)
+        # refused before anything changed: the input embeddings were resized, then the head failed
+        assert model.get_input_embeddings().num_embeddings == 256 and model.config.vocab_size == 256
+        assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
         hfaccel.unpatch(model)
