@@ -124,8 +124,9 @@ class HFExecutor(ExecutorBase):
         lean = self._lean
         if lean.verified:
             return lean(input_ids, positions, logits_indices)
-        logits = self._model_forward(input_ids, positions, logits_indices)
-        lean.verify(logits, input_ids, positions, logits_indices)
+        ours = lean.attempt(input_ids, positions, logits_indices)
+        logits = self._model_forward(input_ids, positions, logits_indices)  # second: its K/V stay
+        lean.judge(ours, logits)
         return logits
 
     def forget_outputs(self) -> None:

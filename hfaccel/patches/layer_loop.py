@@ -31,6 +31,10 @@ LAYER_KEYWORDS = {"attention_mask", "position_embeddings", "position_ids", CACHE
 IGNORED_KEYWORDS = {"output_router_logits", "cache_position"}
 
 
+# The config fields by which some families scale embeddings or logits in their top-level forward.
+SCALE_NAMES = ("embedding_multiplier", "logits_scaling", "logit_scale", "final_logit_softcapping")
+
+
 class AroundLayers:
     """The parts of `model`'s forward around its decoder layers."""
 
@@ -38,10 +42,23 @@ class AroundLayers:
         self.model = model
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         config = model.config.get_text_config(decoder=True)
-        self.embedding_multiplier = getattr(config, "embedding_multiplier", None)  # Granite
+        # Where transformers' forwards read each: Granite's multiplier from its decoder (copied from the
+        # config at init), Cohere's logit scale from the model, the others from the config.
+        self.embedding_multiplier = getattr(self.base, "embedding_multiplier", None)
+        if self.embedding_multiplier is None:
+            self.embedding_multiplier = getattr(config, "embedding_multiplier", None)
         self.logits_scaling = getattr(config, "logits_scaling", None)  # Granite: logits divided by it
-        self.logit_scale = getattr(config, "logit_scale", None)  # Cohere: logits multiplied by it
+        self.logit_scale = getattr(model, "logit_scale", None)  # Cohere: logits multiplied by it
+        if self.logit_scale is None:
+            self.logit_scale = getattr(config, "logit_scale", None)
         self.softcap = getattr(config, "final_logit_softcapping", None)
+
+    def scales(self) -> tuple:
+        """Every place a scale is read from, as it is now (what `LeanForward` rechecks on a change)."""
+        config = self.model.config.get_text_config(decoder=True)
+        return tuple(
+            getattr(owner, name, None) for name in SCALE_NAMES for owner in (self.model, self.base, config)
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.base.embed_tokens(input_ids)
@@ -135,8 +152,8 @@ class LeanForward:
     modules in the same order, so each module's hooks, adapters and quantized weights still apply.
 
     It serves only once shown to compute the model's own logits (`verified`): the first step it could
-    serve runs the model's forward and then this one over the same inputs (attention stores the same
-    K/V at the same slots again) and compares the logits bit for bit. Equal, it serves the steps that
+    serve runs this forward and then the model's over the same inputs (the model's K/V, stored last at
+    the same slots, are the ones the cache keeps) and compares the logits bit for bit. Equal, it serves the steps that
     follow; different or raising, the model's forward keeps them, until the model changes (`forget`).
     Hooks on the two top-level modules, global hooks or a replaced ``forward`` would be skipped by it:
     a step with any of them runs the model's forward (`usable`).
@@ -146,7 +163,12 @@ class LeanForward:
         self.model = model
         self.stage = AroundLayers(model)
         self.base = self.stage.base
+        self._base_name = _child_name(model, self.base)
+        config = model.config.get_text_config(decoder=True)
+        owners = (model, self.base, config)
+        self._scaled = any(hasattr(owner, name) for name in SCALE_NAMES for owner in owners)
         self.verified: bool | None = None  # None: not checked since the last change of the model
+        self._checked_as = self._shape()
 
     @staticmethod
     def unavailable_reason(model: Any) -> str | None:
@@ -157,19 +179,32 @@ class LeanForward:
         missing = [n for n in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(base, n)]
         if missing:
             return f"its decoder lacks {', '.join(missing)}"
+        if _child_name(model, base) is None:
+            return "its decoder is not one of its modules' children"
         return None
 
+    def _shape(self) -> tuple:
+        """What a check holds for: the two forwards' code, the decoder module, the config and its scales
+        (read again each step: an edit of any makes the next step check again)."""
+        model, base = self.model, self.model._modules.get(self._base_name)
+        scales = self.stage.scales() if self._scaled else ()  # (none to read for most families)
+        return type(model).forward, base, type(base).forward, model.config, scales
+
     def usable(self) -> bool:
-        """Whether this step may skip the two top-level modules: nothing of the user's or a library's
-        wraps them (a few dictionary reads a step)."""
-        if self.verified is False:
-            return False
+        """Whether this step may run the lean forward (a check's first if none holds): nothing of the user's
+        or a library's wraps the two top-level modules, and they are what the last check saw (a few
+        dictionary reads a step)."""
+        shape = self._shape()
+        if shape != self._checked_as:  # a forward patched, the decoder swapped, a scale edited
+            self.forget()
         for module in (self.model, self.base):
             if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
                 return False
             if module._compiled_call_impl is not None:
                 return False
-        return not (torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+        if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+            return False
+        return self.verified is not False
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
@@ -189,26 +224,33 @@ class LeanForward:
         hidden = self.base.norm(hidden)
         return self.stage.logits(hidden[:, logits_indices])[0]
 
-    def verify(
-        self,
-        logits: torch.Tensor,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        logits_indices: torch.Tensor,
-    ) -> None:
-        """Compare this forward's logits on a step with the model's own `logits` of it."""
+    def attempt(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+    ) -> torch.Tensor | None:
+        """This forward's logits on a step it is being checked on (None: it raised). Run it before the
+        model's forward of the same step: each layer's K/V it stores is then overwritten by the model's,
+        which the cache must keep when the two differ."""
         try:
-            ours = self(input_ids, positions, logits_indices)
+            return self(input_ids, positions, logits_indices)
         except Exception as error:  # a layer that wants other arguments: the model's forward serves
-            self.verified = False
             logger.debug("hfaccel: the lean forward raised (%r); the model's forward serves", error)
-            return
-        self.verified = ours.shape == logits.shape and bool(torch.equal(ours, logits))
-        if not self.verified:
+            return None
+
+    def judge(self, ours: torch.Tensor | None, logits: torch.Tensor) -> None:
+        """Compare `attempt`'s logits with the model's own `logits` of the same step."""
+        same = ours is not None and (ours.shape, ours.dtype) == (logits.shape, logits.dtype)
+        self.verified = same and bool(torch.equal(ours, logits))
+        if ours is not None and not self.verified:
             logger.debug("hfaccel: the lean forward differs from the model's; the model's forward serves")
 
     def forget(self) -> None:
-        """Check again at the next step it could serve (the model changed: its config's scales too)."""
+        """Check again at the next step it could serve (the model changed)."""
         self.stage = AroundLayers(self.model)
         self.base = self.stage.base
+        self._checked_as = self._shape()
         self.verified = None
+
+
+def _child_name(model: Any, module: Any) -> str | None:
+    """The name `module` has among `model`'s direct children (None: it is not one)."""
+    return next((name for name, child in model._modules.items() if child is module), None)

@@ -104,6 +104,33 @@ def test_a_model_whose_forward_differs_keeps_its_own_forward():
         hfaccel.unpatch(model)
 
 
+@pytest.mark.parametrize("field", ["embedding_multiplier", "final_logit_softcapping", "raising halfway"])
+def test_a_check_that_fails_leaves_the_models_own_kv_in_the_cache(field, monkeypatch):
+    """A Llama config holding a field its forward ignores (the lean forward scales by it), and a lean
+    forward that also raises halfway: the check's first step ran both forwards, and every later step
+    reads the K/V of that step's token as the model's forward stored them, not as the lean one did."""
+    model = tiny_model("llama", seed=4)
+    expected = hf(model, input_ids=IDS, **KWARGS)
+    setattr(model.config, "embedding_multiplier" if field == "raising halfway" else field, 12.0)
+    if field == "raising halfway":
+        call = layer_loop.LeanForward.__call__
+
+        def halfway(self, *args):  # its layers store K/V, then it fails
+            self.base.norm.forward = None
+            try:
+                return call(self, *args)
+            finally:
+                del self.base.norm.forward
+
+        monkeypatch.setattr(layer_loop.LeanForward, "__call__", halfway)
+    hfaccel.patch(model, progress=False)
+    try:
+        assert torch.equal(model.generate(IDS, **KWARGS), expected)
+        assert _lean(model).verified is False
+    finally:
+        hfaccel.unpatch(model)
+
+
 def test_a_packed_hook_on_the_top_level_model_is_never_skipped():
     """A hook marked ``hfaccel_packed`` on the model itself keeps the call on the engine, and runs on
     every step: those steps take the model's forward."""
@@ -130,13 +157,13 @@ def test_a_packed_hook_on_the_top_level_model_is_never_skipped():
 
 def test_a_change_of_the_model_checks_it_again(monkeypatch):
     checks = []
-    verify = layer_loop.LeanForward.verify
+    judge = layer_loop.LeanForward.judge
 
     def counted(self, *args):
-        verify(self, *args)
+        judge(self, *args)
         checks.append(self.verified)
 
-    monkeypatch.setattr(layer_loop.LeanForward, "verify", counted)
+    monkeypatch.setattr(layer_loop.LeanForward, "judge", counted)
     model = tiny_model("llama", seed=4)
     hfaccel.patch(model, progress=False)
     try:
@@ -149,5 +176,84 @@ def test_a_change_of_the_model_checks_it_again(monkeypatch):
         assert checks == [True, True]  # checked again after the change
         model.generate(IDS, **KWARGS)
         assert checks == [True, True]
+    finally:
+        hfaccel.unpatch(model)
+
+
+class Negated(torch.nn.Module):
+    """A wrapper around a decoder that changes its output (attributes read through to the decoder)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+    def forward(self, *args, **kwargs):
+        output = self.inner(*args, **kwargs)
+        output.last_hidden_state = -output.last_hidden_state
+        return output
+
+
+def _edit_multiplier(model):
+    model.model.embedding_multiplier = 3.0  # what GraniteModel.forward reads (copied from the config)
+
+
+def _edit_logit_scale(model):
+    model.logit_scale = -1.0  # what CohereForCausalLM.forward reads
+
+
+def _edit_logits_scaling(model):
+    model.config.logits_scaling = -2.0  # what GraniteForCausalLM.forward reads (negative: argmax moves)
+
+
+def _wrap_decoder(model):
+    model.model = Negated(model.model)
+
+
+def _patch_class_forward(model, monkeypatch):
+    forward = type(model).forward
+
+    def biased(self, *args, **kwargs):
+        output = forward(self, *args, **kwargs)
+        output.logits[..., 5] += 3.0
+        return output
+
+    monkeypatch.setattr(type(model), "forward", biased)
+
+
+EDITS = {
+    "granite decoder's multiplier": ("granite", _edit_multiplier),
+    "granite config's logits scaling": ("granite", _edit_logits_scaling),
+    "cohere model's logit scale": ("cohere", _edit_logit_scale),
+    "decoder wrapped": ("llama", _wrap_decoder),
+    "class forward patched": ("llama", _patch_class_forward),
+}
+OWN_SCALES = {
+    "granite": {"embedding_multiplier": 12.0, "logits_scaling": 8.0},
+    "cohere": {"logit_scale": 0.0625},
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_an_edit_the_model_watch_cannot_see_makes_the_next_step_check_again(edit, monkeypatch):
+    """Module attributes, config fields, a wrapped decoder and a patched class forward change no
+    tensor, so the engine's model watch misses them: the lean forward notices them itself."""
+    family, change = EDITS[edit]
+    model = family_model(family, **OWN_SCALES.get(family, {}))
+    hfaccel.patch(model, progress=False)
+    try:
+        assert torch.equal(model.generate(IDS, **KWARGS), hf(model, input_ids=IDS, **KWARGS))
+        assert _lean(model).verified is True
+        if change is _patch_class_forward:
+            change(model, monkeypatch)
+        else:
+            change(model)
+        expected = hf(model, input_ids=IDS, **KWARGS)
+        assert torch.equal(model.generate(IDS, **KWARGS), expected)
     finally:
         hfaccel.unpatch(model)
