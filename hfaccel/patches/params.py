@@ -79,10 +79,11 @@ def prepare_config(
 
 
 def prepare_special_tokens(
-    model: torch.nn.Module, config: GenerationConfig, has_attention_mask: bool, device: Any
+    model: torch.nn.Module, config: GenerationConfig, has_attention_mask: bool, device: Any, batch_size: int
 ) -> None:
-    """HF's own filling-in of the config's special-token tensors (EOS, pad, BOS) for a call."""
-    model._prepare_special_tokens(config, has_attention_mask, device=device)
+    """HF's own filling-in of the config's special-token tensors (EOS, pad, BOS) for a call (its warnings
+    about an unset mask are for a batch of several rows only)."""
+    model._prepare_special_tokens(config, has_attention_mask, device=device, batch_size=batch_size)
 
 
 # Numeric fields a call may set. One that is not a number at all (``temperature="0.5"``) makes HF's

@@ -193,7 +193,7 @@ class GenerateCall:
         model_kwargs = self._prepared[1]
         mask = self.given_mask if self.given_mask is not None else model_kwargs.get("attention_mask")
         ids = self.ids
-        prepare_special_tokens(self.model, self.config, mask is not None, ids.device)
+        prepare_special_tokens(self.model, self.config, mask is not None, ids.device, ids.shape[0])
         if mask is None:  # HF infers padding from ids, never from embeddings
             source = ids if self.embeds is None or self.input_ids is not None else self.embeds
             return self.model._prepare_attention_mask_for_generation(source, self.config, model_kwargs)

@@ -385,3 +385,23 @@ def test_a_right_padded_batch_gets_transformers_warning(caplog):
     finally:
         transformers_logging.disable_propagation()
         hfaccel.unpatch(model)
+
+
+def test_an_unmasked_single_row_gets_no_batched_input_warning(caplog):
+    """transformers warns that an unset mask cannot be inferred only for a batch of several rows (its
+    pad id is its EOS id here, as SmolLM2's): one row without a mask is the usual notebook call."""
+    from transformers.utils import logging as transformers_logging
+
+    model = tiny_model()
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id
+    hfaccel.patch(model)
+    transformers_logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING, logger="transformers.generation.utils"):
+            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+            assert "batched input" not in caplog.text
+            model.generate(torch.tensor([[5, 6, 7], [7, 6, 5]]), max_new_tokens=3, do_sample=False)
+            assert "batched input" in caplog.text  # as transformers warns for two rows
+    finally:
+        transformers_logging.disable_propagation()
+        hfaccel.unpatch(model)
