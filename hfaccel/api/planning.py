@@ -197,6 +197,12 @@ def plan_prompt(
     )
     reason = call.first_reason()
     if reason is not None:
+        if adapter is not None and not type(model).__module__.startswith("peft."):
+            # transformers' generate takes PEFT's adapter_names only through a PeftModel's generate
+            raise ValueError(
+                f"adapter {adapter!r}: this call goes to transformers' generate ({reason}), which applies "
+                "a per-request adapter only through PEFT's PeftModel: patch the PeftModel, not its base model"
+            )
         fall_back(state, reason)
         start = time.perf_counter()
         # The caller's own config and arguments, not the prepared ones: HF's preparation has filled in

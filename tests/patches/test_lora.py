@@ -455,3 +455,17 @@ def test_a_peft_model_over_the_patched_base_falls_back_for_adapter_names():
     assert torch.equal(out, reference.generate(**ask, adapter_names=names))
     assert not any(m._forward_pre_hooks for m in model.modules())  # PEFT removed its hooks
     assert torch.equal(model.generate(**ask), reference.generate(**ask))
+
+
+def test_an_adapter_call_the_engine_cannot_serve_on_a_patched_base_says_to_patch_the_peft_model():
+    """``hfaccel.generate(base, adapter=...)`` over the base model of a PeftModel, where the call must go
+    to transformers (LoRA on the embeddings): transformers' own generate takes no adapter_names (its
+    message: "model_kwargs are not used"); only the PeftModel's does."""
+    model = lora_model()
+    model.add_adapter("emb", lora_config(4, ["embed_tokens", "q_proj"]))
+    base = hfaccel.patch(model.base_model.model, kv_cache_memory=8_000_000)
+    try:
+        with pytest.raises(hfaccel.RequestError, match="patch the PeftModel, not its base model"):
+            hfaccel.generate(base, prompts(2), adapter=["emb", "math"], max_new_tokens=2, progress=False)
+    finally:
+        hfaccel.unpatch(base)
