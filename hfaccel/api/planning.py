@@ -25,6 +25,7 @@ from hfaccel.engine.request import Request
 from hfaccel.engine.sampler import top_logprobs as most_likely
 from hfaccel.patches.arguments import check_generate_kwargs, normalize_cache_argument
 from hfaccel.patches.generate import warn_past_context
+from hfaccel.patches.lora import is_peft_model
 from hfaccel.patches.models import reasons_held, reasons_suspended
 from hfaccel.patches.params import one_default_length_warning
 from hfaccel.patches.patch_state import PatchState, fall_back
@@ -197,11 +198,12 @@ def plan_prompt(
     )
     reason = call.first_reason()
     if reason is not None:
-        if adapter is not None and not type(model).__module__.startswith("peft."):
+        if adapter is not None and not is_peft_model(model):
             # transformers' generate takes PEFT's adapter_names only through a PeftModel's generate
             raise ValueError(
                 f"adapter {adapter!r}: this call goes to transformers' generate ({reason}), which applies "
-                "a per-request adapter only through PEFT's PeftModel: patch the PeftModel, not its base model"
+                "a per-request adapter only through PEFT's PeftModel (get_peft_model, PeftModel."
+                "from_pretrained): patch a PeftModel, not its base model"
             )
         fall_back(state, reason)
         start = time.perf_counter()

@@ -67,6 +67,15 @@ def is_lora_layer(module: Any) -> bool:
     return layer is not None and isinstance(module, layer.LoraLayer)
 
 
+def is_peft_model(model: Any) -> bool:
+    """Whether `model` is a PEFT ``PeftModel`` (or a subclass), whose generate takes ``adapter_names``."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
 def lora_layers(model: torch.nn.Module) -> list[Any]:
     """The PEFT LoRA layers of `model` (any kind: Linear, Embedding, Conv, quantised...)."""
     layer = _lora_module()

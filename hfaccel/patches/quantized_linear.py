@@ -285,17 +285,22 @@ def quantize_linears(model: nn.Module, weights: str) -> int:
     convert = _int8_from_torchao if weights == "int8" else _int8_or_int4
     swapped = _replace(model, convert)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(head, _NoFloatWeight):
+    if isinstance(head, _NoFloatWeight) and "resize_token_embeddings" not in model.__dict__:
         # transformers resizes the input embeddings first and fails at the head: refuse before either.
-        model.resize_token_embeddings = functools.partial(_refuse_resize, type(head).__name__)
+        model.resize_token_embeddings = functools.partial(_resize_unless_quantized, model)
     return swapped
 
 
-def _refuse_resize(kind: str, *args: Any, **kwargs: Any) -> None:
-    raise AttributeError(
-        f"the LM head is an {kind}, which holds quantized weights (hfaccel.patch(weights=...)): there is no "
-        "float weight to resize; reload the model (or resize it before quantizing) to change its vocabulary"
-    )
+def _resize_unless_quantized(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """`model`'s own ``resize_token_embeddings``, refused while its LM head holds quantized weights."""
+    head = model.get_output_embeddings()
+    if isinstance(head, _NoFloatWeight):
+        raise AttributeError(
+            f"the LM head is an {type(head).__name__}, which holds quantized weights (hfaccel.patch("
+            "weights=...)): there is no float weight to resize; reload the model (or resize it before "
+            "quantizing) to change its vocabulary"
+        )
+    return type(model).resize_token_embeddings(model, *args, **kwargs)
 
 
 def _int8_or_int4(linear: nn.Linear) -> nn.Module | None:

@@ -132,9 +132,13 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
+CLIENT_LEFT = 499  # (nginx's status for a client that closed its connection: never sent)
+
+
 class RefusalCounter:
     """Counts each generation request answered 4xx (refused before it ran: a bad body, a call the engine
-    does not serve, no API key, too large, too many waiting) as outcome "rejected" in
+    does not serve, no API key, too large, too many waiting; not a client that left, "cancelled") as
+    outcome "rejected" in
     ``hfaccel_requests_total``, where the routes count those that ran. A plain ASGI middleware, as
     `BodyLimit` (whose 413s it sees)."""
 
@@ -154,7 +158,8 @@ class RefusalCounter:
             return
 
         async def counting(message: dict) -> None:
-            if message["type"] == "http.response.start" and 400 <= message["status"] < 500:
+            status = message.get("status", 0) if message["type"] == "http.response.start" else 0
+            if 400 <= status < 500 and status != CLIENT_LEFT:  # (a client gone: the route counted it)
                 self.metrics.finished(endpoint, "rejected", 0, 0, {})
             await send(message)
 
@@ -404,4 +409,4 @@ async def _until_disconnected(request: Request, work: Awaitable[Any]) -> Any:
             task.cancel()
             # Wait until it has unwound: a stream's generator must leave `anext` before anyone closes it.
             await asyncio.gather(task, return_exceptions=True)
-    raise APIError(499, "the client disconnected")
+    raise APIError(CLIENT_LEFT, "the client disconnected")

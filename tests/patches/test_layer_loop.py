@@ -65,7 +65,7 @@ def _lean(model):
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, *MOE_FAMILIES])
-def test_the_lean_forward_serves_once_it_computed_the_models_own_logits(family):
+def test_the_lean_forward_serves_once_it_computed_the_models_own_logits(family, monkeypatch):
     model = tiny_model(family, seed=4)
     expected = hf(model, input_ids=IDS, **KWARGS)
     hfaccel.patch(model, progress=False)
@@ -73,7 +73,12 @@ def test_the_lean_forward_serves_once_it_computed_the_models_own_logits(family):
         assert _lean(model).verified is None  # not checked before a decode step
         assert torch.equal(model.generate(IDS, **KWARGS), expected)
         assert _lean(model).verified is True
+        calls = []
+        call = layer_loop.LeanForward.__call__
+        monkeypatch.setattr(layer_loop.LeanForward, "__call__", lambda *a: calls.append(1) or call(*a))
         assert torch.equal(model.generate(IDS, **KWARGS), expected)  # served by it now
+        # every step: the prompts are cached but their last tokens, recomputed as one-token steps
+        assert len(calls) == KWARGS["max_new_tokens"]
     finally:
         hfaccel.unpatch(model)
 
@@ -104,7 +109,7 @@ def test_a_model_whose_forward_differs_keeps_its_own_forward():
         hfaccel.unpatch(model)
 
 
-@pytest.mark.parametrize("field", ["embedding_multiplier", "final_logit_softcapping", "raising halfway"])
+@pytest.mark.parametrize("field", ["embedding_multiplier", "raising halfway"])
 def test_a_check_that_fails_leaves_the_models_own_kv_in_the_cache(field, monkeypatch):
     """A Llama config holding a field its forward ignores (the lean forward scales by it), and a lean
     forward that also raises halfway: the check's first step ran both forwards, and every later step
@@ -207,8 +212,14 @@ def _edit_logit_scale(model):
     model.logit_scale = -1.0  # what CohereForCausalLM.forward reads
 
 
-def _edit_logits_scaling(model):
-    model.config.logits_scaling = -2.0  # what GraniteForCausalLM.forward reads (negative: argmax moves)
+def _swap_decoder_class(model):
+    class NegatedModel(type(model.model)):  # the same module, its class's forward replaced
+        def forward(self, *args, **kwargs):
+            output = super().forward(*args, **kwargs)
+            output.last_hidden_state = -output.last_hidden_state
+            return output
+
+    model.model.__class__ = NegatedModel
 
 
 def _wrap_decoder(model):
@@ -228,7 +239,7 @@ def _patch_class_forward(model, monkeypatch):
 
 EDITS = {
     "granite decoder's multiplier": ("granite", _edit_multiplier),
-    "granite config's logits scaling": ("granite", _edit_logits_scaling),
+    "decoder class swapped": ("llama", _swap_decoder_class),
     "cohere model's logit scale": ("cohere", _edit_logit_scale),
     "decoder wrapped": ("llama", _wrap_decoder),
     "class forward patched": ("llama", _patch_class_forward),

@@ -465,7 +465,7 @@ def test_an_adapter_call_the_engine_cannot_serve_on_a_patched_base_says_to_patch
     model.add_adapter("emb", lora_config(4, ["embed_tokens", "q_proj"]))
     base = hfaccel.patch(model.base_model.model, kv_cache_memory=8_000_000)
     try:
-        with pytest.raises(hfaccel.RequestError, match="patch the PeftModel, not its base model"):
+        with pytest.raises(hfaccel.RequestError, match="patch a PeftModel, not its base model"):
             hfaccel.generate(base, prompts(2), adapter=["emb", "math"], max_new_tokens=2, progress=False)
     finally:
         hfaccel.unpatch(base)

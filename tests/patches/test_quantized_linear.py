@@ -289,3 +289,7 @@ def test_resizing_a_quantized_head_says_why_it_cannot():
         assert model.get_input_embeddings().num_embeddings == 256 and model.config.vocab_size == 256
         assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
         hfaccel.unpatch(model)
+    # A float head put back: the model resizes as transformers' own method does.
+    model.set_output_embeddings(torch.nn.Linear(64, 256, bias=False))
+    model.resize_token_embeddings(300)
+    assert model.get_output_embeddings().out_features == 300

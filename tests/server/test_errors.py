@@ -198,11 +198,18 @@ def test_refused_requests_are_counted_as_rejected_once(served, monkeypatch):
     async def refuse(*args, **kwargs):
         raise ValueError("the engine does not serve this call")
 
+    async def refuse_stream(*args, **kwargs):
+        raise ValueError("the engine does not serve this call")
+        yield  # (an async generator, as astream)
+
     monkeypatch.setattr("hfaccel.server.completions.agenerate", refuse)
+    monkeypatch.setattr("hfaccel.server.completions.astream", refuse_stream)
     assert post(server, "/v1/chat/completions", {"messages": [USER], "max_tokens": 2})[0] == 400
+    streamed = {"messages": [USER], "max_tokens": 2, "stream": True}
+    assert post(server, "/v1/chat/completions", streamed)[0] == 400
     grown = {kind: _requests_total(server, *kind) - before[kind] for kind in kinds}
     assert grown == {
-        ("chat", "rejected"): 3,
+        ("chat", "rejected"): 4,
         ("chat", "ok"): 0,
         ("chat", "error"): 0,
         ("completions", "rejected"): 1,

@@ -405,7 +405,8 @@ def test_a_client_that_leaves_while_its_request_waits_is_cancelled_before_it_run
         time.sleep(1.0)  # B would be running by now
         assert engine_idle(model) and engine.stats()["generated_tokens"] - generated == 1200
         metrics = server._server.config.app.state.metrics.render().decode()
-        assert 'outcome="cancelled"' in metrics
+        assert 'outcome="cancelled"} 1.0' in metrics
+        assert 'outcome="rejected"' not in metrics  # counted once: the route's "cancelled"
     logging.getLogger("uvicorn.error").removeHandler(errors)
     assert not errors.records, errors.records  # the server raised nothing on the way
 
