@@ -473,7 +473,7 @@ class Engine:
         self.block_manager.reset_prefix_cache()
         forget = getattr(self.runner.executor, "forget_outputs", None)  # (optional in the protocol)
         if forget is not None:
-            forget()
+            forget(structure=graphs)
         if graphs:
             self.runner.graphs.clear()
 

@@ -125,8 +125,9 @@ class ExecutorBase:
     def pad_tokens(self, layout: Any, tokens: int) -> int:
         return tokens
 
-    def forget_outputs(self) -> None:
-        """The model changed (`Engine.forget_model_outputs`): drop what the executor keeps of it."""
+    def forget_outputs(self, structure: bool = True) -> None:
+        """The model changed (`Engine.forget_model_outputs`): drop what the executor keeps of it.
+        `structure` False: its tensors' values only (an optimizer step in place)."""
 
     def run_pipeline(self, parts: list[Any], prepare: Callable[[Any], Any]) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} is not a pipeline stage")

@@ -129,9 +129,10 @@ class HFExecutor(ExecutorBase):
         lean.judge(ours, logits)
         return logits
 
-    def forget_outputs(self) -> None:
-        """The model changed: check the lean forward again before it serves."""
-        if self._lean is not None:
+    def forget_outputs(self, structure: bool = True) -> None:
+        """The model changed: check the lean forward again before it serves, unless only its tensors'
+        values changed (an optimizer step: the same modules compute the same way)."""
+        if self._lean is not None and structure:
             self._lean.forget()
 
     def _adapter_step(self, token_adapters: list[str | None], logits_indices: torch.Tensor) -> Any:
