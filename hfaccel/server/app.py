@@ -10,6 +10,7 @@ with the reason) rather than run on transformers' generate, which would block th
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -132,6 +133,7 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
+SHUTTING_DOWN = "the server is shutting down: this request was cancelled before it finished"
 CLIENT_LEFT = 499  # (nginx's status for a client that closed its connection: never sent)
 
 
@@ -170,7 +172,12 @@ class FailuresAsJSON:
     """A request whose route fails unexpectedly is answered with OpenAI's error JSON (500), its traceback
     logged, and its connection kept. Starlette's own handler for ``Exception`` re-raises after its
     answer, and uvicorn then drops the connection: a client's next request on it failed (found by a
-    probe, 2026-11-27). A failure after the answer started (a stream) is re-raised."""
+    probe, 2026-11-27). A failure after the answer started (a stream) is re-raised.
+
+    A request still running when the server stops, past its graceful period, is cancelled by uvicorn
+    (nothing else cancels a request's task: a client that leaves is told by ``http.disconnect``). It is
+    answered 503 in the same JSON, or, streamed, ends with an error event; uvicorn answered a bare 500
+    or cut the stream, and logged a traceback per request (found by a probe, 2026-11-27)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -179,16 +186,27 @@ class FailuresAsJSON:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = ended = False
 
         async def sending(message: dict) -> None:
-            nonlocal started
+            nonlocal started, ended
             started = started or message["type"] == "http.response.start"
+            ended = ended or (message["type"] == "http.response.body" and not message.get("more_body"))
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
-        except Exception as error:  # a Ctrl-C or a cancellation is not answered: it propagates
+        except asyncio.CancelledError:  # the server stops: the request's task is the one cancelled
+            if ended:
+                return
+            body = error_body(SHUTTING_DOWN, "server_error", None, 503)
+            if not started:
+                await JSONResponse(body, status_code=503)(scope, receive, send)
+                return
+            # A stream under way (server-sent events): its last event says why it ends.
+            event = f"data: {json.dumps(body)}\n\n".encode()
+            await send({"type": "http.response.body", "body": event, "more_body": False})
+        except Exception as error:  # a Ctrl-C is not answered: it propagates
             if started:
                 raise
             logger.exception("hfaccel serve: %s %s failed", scope.get("method"), scope.get("path"))

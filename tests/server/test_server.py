@@ -29,6 +29,11 @@ def engine_idle(model):
     return stats["running"] == 0 and stats["waiting"] == 0
 
 
+def engine_running(model):
+    engine = model._hfaccel.engine
+    return engine is not None and engine.stats()["running"] > 0
+
+
 def test_greedy_chat_equals_hfaccel_generate_with_the_same_template(served, client):
     server, model, tokenizer = served
     answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
@@ -777,3 +782,48 @@ def test_a_choice_that_ends_with_no_token_still_gets_its_finish(served, monkeypa
     texts = ["".join(c["text"] for e in events for c in e["choices"] if c["index"] == i) for i in (0, 1)]
     assert texts == ["FG", ""]
     assert events[-1]["usage"]["completion_tokens"] == 2, "a closing event is no token"
+
+
+def test_requests_cancelled_by_a_stop_are_told_the_server_is_shutting_down(monkeypatch):
+    """Past the graceful period, uvicorn cancels what still runs: a whole answer is a 503 in OpenAI's
+    error JSON, a stream under way ends with an error event (uvicorn answered a bare 500, cut the
+    stream and logged a traceback per request), and the server logs no traceback."""
+    monkeypatch.setattr("hfaccel.server.server.GRACEFUL_SHUTDOWN_S", 1)
+    model, tokenizer = tiny_model("llama", max_positions=4096), tiny_tokenizer()
+    server = hfaccel.serve(
+        model, tokenizer, port=0, model_id=MODEL, limits=Limits(max_tokens=4000),
+        kv_cache_memory=8_000_000, max_num_seqs=1,
+    )  # fmt: skip
+    errors = ErrorLog()
+    logging.getLogger("uvicorn.error").addHandler(errors)
+    host, port = server.url.removeprefix("http://").split(":")
+    answers: dict[bool, tuple[int, str]] = {}
+
+    def ask(stream: bool) -> None:
+        body = {"model": MODEL, "prompt": "q", "max_tokens": 3000, "min_tokens": 3000, "stream": stream}
+        connection = http.client.HTTPConnection(host, int(port), timeout=60)
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        answers[stream] = (response.status, response.read().decode())
+        connection.close()
+
+    try:
+        streamed = threading.Thread(target=ask, args=(True,))
+        streamed.start()
+        while not engine_running(model):  # the stream runs first; the whole answer waits behind it
+            time.sleep(0.01)
+        whole = threading.Thread(target=ask, args=(False,))
+        whole.start()
+        time.sleep(0.3)
+    finally:
+        server.stop()
+        logging.getLogger("uvicorn.error").removeHandler(errors)
+    streamed.join(30)
+    whole.join(30)
+    status, text = answers[False]
+    assert status == 503 and json.loads(text)["error"]["message"].startswith("the server is shutting down")
+    status, text = answers[True]
+    last = text.strip().split("\n\n")[-1]
+    assert status == 200 and last.startswith("data: {") and "the server is shutting down" in last, last
+    # uvicorn's one line that it cancels them, and no "Exception in ASGI application" per request
+    assert [r for r in errors.records if "Cancel" not in r] == [], errors.records
