@@ -22,6 +22,8 @@ from torch.nn.modules import module as torch_module
 from transformers import PreTrainedModel
 
 from hfaccel.patches.arguments import CACHE_NAME
+from hfaccel.patches.model_state import marked_packed
+from hfaccel.patches.models import all_modules
 
 logger = logging.getLogger("hfaccel")
 
@@ -157,7 +159,8 @@ class LeanForward:
     follow; different or raising, the model's forward keeps them, until the model's modules change
     (`forget`; not its tensors' values: the same modules compute the same way).
     Hooks on the two top-level modules, global hooks or a replaced ``forward`` would be skipped by it:
-    a step with any of them runs the model's forward (`usable`).
+    a step with any of them runs the model's forward (`usable`); a model holding a user's hook anywhere
+    is not checked (the hook would see the check's step twice).
     """
 
     def __init__(self, model: Any) -> None:
@@ -205,6 +208,10 @@ class LeanForward:
                 return False
         if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return False
+        if self.verified is None and _packed_hooks_in(self.model):
+            # A check runs the step's layers twice: a user's hook (steering, activation capture) would
+            # see that step twice. No check, so no lean forward, while the model holds one.
+            self.verified = False
         return self.verified is not False
 
     def __call__(
@@ -250,6 +257,17 @@ class LeanForward:
         self.base = self.stage.base
         self._checked_as = self._shape()
         self.verified = None
+
+
+def _packed_hooks_in(model: Any) -> bool:
+    """Whether a module of `model` holds a forward hook its author marked ``hfaccel_packed`` (the engine
+    serves calls with such hooks; library hooks, which change no value, do not count)."""
+    return any(
+        marked_packed(hook)
+        for module in all_modules(model)
+        for hooks in (module._forward_hooks, module._forward_pre_hooks)
+        for hook in hooks.values()
+    )
 
 
 def _child_name(model: Any, module: Any) -> str | None:

@@ -136,6 +136,32 @@ def test_a_check_that_fails_leaves_the_models_own_kv_in_the_cache(field, monkeyp
         hfaccel.unpatch(model)
 
 
+def test_a_users_hook_inside_the_model_sees_each_step_once():
+    """A hook marked ``hfaccel_packed`` on a decoder layer (activation capture) while no check was made:
+    none is made (it would run the step's layers twice), so the hook sees each engine step once; once
+    the hook is removed the check is made."""
+    model = tiny_model("llama", seed=4)
+    seen = []
+
+    def capture(module, args, output):
+        seen.append(output.shape[1])
+
+    capture.hfaccel_packed = True
+    handle = model.model.layers[0].register_forward_hook(capture)
+    hfaccel.patch(model, progress=False)
+    try:
+        engine = model._hfaccel.get_engine(model)
+        expected = hf(model, input_ids=IDS, **KWARGS)
+        seen.clear()
+        assert torch.equal(model.generate(IDS, **KWARGS), expected)
+        assert len(seen) == len(engine.step_stats) and _lean(model).verified is False
+        handle.remove()
+        assert torch.equal(model.generate(IDS, **KWARGS), expected)
+        assert _lean(model).verified is True
+    finally:
+        hfaccel.unpatch(model)
+
+
 def test_a_packed_hook_on_the_top_level_model_is_never_skipped():
     """A hook marked ``hfaccel_packed`` on the model itself keeps the call on the engine, and runs on
     every step: those steps take the model's forward."""
