@@ -155,12 +155,12 @@ class LeanForward:
 
     It serves only once shown to compute the model's own logits (`verified`): the first step it could
     serve runs this forward and then the model's over the same inputs (the model's K/V, stored last at
-    the same slots, are the ones the cache keeps) and compares the logits bit for bit. Equal, it serves the steps that
-    follow; different or raising, the model's forward keeps them, until the model's modules change
-    (`forget`; not its tensors' values: the same modules compute the same way).
-    Hooks on the two top-level modules, global hooks or a replaced ``forward`` would be skipped by it:
-    a step with any of them runs the model's forward (`usable`); a model holding a user's hook anywhere
-    is not checked (the hook would see the check's step twice).
+    the same slots, are the ones the cache keeps) and compares the logits bit for bit. Equal, it serves
+    the steps that follow; different or raising, the model's forward keeps them, until the model's
+    modules change (`forget`; not its tensors' values: the same modules compute the same way). Hooks on
+    the two top-level modules, global hooks or a replaced ``forward`` would be skipped by it: a step
+    with any of them runs the model's forward (`usable`); a model holding a user's hook anywhere is not
+    checked (the hook would see the check's step twice).
     """
 
     def __init__(self, model: Any) -> None:
