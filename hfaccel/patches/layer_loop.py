@@ -159,8 +159,8 @@ class LeanForward:
     the steps that follow; different or raising, the model's forward keeps them, until the model's
     modules change (`forget`; not its tensors' values: the same modules compute the same way). Hooks on
     the two top-level modules, global hooks or a replaced ``forward`` would be skipped by it: a step
-    with any of them runs the model's forward (`usable`); a model holding a user's hook anywhere is not
-    checked (the hook would see the check's step twice).
+    with any of them runs the model's forward (`usable`); a model holding a user's hook or a module of
+    the user's own class anywhere is not checked (it would see the check's step twice).
     """
 
     def __init__(self, model: Any) -> None:
@@ -192,7 +192,12 @@ class LeanForward:
         (read again each step: an edit of any makes the next step check again)."""
         model, base = self.model, self.model._modules.get(self._base_name)
         scales = self.stage.scales() if self._scaled else ()  # (none to read for most families)
-        return type(model).forward, base, type(base).forward, model.config, scales
+        # Most decoders run `layers[: config.num_hidden_layers]`, read at every forward: a change of
+        # either during a call (early exit) is seen at the next step, not at the next call.
+        layers = (
+            (len(base.layers), getattr(base.config, "num_hidden_layers", None)) if base is not None else ()
+        )
+        return type(model).forward, base, type(base).forward, model.config, scales, layers
 
     def usable(self) -> bool:
         """Whether this step may run the lean forward (a check's first if none holds): nothing of the user's
@@ -208,9 +213,10 @@ class LeanForward:
                 return False
         if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return False
-        if self.verified is None and _packed_hooks_in(self.model):
-            # A check runs the step's layers twice: a user's hook (steering, activation capture) would
-            # see that step twice. No check, so no lean forward, while the model holds one.
+        if self.verified is None and _runs_users_code(self.model):
+            # A check runs the step's layers twice: a user's hook or module (steering, activation
+            # capture, a counter) would see that step twice. No check, so no lean forward, while the
+            # model holds one.
             self.verified = False
         return self.verified is not False
 
@@ -259,15 +265,21 @@ class LeanForward:
         self.verified = None
 
 
-def _packed_hooks_in(model: Any) -> bool:
-    """Whether a module of `model` holds a forward hook its author marked ``hfaccel_packed`` (the engine
-    serves calls with such hooks; library hooks, which change no value, do not count)."""
-    return any(
-        marked_packed(hook)
-        for module in all_modules(model)
-        for hooks in (module._forward_hooks, module._forward_pre_hooks)
-        for hook in hooks.values()
-    )
+# Libraries whose modules keep no state in their forward (torch.ao's observers do: not among them).
+_STATELESS_MODULES = ("torch.nn.", "transformers.", "peft.", "torchao.", "bitsandbytes.", "hfaccel.")
+
+
+def _runs_users_code(model: Any) -> bool:
+    """Whether a forward of `model` runs code of the user's that may keep state: a module of a class of
+    their own (or of a library not known to keep none), or a forward hook they marked ``hfaccel_packed``
+    (the engine serves calls with such hooks; library hooks change no value)."""
+    for module in all_modules(model):
+        if not type(module).__module__.startswith(_STATELESS_MODULES):
+            return True
+        for hooks in (module._forward_hooks, module._forward_pre_hooks):
+            if any(marked_packed(hook) for hook in hooks.values()):
+                return True
+    return False
 
 
 def _child_name(model: Any, module: Any) -> str | None:

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import LlamaForCausalLM
+from transformers import LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
 import hfaccel
 from hfaccel.bench.families import family_model
@@ -160,6 +160,66 @@ def test_a_users_hook_inside_the_model_sees_each_step_once():
         assert _lean(model).verified is True
     finally:
         hfaccel.unpatch(model)
+
+
+class Counted(torch.nn.Module):
+    """A module of the user's own class that keeps state: the rows of each call."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.seen = inner, []
+
+    def forward(self, x):
+        self.seen.append(x.shape[1])
+        return self.inner(x)
+
+
+def test_a_module_of_the_users_own_class_sees_each_step_once():
+    """No check runs its forward twice: a model holding a module of a class the user wrote is not
+    checked (its forward may keep state: a counter, captured activations), so it keeps its forward."""
+    model = tiny_model("llama", seed=4)
+    counted = model.model.layers[1].mlp = Counted(model.model.layers[1].mlp)
+    hfaccel.patch(model, progress=False)
+    try:
+        expected = hf(model, input_ids=IDS, **KWARGS)
+        counted.seen.clear()
+        assert torch.equal(model.generate(IDS, **KWARGS), expected)
+        assert len(counted.seen) == len(model._hfaccel.get_engine(model).step_stats)
+        assert _lean(model).verified is False
+    finally:
+        hfaccel.unpatch(model)
+
+
+class SkipLayersAt(LogitsProcessor):
+    """Early exit in the middle of a call: from its `at`-th step, the model runs one layer."""
+
+    def __init__(self, model, at):
+        self.model, self.at, self.calls = model, at, 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == self.at:
+            self.model.config.num_hidden_layers = 1
+        return scores
+
+
+def test_a_layer_count_changed_during_a_call_is_seen_at_the_next_step():
+    """transformers' decoders run ``layers[: config.num_hidden_layers]``, read at every forward."""
+    outputs = []
+    for patched in (True, False):
+        model = tiny_model("llama", seed=0)
+        hfaccel.patch(model, progress=False)
+        try:
+            model.generate(IDS[:1], **KWARGS)  # a first call: checked
+            ask = {"max_new_tokens": 10, "do_sample": False}
+            processors = LogitsProcessorList([SkipLayersAt(model, 3)])
+            if patched:
+                outputs.append(model.generate(IDS[:1], logits_processor=processors, **ask))
+            else:
+                outputs.append(hf(model, input_ids=IDS[:1], logits_processor=processors, **ask))
+        finally:
+            hfaccel.unpatch(model)
+    assert torch.equal(*outputs)
 
 
 def test_a_packed_hook_on_the_top_level_model_is_never_skipped():
