@@ -86,6 +86,7 @@ class ModelToken(NamedTuple):
     hooks: tuple  # per module with any: its forward (pre-)hooks' handle ids; torch's global packed ones
     draws_dropout: bool = False  # some module in train mode draws dropout (`draws_dropout`)
     configs: tuple = ()  # ids of the config objects the modules hold (one swapped in: a new attention switch)
+    modules: tuple = ()  # per module: id and class (a module without tensors swapped in, `act_fn`)
 
     def same_structure(self, other: Hashable) -> bool:
         """Whether `other` differs from this token in tensor values only: the same tensors at the same
@@ -99,6 +100,7 @@ class ModelToken(NamedTuple):
             self.config,
             self.hooks,
             self.configs,
+            self.modules,
         )
         return isinstance(other, ModelToken) and mine == (
             other.training,
@@ -108,6 +110,7 @@ class ModelToken(NamedTuple):
             other.config,
             other.hooks,
             other.configs,
+            other.modules,
         )
 
 
@@ -142,7 +145,9 @@ class ModelStateTracker:
         modules = [self.model]
         seen = {id(self.model)}
         configs: dict[int, None] = {}
+        kinds: list[tuple[int, type]] = []
         for module in modules:  # grows as it goes: breadth first
+            kinds.append((id(module), type(module)))
             tensors += module._parameters.values()
             tensors += module._buffers.values()
             config = module.__dict__.get("config")
@@ -192,6 +197,7 @@ class ModelStateTracker:
             tuple(hooks),
             dropout,
             tuple(configs),
+            tuple(kinds),
         )
         self._first_tuner = None if first_tuner is None else weakref.ref(first_tuner)
         every = max(1, len(present) // SENTINEL_TENSORS)

@@ -504,6 +504,25 @@ def test_an_adapter_disabled_and_enabled_mid_call_leaves_no_stale_kv(two_adapter
     _long_prompt_after_a_window(two_adapters, toggle)
 
 
+@pytest.mark.parametrize("how", ["activation", "class"])
+def test_a_module_without_tensors_swapped_in_forgets_the_prefix_cache(llama, how):
+    """A module swapped in that holds no tensor (an activation), or a module's class changed, moves no
+    parameter: the KV cached before is not served (the token lists each module's identity and class)."""
+    ps = warm(llama)
+    before = hf_all(llama, ps)
+    mlp = llama.model.layers[0].mlp
+    if how == "activation":
+        mlp.act_fn = torch.nn.ReLU()
+    else:
+
+        class Doubled(type(mlp)):
+            def forward(self, x):
+                return 2.0 * super().forward(x)
+
+        mlp.__class__ = Doubled
+    assert_matches_hf(llama, ps, before)
+
+
 def test_a_packed_hook_added_or_removed_forgets_the_prefix_cache(llama):
     """A forward hook marked ``hfaccel_packed`` is served by the engine: adding or removing one changes
     what the layers compute, so the KV cached without it (or with it) is not served."""
