@@ -111,7 +111,8 @@ class HFExecutor(ExecutorBase):
     def _lean_step(self) -> bool:
         """Whether this eager step may run the lean forward: decodes only, outside a CUDA graph capture
         (a check compares tensors on the host), with nothing wrapping the top-level modules."""
-        layout = current_forward_context().layout
+        context = current_forward_context()
+        layout = None if context is None else context.layout
         if layout is None or layout.num_decodes != len(layout.query_lens):
             return False
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
