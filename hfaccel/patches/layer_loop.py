@@ -194,10 +194,11 @@ class LeanForward:
         scales = self.stage.scales() if self._scaled else ()  # (none to read for most families)
         # Most decoders run `layers[: config.num_hidden_layers]`, read at every forward: a change of
         # either during a call (early exit) is seen at the next step, not at the next call.
-        layers = (
-            (len(base.layers), getattr(base.config, "num_hidden_layers", None)) if base is not None else ()
-        )
-        return type(model).forward, base, type(base).forward, model.config, scales, layers
+        # (Read with defaults: a decoder swapped for a module without them is checked, and fails.)
+        layers = getattr(base, "layers", None)
+        count = len(layers) if isinstance(layers, torch.nn.ModuleList) else None
+        depth = (count, getattr(getattr(base, "config", None), "num_hidden_layers", None))
+        return type(model).forward, base, getattr(type(base), "forward", None), model.config, scales, depth
 
     def usable(self) -> bool:
         """Whether this step may run the lean forward (a check's first if none holds): nothing of the user's

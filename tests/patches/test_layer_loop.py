@@ -315,6 +315,23 @@ def _wrap_decoder(model):
     model.model = Negated(model.model)
 
 
+class Opaque(torch.nn.Module):
+    """A wrapper around a decoder that forwards no attribute (no ``layers``, ``config``, ``norm``)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        output = self.inner(*args, **kwargs)
+        output.last_hidden_state = -output.last_hidden_state
+        return output
+
+
+def _wrap_decoder_opaquely(model):
+    model.model = Opaque(model.model)
+
+
 def _patch_class_forward(model, monkeypatch):
     forward = type(model).forward
 
@@ -331,6 +348,7 @@ EDITS = {
     "decoder class swapped": ("llama", _swap_decoder_class),
     "cohere model's logit scale": ("cohere", _edit_logit_scale),
     "decoder wrapped": ("llama", _wrap_decoder),
+    "decoder wrapped opaquely": ("llama", _wrap_decoder_opaquely),
     "class forward patched": ("llama", _patch_class_forward),
 }
 OWN_SCALES = {
