@@ -33,8 +33,12 @@ LAYER_KEYWORDS = {"attention_mask", "position_embeddings", "position_ids", CACHE
 IGNORED_KEYWORDS = {"output_router_logits", "cache_position"}
 
 
-# The config fields by which some families scale embeddings or logits in their top-level forward.
-SCALE_NAMES = ("embedding_multiplier", "logits_scaling", "logit_scale", "final_logit_softcapping")
+LLAMA_PARTS = ("embed_tokens", "rotary_emb", "layers", "norm")
+
+
+def decoder_of(model: Any) -> Any:
+    """The module holding `model`'s decoder layers (None: none found)."""
+    return model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
 
 
 class AroundLayers:
@@ -42,24 +46,21 @@ class AroundLayers:
 
     def __init__(self, model: Any) -> None:
         self.model = model
-        self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-        config = model.config.get_text_config(decoder=True)
-        # Where transformers' forwards read each: Granite's multiplier from its decoder (copied from the
-        # config at init), Cohere's logit scale from the model, the others from the config.
-        self.embedding_multiplier = getattr(self.base, "embedding_multiplier", None)
-        if self.embedding_multiplier is None:
-            self.embedding_multiplier = getattr(config, "embedding_multiplier", None)
-        self.logits_scaling = getattr(config, "logits_scaling", None)  # Granite: logits divided by it
-        self.logit_scale = getattr(model, "logit_scale", None)  # Cohere: logits multiplied by it
-        if self.logit_scale is None:
-            self.logit_scale = getattr(config, "logit_scale", None)
-        self.softcap = getattr(config, "final_logit_softcapping", None)
+        self.base = decoder_of(model)
+        self.embedding_multiplier, self.logits_scaling, self.logit_scale, self.softcap = self.scales()
 
-    def scales(self) -> tuple:
-        """Every place a scale is read from, as it is now (what `LeanForward` rechecks on a change)."""
+    def scales(self) -> tuple[Any, Any, Any, Any]:
+        """The embedding multiplier, logits scaling, logit scale and final soft-cap, read now where
+        transformers' forwards read them: Granite's multiplier from its decoder (copied from the config at
+        init), Cohere's logit scale from the model, the others from the config (None: not applied)."""
         config = self.model.config.get_text_config(decoder=True)
-        return tuple(
-            getattr(owner, name, None) for name in SCALE_NAMES for owner in (self.model, self.base, config)
+        multiplier = getattr(self.base, "embedding_multiplier", None)
+        scale = getattr(self.model, "logit_scale", None)
+        return (
+            getattr(config, "embedding_multiplier", None) if multiplier is None else multiplier,
+            getattr(config, "logits_scaling", None),  # Granite: logits divided by it
+            getattr(config, "logit_scale", None) if scale is None else scale,  # Cohere: multiplied
+            getattr(config, "final_logit_softcapping", None),
         )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -85,8 +86,8 @@ def unsupported_reason(model: Any) -> str | None:
     """Why pipeline stages would compute other than `model`'s own forward (None: they compute the same):
     a forward of four tokens, its layer 0 inputs and final norm output caught by hooks, against
     `AroundLayers`'s embeddings, position embeddings and logits."""
-    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    missing = [n for n in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(base, n)]
+    base = decoder_of(model)
+    missing = [n for n in LLAMA_PARTS if not hasattr(base, n)]
     if missing:
         return (
             f"pipeline stages run Llama-style decoders (embed_tokens, rotary_emb, layers, norm); "
@@ -166,21 +167,24 @@ class LeanForward:
     def __init__(self, model: Any) -> None:
         self.model = model
         self.stage = AroundLayers(model)
-        self.base = self.stage.base
         self._base_name = _child_name(model, self.base)
-        config = model.config.get_text_config(decoder=True)
-        owners = (model, self.base, config)
-        self._scaled = any(hasattr(owner, name) for name in SCALE_NAMES for owner in owners)
+        # Whether the family scales at all: most do not, and their steps read no scale.
+        self._scaled = any(value is not None for value in self.stage.scales())
         self.verified: bool | None = None  # None: not checked since the last change of the model
         self._checked_as = self._shape()
+
+    @property
+    def base(self) -> Any:
+        """The decoder whose layers this forward loops over (the one its last check saw)."""
+        return self.stage.base
 
     @staticmethod
     def unavailable_reason(model: Any) -> str | None:
         """Why `model` has no layer loop this forward can run (None: it has one)."""
         if not isinstance(model, PreTrainedModel):
             return f"{type(model).__name__} is not a transformers model"
-        base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-        missing = [n for n in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(base, n)]
+        base = decoder_of(model)
+        missing = [n for n in LLAMA_PARTS if not hasattr(base, n)]
         if missing:
             return f"its decoder lacks {', '.join(missing)}"
         if _child_name(model, base) is None:
@@ -261,7 +265,6 @@ class LeanForward:
     def forget(self) -> None:
         """Check again at the next step it could serve (the model changed)."""
         self.stage = AroundLayers(self.model)
-        self.base = self.stage.base
         self._checked_as = self._shape()
         self.verified = None
 

@@ -46,7 +46,13 @@ from hfaccel.server.protocol import (
     error_body,
     field_path,
 )
-from hfaccel.server.responses import ResponsesRequest, from_chat, prepare_response, stream_response
+from hfaccel.server.responses import (
+    ResponsesFlavour,
+    ResponsesRequest,
+    from_chat,
+    prepare_response,
+    stream_response,
+)
 from hfaccel.server.sampling import Limits
 
 logger = logging.getLogger("hfaccel")
@@ -140,14 +146,13 @@ CLIENT_LEFT = 499  # (nginx's status for a client that closed its connection: ne
 class RefusalCounter:
     """Counts each generation request answered 4xx (refused before it ran: a bad body, a call the engine
     does not serve, no API key, too large, too many waiting; not a client that left, "cancelled") as
-    outcome "rejected" in
-    ``hfaccel_requests_total``, where the routes count those that ran. A plain ASGI middleware, as
-    `BodyLimit` (whose 413s it sees)."""
+    outcome "rejected" in ``hfaccel_requests_total``, under the endpoint name the routes count those
+    that ran by. A plain ASGI middleware, as `BodyLimit` (whose 413s it sees)."""
 
     ENDPOINTS: ClassVar[dict[str, str]] = {
-        "/v1/chat/completions": "chat",
-        "/v1/completions": "completions",
-        "/v1/responses": "responses",
+        "/v1/chat/completions": ChatFlavour.endpoint,
+        "/v1/completions": TextFlavour.endpoint,
+        "/v1/responses": ResponsesFlavour.endpoint,
     }
 
     def __init__(self, app: Any, metrics: ServerMetrics) -> None:
