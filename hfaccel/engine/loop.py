@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import itertools
 import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -313,8 +312,19 @@ class EngineLoop:
             commands, self._inbox = self._inbox, []
         if not commands and not self._busy():
             return False
-        with self._one_wakeup_per_event_loop():
+        # Hold the updates for coroutines until the step ends, then hand each event loop all of its
+        # updates in one ``call_soon_threadsafe``. Each such call writes the event loop's wake-up pipe
+        # and then waits to take the GIL back from that loop's thread: py-spy found one such call a step
+        # to be a fifth of a serving process's stepping thread (one stream, a tiny model), paid once per
+        # stream a step before (docs/serve.md). `_send_held` sends what is held so far (a cancel's or a
+        # rejection's news before the step runs, not one step late). (Not a context manager: a
+        # generator's enter and exit cost a small model's step a few microseconds.)
+        self._outbox = {}
+        try:
             return self._apply_and_step(commands)
+        finally:
+            self._send_held()
+            self._outbox = None
 
     def _apply_and_step(self, commands: list[tuple[str, Any]]) -> bool:
         for kind, item in commands:
@@ -463,21 +473,6 @@ class EngineLoop:
         except Exception:  # the caller's event loop is gone: nobody is listening any more
             submission._deaf = True
             self._abort(submission, error=None)
-
-    @contextlib.contextmanager
-    def _one_wakeup_per_event_loop(self) -> Iterator[None]:
-        """Hold the updates for coroutines until the block ends, then hand each event loop all of its
-        updates in one ``call_soon_threadsafe``. Each such call writes the event loop's wake-up pipe and
-        then waits to take the GIL back from that loop's thread: py-spy found one such call a step to be
-        a fifth of a serving process's stepping thread (one stream, a tiny model), paid once per stream
-        a step before (docs/serve.md). `_send_held` sends what is held so far (a cancel's or a
-        rejection's news before the step runs, not one step late)."""
-        self._outbox = {}
-        try:
-            yield
-        finally:
-            self._send_held()
-            self._outbox = None
 
     def _send_held(self) -> None:
         outbox, self._outbox = self._outbox or {}, {}

@@ -134,6 +134,10 @@ class DecodeCall:
         self._lens = seq_lens.to(torch.int32).contiguous()
         self._slots = None if slots is None else slots.to(torch.int64).contiguous()
         self._max_len = max(max_seq_len, 1)
+        # What every layer's call passes alike, read once (the tensors above keep the addresses valid).
+        self._tables_at = (self._tables.data_ptr(), self._tables.stride(0))
+        self._lens_at = self._lens.data_ptr()
+        self._slots_at = None if self._slots is None else self._slots.data_ptr()
         self._function = load().hfaccel_paged_decode
         self._checked = False  # the first call's tensors were checked (`_check_call`)
         self._thread_key: tuple[int, ...] | None = None  # `_threads_for`
@@ -190,7 +194,7 @@ class DecodeCall:
         strides (the kernel reads them: no transposed views to make, 30 layers a step) -> a new
         contiguous ``[1, B, Hq, D]``, the layout transformers' attention functions return."""
         _, num_heads, batch, head_dim = query.shape
-        out = torch.empty((1, batch, num_heads, head_dim), dtype=query.dtype, device=query.device)
+        out = query.new_empty((1, batch, num_heads, head_dim))
         if not self._checked:
             _check_call(
                 query[0].transpose(0, 1),
@@ -236,12 +240,11 @@ class DecodeCall:
             key.data_ptr() if store else None,
             value.data_ptr() if store else None,
             *kv_strides,
-            self._slots.data_ptr() if store else None,
+            self._slots_at if store else None,
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            self._tables.data_ptr(),
-            self._tables.stride(0),
-            self._lens.data_ptr(),
+            *self._tables_at,
+            self._lens_at,
             out.data_ptr(),
             batch,
             num_heads,

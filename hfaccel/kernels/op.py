@@ -115,6 +115,7 @@ def paged_attention(
 
 
 def paged_attention_heads_first(
+    context: ForwardContext,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -125,17 +126,14 @@ def paged_attention_heads_first(
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """`paged_attention` over transformers' head-first layout, eager only: ``query`` ``[1, Hq, T, D]``,
+    """`paged_attention` over transformers' head-first layout, eager only, in the step's `context` (the
+    caller has it at hand: one thread-local read a layer less): ``query`` ``[1, Hq, T, D]``,
     ``key``/``value`` ``[1, Hkv, T, D]`` -> ``[1, T, Hq, D]``, where the step's backend serves it in
     place (`AttentionBackend.forward_heads_first`); None where it does not (take `paged_attention`)."""
-    context = current_forward_context()
-    if context is None or layer_idx in context.window_layers:
+    if layer_idx in context.window_layers:
         return None
-    kv_cache = context.kv_caches[layer_idx]
-    metadata = context.metadata
-    return context.backend.forward_heads_first(
-        query, key, value, kv_cache, metadata, scale, window, chunk, softcap, sinks
-    )
+    kv_cache, local = context.kv_caches[layer_idx], (window, chunk, softcap, sinks)
+    return context.backend.forward_heads_first(query, key, value, kv_cache, context.metadata, scale, *local)
 
 
 _errors = threading.local()

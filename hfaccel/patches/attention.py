@@ -80,7 +80,7 @@ def paged_attention_forward(
     ):
         # Eager, where the backend reads transformers' head-first tensors in place (an eager CPU decode
         # step): no transposed views, no op round trip (30 layers a step).
-        out = paged_attention_heads_first(query, key, value, module.layer_idx, scale, *local)
+        out = paged_attention_heads_first(context, query, key, value, module.layer_idx, scale, *local)
         if out is not None:
             return out, None
     q = query[0].transpose(0, 1)
@@ -125,10 +125,26 @@ def layer_chunk(module: torch.nn.Module) -> int:
     ``attention_chunk_size`` positions, as Llama 4's), else 0. Read from the config at every call, as
     transformers reads it: a config changed in place changes the chunks at once."""
     config = getattr(module, "config", None)
+    if not _may_have(config, "layer_types"):  # most configs: no getattr miss (an exception a layer)
+        return 0
     types = getattr(config, "layer_types", None)
     if not types or module.layer_idx >= len(types) or types[module.layer_idx] != "chunked_attention":
         return 0
     return int(config.attention_chunk_size)
+
+
+def _may_have(config: Any, name: str) -> bool:
+    """Whether ``getattr(config, name)`` may find something: an instance attribute, one of its class (a
+    property) or one its ``attribute_map`` renames; answered without the miss's exception."""
+    if config is None:
+        return False
+    cls = type(config)
+    if hasattr(cls, name) or name in getattr(cls, "attribute_map", ()):
+        return True
+    try:  # (past PreTrainedConfig's own __getattribute__, which costs as much as the miss)
+        return name in object.__getattribute__(config, "__dict__")
+    except AttributeError:  # no instance dictionary
+        return False
 
 
 @dataclass(frozen=True)

@@ -199,7 +199,9 @@ class LeanForward:
         # Most decoders run `layers[: config.num_hidden_layers]`, read at every forward: a change of
         # either during a call (early exit) is seen at the next step, not at the next call.
         # (Read with defaults: a decoder swapped for a module without them is checked, and fails.)
-        layers = getattr(base, "layers", None)
+        layers = getattr(base, "_modules", {}).get("layers")  # (a submodule: no Module.__getattr__)
+        if layers is None:
+            layers = getattr(base, "layers", None)
         count = len(layers) if isinstance(layers, torch.nn.ModuleList) else None
         depth = (count, getattr(getattr(base, "config", None), "num_hidden_layers", None))
         return type(model).forward, base, getattr(type(base), "forward", None), model.config, scales, depth

@@ -105,3 +105,35 @@ def test_under_autocast_the_kernel_is_bound_for_the_dtypes_the_op_casts_to(monke
         hfaccel.unpatch(model)
     (served, calls), (reference, reference_calls) = runs
     assert torch.equal(served, reference) and calls == reference_calls >= 3 * 2
+
+
+def test_layer_chunk_reads_the_config_as_transformers_reads_it():
+    """A layer's chunk comes from ``config.layer_types`` however the config holds it: an instance
+    attribute, a property of its class, a name its ``attribute_map`` renames; none: 0 (the fast miss)."""
+    from transformers import LlamaConfig
+
+    class Layer(torch.nn.Module):
+        def __init__(self, config, layer_idx):
+            super().__init__()
+            self.config, self.layer_idx = config, layer_idx
+
+    plain = LlamaConfig()
+    assert attention.layer_chunk(Layer(plain, 0)) == 0
+    chunked = LlamaConfig(attention_chunk_size=8)
+    chunked.layer_types = ["chunked_attention", "full_attention"]
+    assert [attention.layer_chunk(Layer(chunked, i)) for i in range(3)] == [8, 0, 0]
+
+    class PropertyConfig(LlamaConfig):
+        @property
+        def layer_types(self):
+            return ["full_attention", "chunked_attention"]
+
+    assert attention.layer_chunk(Layer(PropertyConfig(attention_chunk_size=4), 1)) == 4
+
+    class MappedConfig(LlamaConfig):
+        attribute_map = {**LlamaConfig.attribute_map, "layer_types": "kinds"}
+
+    mapped = MappedConfig(attention_chunk_size=2)
+    mapped.kinds = ["chunked_attention"]
+    assert attention.layer_chunk(Layer(mapped, 0)) == 2
+    assert attention.layer_chunk(Layer(None, 0)) == 0
