@@ -303,7 +303,8 @@ class EngineLoop:
         with self._lock:
             if driver is not None and self._closed is None:
                 thread_alive = self.is_running
-                others = any(s is not driver for s in self._live.values()) or any(
+                # (counted, not searched: this runs before every step a lone caller takes)
+                others = len(self._live) > (1 if driver.id in self._live else 0) or any(
                     kind == "submit" and item is not driver for kind, item in self._inbox
                 )
                 if thread_alive or others:

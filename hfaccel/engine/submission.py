@@ -164,10 +164,8 @@ class Submission:
 
     def _get(self) -> Update:
         while True:
-            try:
+            if not self._queue.empty():  # (only this thread takes from it: the get cannot miss)
                 return self._queue.get_nowait()
-            except queue.Empty:
-                pass
             if self.loop._drive_for(self):  # stepped in this thread: look again
                 self._drove = True
                 continue

@@ -4,9 +4,10 @@ from hfaccel.bench.host import _kv_bytes, run_host_benchmark, tiny_llama
 
 
 def test_host_bench_times_the_four_systems_on_a_small_grid(capsys):
-    rows = run_host_benchmark(batch_sizes=(1, 2), contexts=(16,), steps=4, device="cpu")
+    rows = run_host_benchmark(batch_sizes=(1, 2), contexts=(16,), steps=4, device="cpu", rounds=2)
     assert [(r["batch"], r["context"]) for r in rows] == [(1, 16), (2, 16)]
     assert all(r["hf_ms"] > 0 and r["step_ms"] > 0 and r["generate_ms"] > 0 for r in rows)
+    assert all(r["hf_row_ms"] > 0 for r in rows)  # HF's steps back to back, timed as generate's are
     assert all(r["hf_generate_ms"] > 0 for r in rows)  # HF generate's own loop, step by step
     assert "on cpu, engine compile off" in capsys.readouterr().out
 
