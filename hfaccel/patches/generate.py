@@ -28,7 +28,7 @@ from contextlib import closing
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, GenerationMixin
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging as transformers_logging
 
@@ -98,13 +98,46 @@ def warn_right_padding(call: GenerateCall) -> None:
         )
 
 
+@functools.cache
+def _positional_names(cls: type) -> tuple[str, ...]:
+    """The parameters a class's `generate` takes by position after ``inputs`` and ``generation_config``
+    (transformers': ``logits_processor``, ``stopping_criteria``, ``prefix_allowed_tokens_fn``, ...); a
+    wrapper's that passes ``*args`` on (PEFT's) takes transformers'."""
+    parameters = inspect.signature(cls.generate).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in parameters):
+        parameters = inspect.signature(GenerationMixin.generate).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in parameters if p.kind in kinds]
+    return tuple(names[3:])  # after self, inputs, generation_config
+
+
+def _keywords_of(cls: type, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with `args` (given by position after ``generation_config``) under their names in the
+    class's `generate`, as Python binds them; its TypeErrors where Python raises them."""
+    names = _positional_names(cls)
+    if len(args) > len(names):
+        raise TypeError(
+            f"generate() takes {len(names) + 2} positional arguments but {len(args) + 2} were given"
+        )
+    kwargs = dict(kwargs)
+    for name, value in zip(names, args):
+        if name in kwargs:
+            raise TypeError(f"generate() got multiple values for argument {name!r}")
+        kwargs[name] = value
+    return kwargs
+
+
 def patched_generate(
     self: torch.nn.Module,
     inputs: torch.Tensor | None = None,
     generation_config: GenerationConfig | None = None,
+    *args: Any,
     **kwargs: Any,
 ) -> torch.Tensor | GenerateDecoderOnlyOutput:
-    """Drop-in replacement for `model.generate`, bound on a patched instance."""
+    """Drop-in replacement for `model.generate`, bound on a patched instance. Arguments after
+    ``generation_config`` may come by position, as transformers' `generate` takes them."""
+    if args:
+        kwargs = _keywords_of(type(self), args, kwargs)
     state: PatchState | None = self.__dict__.get("_hfaccel")
     if state is None or state.temporary:
         # Unpatched since this bound method was taken (kept, or looked up by another thread), or patched

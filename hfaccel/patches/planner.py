@@ -295,6 +295,10 @@ def _adapters_gate(call: GenerateCall) -> str | None:
 
 def _mode_gate(call: GenerateCall) -> str | None:
     """The generation mode and options, as judged for beam search or for the engine's other modes."""
+    if not isinstance(call.config.use_cache, bool):  # a call's own use_cache=None (or 0) prepared as given:
+        # transformers (5.24) builds a cache unless it is False, then feeds the whole sequence each step
+        # unless it is truthy: its tokens match neither True's nor False's.
+        return f"use_cache={call.config.use_cache!r} (neither True nor False)"
     if not call.beam:
         reason = unsupported_reason(call.config, True, call.device)
         return reason or (f"model kwargs {call.extra}" if call.extra else None)

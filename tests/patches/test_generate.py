@@ -82,6 +82,32 @@ def test_positional_inputs_without_mask(patched):
     assert out[0, len(prompt) :].tolist() == hf_greedy(patched, prompt, 6)
 
 
+def test_arguments_after_the_generation_config_may_come_by_position(patched):
+    """transformers' `generate` takes ``logits_processor``, ``stopping_criteria`` and the rest by
+    position too: the patched one binds them as it does, and refuses what Python refuses."""
+    from transformers import (
+        LogitsProcessorList,
+        MaxLengthCriteria,
+        RepetitionPenaltyLogitsProcessor,
+        StoppingCriteriaList,
+    )
+
+    prompt = torch.tensor([varied_prompts(3)[2]])
+    processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.3)])
+    criteria = StoppingCriteriaList([MaxLengthCriteria(prompt.shape[1] + 3)])
+    for args in [
+        (prompt, None, processors),
+        (prompt, None, None, criteria),
+        (prompt, None, processors, criteria),
+    ]:
+        expected = type(patched).generate(patched, *args, max_new_tokens=6)
+        assert torch.equal(patched.generate(*args, max_new_tokens=6), expected)
+    with pytest.raises(TypeError, match="multiple values for argument 'logits_processor'"):
+        patched.generate(prompt, None, processors, logits_processor=processors)
+    with pytest.raises(TypeError, match="positional arguments"):
+        patched.generate(prompt, None, *([None] * 20))
+
+
 def test_a_call_without_inputs_starts_from_bos_as_hf_does():
     """HF starts each row from the BOS token (transformers' `test_generate_without_input_ids`); with no
     BOS token HF raises, and so does the patched model (through HF)."""
@@ -120,6 +146,8 @@ def test_a_call_without_inputs_starts_from_bos_as_hf_does():
     [
         ({"guidance_scale": 1.5}, "guidance_scale"),
         ({"watermarking_config": SynthIDTextWatermarkingConfig(keys=[3, 5, 7], ngram_len=2)}, "SynthID"),
+        # transformers builds a cache for None, then feeds every token each step: tokens of its own
+        ({"use_cache": None}, "use_cache=None"),
     ],
 )
 def test_unsupported_options_fall_back_with_one_warning(patched, kwargs, reason):
