@@ -154,7 +154,9 @@ def validate_values(config: GenerationConfig) -> None:
         raise ValueError(f"num_beams must be >= 1, got {config.num_beams}")
     if config.num_return_sequences is not None and config.num_return_sequences < 0:
         # 0 is served as 1, as HF does
-        raise ValueError(f"num_return_sequences must be >= 1, got {config.num_return_sequences}")
+        raise ValueError(
+            f"num_return_sequences must be >= 1 (0 counts as 1), got {config.num_return_sequences}"
+        )
     if config.max_new_tokens is not None and config.max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {config.max_new_tokens}")
     if config.do_sample:
