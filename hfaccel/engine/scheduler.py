@@ -255,7 +255,7 @@ class Scheduler:
         for request in finished:
             self.block_manager.free(request)
             self.live.pop(id(request), None)
-            self._forget(request, keys=False)
+            self._forget(request)  # its keys too: a running prefill's came back (`running_prefill_keys`)
         # A beam group's other sequences are internal: the caller holds (and hears of) the request.
         self.finished_in_step = [r for r in finished if r.beam_group is None or r.beam_group.handle is r]
         return self.finished_in_step

@@ -47,6 +47,23 @@ def test_greedy_outputs_are_unchanged_under_every_policy(settings):
         assert engine._async is not None and all(s.overlapped_s > 0 for s in engine.step_stats)
 
 
+def test_prefix_aware_admission_keeps_no_keys_of_finished_requests():
+    """A running prefill's prefix keys (read at every admission) go when the request finishes: a long
+    session of chunked prompts kept every request, and everything it held, alive (a probe found it)."""
+    engine = Engine(
+        MODEL,
+        EngineConfig(
+            block_size=8, kv_cache_memory=4_000_000, prefix_aware_admission=True, max_num_batched_tokens=32
+        ),
+    )
+    stop = StoppingParams(max_new_tokens=2)
+    prompts = [p * 3 for p in PROMPTS[:6]]  # several chunks each, admitted while others prefill
+    for _ in range(3):
+        engine.run([engine.make_request(p, stop) for p in prompts])
+    assert engine.scheduler.admission_order._prefix_keys == {}
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
 def test_a_tight_target_slices_the_work_without_changing_it():
     engine = Engine(MODEL, EngineConfig(block_size=8, kv_cache_memory=4_000_000, tpot_target_ms=12))
     with_fake_model(engine)
