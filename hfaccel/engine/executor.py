@@ -116,6 +116,9 @@ class ExecutorBase:
     def reserve_state_slots(self, num_slots: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no recurrent layers")
 
+    def release_state_slots(self) -> None:
+        """The engine is released: let go of what `reserve_state_slots` holds (nothing here)."""
+
     def check_adapter(self, name: str) -> None:
         raise ValueError(f"adapter {name!r}: this model's executor serves no adapters")
 

@@ -29,7 +29,7 @@ from hfaccel.patches.layer_support import (
 from hfaccel.patches.model_state import ModelStateTracker
 from hfaccel.patches.models import attention_dims
 from hfaccel.patches.models import max_model_len as resolve_max_model_len
-from hfaccel.patches.recurrent import SlotStates, install_mixers
+from hfaccel.patches.recurrent import SlotStates, install_mixers, restore_mixers
 
 
 class HFExecutor(ExecutorBase):
@@ -38,6 +38,9 @@ class HFExecutor(ExecutorBase):
     def __init__(self, model: Any) -> None:
         register_attention()
         self.model = model
+        self._states: SlotStates | None = (
+            None  # the recurrent state rows its mixers hold (`reserve_state_slots`)
+        )
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
@@ -145,7 +148,16 @@ class HFExecutor(ExecutorBase):
 
     def reserve_state_slots(self, num_slots: int) -> None:
         """Wrap the model's recurrent mixers to run per sequence over `num_slots` state rows."""
-        install_mixers(self.model, SlotStates(num_slots))
+        self._states = SlotStates(num_slots)
+        install_mixers(self.model, self._states)
+
+    def release_state_slots(self) -> None:
+        """The engine is released: unwrap the mixers that still hold this engine's state rows (the
+        wrappers kept them, a sequence's state per layer for `max_num_seqs` rows, until the next engine
+        or ``unpatch``); a newer engine's wrappers stay."""
+        states, self._states = self._states, None
+        if states is not None:
+            restore_mixers(self.model, states)
 
     def prompt_inputs_reason(self) -> str | None:
         """Why this executor cannot take prompt embeddings or imported K/V (None: it can). A sharded

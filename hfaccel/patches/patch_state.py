@@ -3,6 +3,7 @@ original `generate`: one warning per reason, or an error under ``strict=True``."
 
 from __future__ import annotations
 
+import re
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -200,6 +201,9 @@ class PatchState:
             engine.runner.close()
         if loop is not None:
             loop.close(LoopClosed(reason))
+        release = getattr(engine, "executor", None) and getattr(engine.executor, "release_state_slots", None)
+        if release is not None:  # (after its loop: no step of it runs any more) its recurrent state rows
+            release()
 
     def __repr__(self) -> str:
         engine = repr(self.engine) if self.engine is not None else "not built yet (built on first generate)"
@@ -207,22 +211,19 @@ class PatchState:
 
 
 def fall_back(state: PatchState, reason: str) -> None:
-    """Raise under strict mode; otherwise warn once per reason per model (the call then runs on HF)."""
+    """Raise under strict mode; otherwise warn once per kind of reason per model, its numbers aside (the
+    call then runs on HF)."""
     if _strict_calls.get():
         raise ValueError(f"hfaccel does not serve {reason} here")
     if state.strict:
         raise ValueError(f"hfaccel (strict=True) does not serve {reason}; patch without strict to fall back")
-    if reason in state.warned:
+    kind = re.sub(r"\d+", "#", reason)  # once per kind: prompts of 100 and of 101 tokens alike
+    if kind in state.warned:
         return
-    state.warned.add(reason)
+    state.warned.add(kind)
     warnings.warn(
         f"hfaccel: {reason} is not served by the engine - this call falls back to transformers' original "
         "generate (no speed-up)",
         UserWarning,
         stacklevel=4,
     )
-
-
-def given(value: Any) -> bool:
-    """Whether an argument asks for something: not None, False or an empty list (their defaults)."""
-    return value is not None and value is not False and not (isinstance(value, list) and len(value) == 0)

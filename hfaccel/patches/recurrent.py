@@ -164,9 +164,13 @@ def install_mixers(model: nn.Module, states: SlotStates) -> int:
     return len(mixers)
 
 
-def restore_mixers(model: nn.Module) -> None:
-    """Undo `install_mixers` (for ``unpatch``)."""
+def restore_mixers(model: nn.Module, states: SlotStates | None = None) -> None:
+    """Undo `install_mixers` (for ``unpatch``); with `states`, only where the wrapper holds those (an
+    engine released: its rows go, a newer engine's wrappers stay)."""
     for _, module in recurrent_mixers(model):
+        wrapper = module.__dict__.get("forward")
+        if states is not None and not (isinstance(wrapper, partial) and wrapper.args[2] is states):
+            continue
         original = module.__dict__.pop(_ORIGINAL, None)
         if original is not None:
             module.__dict__.pop("forward", None)

@@ -262,6 +262,35 @@ def test_unpatch_gives_the_mixers_their_own_forward_back():
     assert all("forward" not in m.__dict__ for m in mixers)
 
 
+@state_api
+def test_a_released_engine_lets_go_of_its_state_rows_and_the_next_one_serves():
+    """`hfaccel.release` drops the engine, and with it the state rows its mixer wrappers held (a
+    sequence's state per layer for every seat, until the next engine or unpatch); a newer engine's
+    wrappers stay where an older engine is released after it was built."""
+    import gc
+    import weakref
+
+    model = family_model("lfm2")
+    prompt = [5, 6, 7, 8]
+    expected = hf_greedy(model, prompt, 4)
+    hfaccel.patch(model, max_num_seqs=4)
+    hfaccel.generate(model, [prompt], max_new_tokens=2, progress=False)
+    _, mixer = recurrent_mixers(model)[0]
+    states = weakref.ref(mixer.forward.args[2])
+    hfaccel.release(model)
+    gc.collect()
+    assert states() is None and all("forward" not in m.__dict__ for _, m in recurrent_mixers(model))
+    out = hfaccel.generate(model, [prompt], max_new_tokens=4, progress=False)[0]
+    assert out.token_ids == expected  # a new engine wraps them again
+    old = model._hfaccel.engine
+    model._hfaccel.engine = None  # a newer engine built while the old one was still held
+    hfaccel.generate(model, [prompt], max_new_tokens=1, progress=False)
+    newer = mixer.forward.args[2]
+    old.executor.release_state_slots()
+    assert mixer.forward.args[2] is newer
+    hfaccel.unpatch(model)
+
+
 class _Layout:
     def __init__(self, query_lens, seq_lens, state_slots):
         self.query_lens, self.seq_lens, self.state_slots = query_lens, seq_lens, state_slots
