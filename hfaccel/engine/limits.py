@@ -17,6 +17,7 @@ scheduler then bounds each step by it (`engine/scheduler.py`). Explicit values a
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -122,8 +123,14 @@ def counting_blocks(engine: Any) -> int:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Free memory of `device`: CUDA's free memory, or the host's available memory."""
+    """Free memory of `device`: CUDA's free memory, or the host's available memory.
+
+    On CUDA, Python's cycle collector runs first: a patched model dropped without ``unpatch`` keeps its
+    engine's KV cache until it does (the model holds its engine, which holds the model), so a notebook
+    cell run again would size its cache from what the old one still holds."""
     if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as f:
