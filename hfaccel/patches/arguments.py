@@ -87,6 +87,31 @@ OTHER_ENGINES = {
 }
 
 
+# Arguments of HF generate that the engine does not serve, with the reason shown to the user.
+UNSUPPORTED_ARGUMENTS = {
+    "negative_prompt_ids": "negative_prompt_ids (classifier-free guidance)",
+    "negative_prompt_attention_mask": "negative_prompt_attention_mask",
+    "custom_generate": "custom_generate",
+    "synced_gpus": "synced_gpus",
+    "assistant_tokenizer": "assistant_tokenizer",
+}
+
+
+def unserved_argument(kwargs: Mapping[str, Any]) -> str | None:
+    """Why a call's arguments go to transformers' generate (None: the engine serves them)."""
+    reason = next((text for name, text in UNSUPPORTED_ARGUMENTS.items() if given(kwargs.get(name))), None)
+    # use_cache=None (or 0) given: transformers (5.24) builds a cache unless it is False, then feeds the
+    # whole sequence each step unless it is truthy; its tokens match neither True's nor False's.
+    if reason is None and not isinstance(use_cache := kwargs.get("use_cache", True), bool):
+        reason = f"use_cache={use_cache!r} (neither True nor False)"
+    return reason
+
+
+def given(value: Any) -> bool:
+    """Whether an argument asks for something: not None, False or an empty list (their defaults)."""
+    return value is not None and value is not False and not (isinstance(value, list) and len(value) == 0)
+
+
 @functools.lru_cache(maxsize=1)
 def _default_config() -> GenerationConfig:
     return GenerationConfig()

@@ -27,7 +27,7 @@ from hfaccel.engine.request import Request, SamplingParams, StoppingParams
 from hfaccel.patches import assisted, cache_in, criteria, lora
 from hfaccel.patches import embeds as embeds_in
 from hfaccel.patches import model_kwargs as extra_inputs
-from hfaccel.patches.arguments import CACHE_NAME
+from hfaccel.patches.arguments import CACHE_NAME, given, unserved_argument
 from hfaccel.patches.beam import beam_limits_reason, beam_unsupported_reason, is_beam_search
 from hfaccel.patches.layer_support import (
     attention_needs,
@@ -47,16 +47,8 @@ from hfaccel.patches.params import (
     unsupported_reason,
     uses_batch_prompts,
 )
-from hfaccel.patches.patch_state import PatchState, given
+from hfaccel.patches.patch_state import PatchState
 
-# Arguments of HF generate that the engine does not serve, with the reason shown to the user.
-UNSUPPORTED_ARGUMENTS = {
-    "negative_prompt_ids": "negative_prompt_ids (classifier-free guidance)",
-    "negative_prompt_attention_mask": "negative_prompt_attention_mask",
-    "custom_generate": "custom_generate",
-    "synced_gpus": "synced_gpus",
-    "assistant_tokenizer": "assistant_tokenizer",
-}
 # generate's own per-call objects, served on the engine by both front-ends (run per row / per prompt);
 # the text names them in fallback reasons.
 PER_ROW_ARGUMENTS = {
@@ -237,9 +229,7 @@ class GenerateCall:
 
 
 def _arguments_gate(call: GenerateCall) -> str | None:
-    reason = next(
-        (text for name, text in UNSUPPORTED_ARGUMENTS.items() if given(call.kwargs.get(name))), None
-    )
+    reason = unserved_argument(call.kwargs)
     return reason or ("both inputs and input_ids" if call.both_inputs else None)
 
 
@@ -295,10 +285,6 @@ def _adapters_gate(call: GenerateCall) -> str | None:
 
 def _mode_gate(call: GenerateCall) -> str | None:
     """The generation mode and options, as judged for beam search or for the engine's other modes."""
-    if not isinstance(call.config.use_cache, bool):  # a call's own use_cache=None (or 0) prepared as given:
-        # transformers (5.24) builds a cache unless it is False, then feeds the whole sequence each step
-        # unless it is truthy: its tokens match neither True's nor False's.
-        return f"use_cache={call.config.use_cache!r} (neither True nor False)"
     if not call.beam:
         reason = unsupported_reason(call.config, True, call.device)
         return reason or (f"model kwargs {call.extra}" if call.extra else None)

@@ -164,6 +164,21 @@ def test_unsupported_options_fall_back_with_one_warning(patched, kwargs, reason)
         patched.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, **kwargs)
 
 
+def test_a_reason_warns_once_whatever_its_numbers():
+    """Prompts over max_model_len fall back with one warning, not one per prompt length (the per-model
+    set of warned reasons grew with each: a probe found it)."""
+    model = hfaccel.patch(tiny_model(max_positions=64), kv_cache_memory=1_000_000)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for length in range(64, 72):
+                model.generate(torch.randint(3, 200, (1, length)), max_new_tokens=1, do_sample=False)
+        assert sum("hfaccel:" in str(w.message) for w in caught) == 1
+        assert len(model._hfaccel.warned) == 1
+    finally:
+        hfaccel.unpatch(model)
+
+
 def test_strict_mode_turns_the_fallback_into_an_error():
     model = hfaccel.patch(tiny_model(), strict=True, kv_cache_memory=1_000_000)
     with pytest.raises(
