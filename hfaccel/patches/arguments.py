@@ -97,13 +97,15 @@ UNSUPPORTED_ARGUMENTS = {
 }
 
 
-def unserved_argument(kwargs: Mapping[str, Any]) -> str | None:
-    """Why a call's arguments go to transformers' generate (None: the engine serves them)."""
+def unserved_argument(kwargs: Mapping[str, Any], config: GenerationConfig) -> str | None:
+    """Why a call's arguments or its prepared `config` go to transformers' generate (None: the engine
+    serves them)."""
     reason = next((text for name, text in UNSUPPORTED_ARGUMENTS.items() if given(kwargs.get(name))), None)
-    # use_cache=None (or 0) given: transformers (5.24) builds a cache unless it is False, then feeds the
-    # whole sequence each step unless it is truthy; its tokens match neither True's nor False's.
-    if reason is None and not isinstance(use_cache := kwargs.get("use_cache", True), bool):
-        reason = f"use_cache={use_cache!r} (neither True nor False)"
+    # use_cache neither True nor False once prepared (a call's None, a config's 0; a config's None is
+    # its default, True): transformers (5.24) builds a cache unless it is False, then feeds the whole
+    # sequence each step unless it is truthy; its tokens match neither True's nor False's.
+    if reason is None and not isinstance(config.use_cache, bool):
+        reason = f"use_cache={config.use_cache!r} (neither True nor False)"
     return reason
 
 

@@ -16,6 +16,7 @@ import torch
 
 from hfaccel.config import EngineConfig
 from hfaccel.engine.engine import Engine
+from hfaccel.engine.limits import track_engine
 from hfaccel.engine.loop import EngineLoop, LoopClosed
 from hfaccel.patches.model_state import config_fingerprint
 from hfaccel.patches.models import model_reason
@@ -148,6 +149,7 @@ class PatchState:
                     if reason is not None:
                         raise ValueError(f"the model's config changed after hfaccel.patch: {reason}")
                 self.engine = Engine(model, self.config)
+                track_engine(self.engine)  # held by the model it serves: a dropped model's lingers
                 self.engine_config = config
             return self.engine
 
@@ -199,11 +201,13 @@ class PatchState:
             engine, loop, self.loop, self.engine = self.engine, self.loop, None, None
         if engine is not None:  # a background compile stops here and lets the engine go
             engine.runner.close()
-        if loop is not None:
-            loop.close(LoopClosed(reason))
+        stopped = loop is None or loop.close(LoopClosed(reason))
         release = getattr(engine, "executor", None) and getattr(engine.executor, "release_state_slots", None)
-        if release is not None:  # (after its loop: no step of it runs any more) its recurrent state rows
-            release()
+        # Its recurrent state rows go once no step of it runs (one still running keeps them until the next
+        # engine's replace them), under the lock, so that no new engine installs its own meanwhile.
+        if release is not None and stopped:
+            with self.lock:
+                release()
 
     def __repr__(self) -> str:
         engine = repr(self.engine) if self.engine is not None else "not built yet (built on first generate)"
@@ -217,7 +221,9 @@ def fall_back(state: PatchState, reason: str) -> None:
         raise ValueError(f"hfaccel does not serve {reason} here")
     if state.strict:
         raise ValueError(f"hfaccel (strict=True) does not serve {reason}; patch without strict to fall back")
-    kind = re.sub(r"\d+", "#", reason)  # once per kind: prompts of 100 and of 101 tokens alike
+    # Once per kind: prompts of 100 and of 101 tokens alike (numbers standing alone, not float32's or
+    # an adapter's "a1").
+    kind = re.sub(r"(?<![\w.])\d+(?!\w)", "#", reason)
     if kind in state.warned:
         return
     state.warned.add(kind)

@@ -229,7 +229,7 @@ class GenerateCall:
 
 
 def _arguments_gate(call: GenerateCall) -> str | None:
-    reason = unserved_argument(call.kwargs)
+    reason = unserved_argument(call.kwargs, call.config)
     return reason or ("both inputs and input_ids" if call.both_inputs else None)
 
 

@@ -7,6 +7,7 @@ import torch
 from transformers import GenerationConfig, SynthIDTextWatermarkingConfig
 
 import hfaccel
+from hfaccel.patches.patch_state import fall_back
 from tests.helpers import (
     FAMILIES,
     PAD,
@@ -148,6 +149,7 @@ def test_a_call_without_inputs_starts_from_bos_as_hf_does():
         ({"watermarking_config": SynthIDTextWatermarkingConfig(keys=[3, 5, 7], ngram_len=2)}, "SynthID"),
         # transformers builds a cache for None, then feeds every token each step: tokens of its own
         ({"use_cache": None}, "use_cache=None"),
+        ({"generation_config": GenerationConfig(use_cache=0, max_new_tokens=4)}, "use_cache=0"),
     ],
 )
 def test_unsupported_options_fall_back_with_one_warning(patched, kwargs, reason):
@@ -175,6 +177,11 @@ def test_a_reason_warns_once_whatever_its_numbers():
                 model.generate(torch.randint(3, 200, (1, length)), max_new_tokens=1, do_sample=False)
         assert sum("hfaccel:" in str(w.message) for w in caught) == 1
         assert len(model._hfaccel.warned) == 1
+        with warnings.catch_warnings(record=True) as caught:  # digits of a name are no number
+            warnings.simplefilter("always")
+            for name in ("torch.float32", "torch.float16", "torch.float16", "adapter a1", "adapter a2"):
+                fall_back(model._hfaccel, f"a reason naming {name}")
+        assert len(caught) == 4
     finally:
         hfaccel.unpatch(model)
 
