@@ -140,9 +140,11 @@ class EngineLoop:
         """Submit `requests` and block until all finish (the blocking counterpart of `Engine.run`)."""
         self.submit(requests, raise_errors=raise_errors).wait(progress)
 
-    def close(self, reason: BaseException | None = None, timeout: float | None = 10.0) -> None:
+    def close(self, reason: BaseException | None = None, timeout: float | None = 10.0) -> bool:
         """Stop the loop for good: requests in flight fail with `reason` (their callers get it raised),
-        their blocks are freed, and the thread exits (joined up to `timeout` seconds)."""
+        their blocks are freed, and the thread exits (joined up to `timeout` seconds). Returns whether no
+        step of the loop runs any more (False: one still ran when the time was up, or runs in this very
+        thread)."""
         reason = reason or LoopClosed("the engine loop was closed")
         with self._lock:
             if self._closed is None:
@@ -151,17 +153,20 @@ class EngineLoop:
                 self._cond.notify_all()
             thread = self._thread
         if thread is not None and thread.is_alive():
-            if thread is not threading.current_thread():
-                thread.join(timeout)
-            return
+            if thread is threading.current_thread():
+                return False
+            thread.join(timeout)
+            return not thread.is_alive()
         # No loop thread: applied here once a driver's step is over (from inside it, by the driver next).
         if self._stepper is threading.current_thread():
-            return
-        if self._baton.acquire(timeout=-1 if timeout is None else timeout):
-            try:
-                self._work()
-            finally:
-                self._baton.release()
+            return False
+        if not self._baton.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        try:
+            self._work()
+        finally:
+            self._baton.release()
+        return True
 
     def step_here(self, until: Callable[[], bool], poll_s: float = 0.1) -> None:
         """Make the calling thread this loop's stepping thread, for every caller, until `until()` is true

@@ -164,6 +164,22 @@ def test_close_fails_requests_in_flight_and_refuses_new_ones(model):
         loop.submit(requests_for(loop, [[3, 4]], max_new=2))
 
 
+def test_close_says_whether_a_step_of_the_loop_may_still_run(model):
+    """True once no step runs (what a release waits for before it unwraps a recurrent model's mixers);
+    False when asked from inside one of the loop's own steps."""
+    loop = make_loop(model)
+    inside = []
+
+    def closing(prompt, output):  # a stop check: runs inside the step
+        return inside.append(loop.close()) or False
+
+    stop = StoppingParams(max_new_tokens=3, stop_check=closing)
+    with pytest.raises(LoopClosed):
+        loop.submit([loop.engine.make_request([3, 4, 5], stop)]).wait()
+    assert inside == [False]
+    assert make_loop(model).close() is True
+
+
 def test_coroutines_are_served_by_the_same_loop(model):
     loop = make_loop(model)
     prompts = varied_prompts(6)
