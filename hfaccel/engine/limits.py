@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,15 +123,28 @@ def counting_blocks(engine: Any) -> int:
     return min(useful, max(blocks_for(COUNTED_TOKENS, size), blocks_for(longest, size)))
 
 
+# The engines of patched models, weakly: one a dropped model held lingers here until Python's cycle
+# collector runs (the model holds its engine, which holds the model).
+_engines: weakref.WeakSet = weakref.WeakSet()
+
+
+def track_engine(engine: Any) -> None:
+    """Count `engine` (with a ``device``), a patched model's, among those `free_memory_bytes` may have
+    to collect."""
+    _engines.add(engine)
+
+
 def free_memory_bytes(device: torch.device) -> int:
     """Free memory of `device`: CUDA's free memory, or the host's available memory.
 
-    On CUDA, Python's cycle collector runs first: a patched model dropped without ``unpatch`` keeps its
-    engine's KV cache until it does (the model holds its engine, which holds the model), so a notebook
-    cell run again would size its cache from what the old one still holds."""
+    On CUDA, where a patched model's engine on CUDA is alive, Python's cycle collector runs first: a
+    patched model dropped without ``unpatch`` keeps its engine's KV cache until it does, so a notebook
+    cell run again would size its cache from what the old one still holds (where none is alive, nothing
+    can be freed: no collection, which costs up to a second in a large process)."""
     if device.type == "cuda":
-        gc.collect()
-        torch.cuda.empty_cache()
+        if any(engine.device.type == "cuda" for engine in list(_engines)):
+            gc.collect()
+            torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as f:
