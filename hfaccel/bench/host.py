@@ -10,11 +10,11 @@ For each batch size B and context length C, side by side in one run:
   steps count too;
 - **HF generate**: a step of unpatched HF `generate` on the same prompts, its whole loop (forward,
   logits processors, stopping criteria, cache and mask updates): what a user of HF's `generate` pays a
-  step. The issue's target is against HF's bare step above, which leaves that loop out.
-
-- **HF steps in a row**: HF's eager step again, `steps` of them back to back, timed as `model.generate`'s
-  step is (the run's wall time over its count), the two alternating round by round (`rounds`): the
-  like-for-like comparison, and the one issue #27's target is judged on (`gen/row`). The single-step
+  step (HF's bare steps leave that loop out);
+- **HF steps in a row**: HF's eager step again, `steps` of them back to back from a fresh cache of C
+  tokens (the contexts `model.generate`'s run sees), timed as `model.generate`'s step is (the run's wall
+  time over its count), the two alternating round by round (`rounds`): the like-for-like comparison,
+  and the one issue #27's target is judged on (`gen/row`). The single-step
   median above is also kept: it times each HF step right after an `Engine.step` (each evicts the other's
   code and data from the caches), while `model.generate`'s steps follow one another.
 
@@ -196,8 +196,8 @@ def run_host_benchmark(
             hf, direct = (statistics.median(times[n]) * 1e3 for n in ("hf", "step"))
             in_a_row, runs = [], []
             for _ in range(rounds):  # alternating: a machine whose load changes slows both alike
-                with _hf_sdpa(device):
-                    in_a_row.append(hf_steps_in_a_row_ms(hf_step, steps))
+                with _hf_sdpa(device):  # a cache of `context` tokens again: the contexts generate's run sees
+                    in_a_row.append(hf_steps_in_a_row_ms(hf_decode_step(model, batch_size, context), steps))
                 runs.append(generate_step_ms(model, batch_size, context, steps))
             hf_row, through = statistics.median(in_a_row), statistics.median(runs)
             hf_generate = hf_generate_step_ms(model, batch_size, context, steps)

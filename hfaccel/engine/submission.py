@@ -164,8 +164,11 @@ class Submission:
 
     def _get(self) -> Update:
         while True:
-            if not self._queue.empty():  # (only this thread takes from it: the get cannot miss)
-                return self._queue.get_nowait()
+            if not self._queue.empty():  # (no exception raised on the common path: the queue is empty)
+                try:  # (another thread may take it first: a cancel's wait, a collected stream's cleanup)
+                    return self._queue.get_nowait()
+                except queue.Empty:
+                    pass
             if self.loop._drive_for(self):  # stepped in this thread: look again
                 self._drove = True
                 continue

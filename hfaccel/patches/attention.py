@@ -139,8 +139,8 @@ def _may_have(config: Any, name: str) -> bool:
     if config is None:
         return False
     cls = type(config)
-    if hasattr(cls, name) or name in getattr(cls, "attribute_map", ()):
-        return True
+    if hasattr(cls, name) or hasattr(cls, "__getattr__") or name in getattr(cls, "attribute_map", ()):
+        return True  # (a class that answers attributes itself: asked)
     try:  # (past PreTrainedConfig's own __getattribute__, which costs as much as the miss)
         return name in object.__getattribute__(config, "__dict__")
     except AttributeError:  # no instance dictionary

@@ -137,3 +137,13 @@ def test_layer_chunk_reads_the_config_as_transformers_reads_it():
     mapped.kinds = ["chunked_attention"]
     assert attention.layer_chunk(Layer(mapped, 0)) == 2
     assert attention.layer_chunk(Layer(None, 0)) == 0
+
+    class AnsweringConfig:  # a config of its own that answers attributes itself
+        attention_chunk_size = 3
+
+        def __getattr__(self, name):
+            if name == "layer_types":
+                return ["chunked_attention"]
+            raise AttributeError(name)
+
+    assert attention.layer_chunk(Layer(AnsweringConfig(), 0)) == 3
