@@ -13,10 +13,10 @@ For each batch size B and context length C, side by side in one run:
   step (HF's bare steps leave that loop out);
 - **HF steps in a row**: HF's eager step again, `steps` of them back to back from a fresh cache of C
   tokens (the contexts `model.generate`'s run sees), timed as `model.generate`'s step is (the run's wall
-  time over its count), the two alternating round by round (`rounds`): the like-for-like comparison,
-  and the one issue #27's target is judged on (`gen/row`). The single-step
-  median above is also kept: it times each HF step right after an `Engine.step` (each evicts the other's
-  code and data from the caches), while `model.generate`'s steps follow one another.
+  time over its count), the two alternating round by round (`rounds`): timed like for like
+  (`gen/row`). The single-step median above times each HF step right after an `Engine.step` (each evicts
+  the other's code and data from the caches), while `model.generate`'s steps follow one another; issue
+  #27's target (at most HF's step) is read on both.
 
 Each single-step figure is the median of `steps` steps; a run's figure is the median of `rounds` runs;
 the ratios are to HF's step. HF's step and `Engine.step` run interleaved, a round of each at a time, so a
