@@ -125,7 +125,9 @@ def layer_chunk(module: torch.nn.Module) -> int:
     ``attention_chunk_size`` positions, as Llama 4's), else 0. Read from the config at every call, as
     transformers reads it: a config changed in place changes the chunks at once."""
     config = getattr(module, "config", None)
-    if not _may_have(config, "layer_types"):  # most configs: no getattr miss (an exception a layer)
+    # Most configs have no layer types: eager, asked without the miss's exception (a layer a step);
+    # dynamo traces the plain getattr (not `_may_have`'s read of the instance dictionary).
+    if not torch.compiler.is_compiling() and not _may_have(config, "layer_types"):
         return 0
     types = getattr(config, "layer_types", None)
     if not types or module.layer_idx >= len(types) or types[module.layer_idx] != "chunked_attention":

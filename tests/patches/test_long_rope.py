@@ -58,6 +58,7 @@ def test_calls_within_the_original_context_are_served_and_longer_ones_go_to_tran
             assert torch.equal(model.generate(input_ids=long, max_new_tokens=20), expected[20])
         # A short request's tokens never depend on a long one beside it (HF's factors are chosen per forward).
         alone = hfaccel.generate(model, [[87, 87, 5, 9]], max_new_tokens=8, progress=False)[0].token_ids
+        model._hfaccel.warned.clear()  # (a reason warns once per model, its numbers aside)
         with pytest.warns(UserWarning, match="longrope"):
             both = hfaccel.generate(
                 model, [[87, 87, 5, 9], list(range(3, 33))], max_new_tokens=8, progress=False
