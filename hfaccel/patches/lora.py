@@ -34,11 +34,13 @@ import torch
 from hfaccel.patches.layer_support import has_recurrent_layers
 
 BASE = "__base__"  # PEFT's name for "no adapter" in adapter_names
-# Why a call goes to PEFT while its adapter_names hooks sit on the LoRA layers (`peft_row_hooks`).
+# Why a call goes to PEFT while its per-row hooks sit on the LoRA layers (`peft_row_hooks`).
 ROW_HOOKS_REASON = (
-    "PEFT's adapter_names hooks on the LoRA layers (a PeftModel over the patched base handing them in, "
-    "or left by a PEFT generate that raised)"
+    "PEFT's per-row hooks on the LoRA layers (adapter_names or aLoRA offsets: a PeftModel over the patched "
+    "base handing them in, or left by a PEFT generate that raised)"
 )
+# The pre-forward hooks by which PEFT hands each LoRA layer what varies by row.
+_ROW_HOOKS = frozenset({"_adapter_names_pre_forward_hook", "_alora_offsets_pre_forward_hook"})
 
 
 class _ThreadState(threading.local):
@@ -115,15 +117,28 @@ def _applied_by_default(module: Any, held: set[str]) -> set[str]:
 
 
 def peft_row_hooks(model: torch.nn.Module) -> bool:
-    """Whether PEFT's per-row adapter hooks are on this model's LoRA layers: a `PeftModel` wrapping the
-    patched base model, called with ``adapter_names``, takes them out of the call and hands each layer
-    the batch's names through a forward pre-hook (``_adapter_names_pre_forward_hook``), which a packed
-    engine step (one row of many requests) cannot satisfy."""
+    """Whether PEFT's per-row hooks are on this model's LoRA layers: a `PeftModel` wrapping the patched
+    base model, called with ``adapter_names`` or with an aLoRA adapter active, takes the batch's names or
+    each row's aLoRA offsets out of the call and hands them to each layer through a forward pre-hook
+    (`_ROW_HOOKS`), which a packed engine step (one row of many requests) cannot satisfy."""
     for layer in lora_layers(model):
         for hook in layer._forward_pre_hooks.values():
-            if getattr(getattr(hook, "func", None), "__name__", "") == "_adapter_names_pre_forward_hook":
+            if getattr(getattr(hook, "func", None), "__name__", "") in _ROW_HOOKS:
                 return True
     return False
+
+
+def row_offsets_reason(model: torch.nn.Module) -> str | None:
+    """Why a call whose adapters apply by default goes to PEFT: an aLoRA adapter among them turns on at
+    each row's invocation tokens, whose offsets PEFT's generate finds per row and hands each layer (an
+    engine step packs many rows into one, and PEFT's forward would look for them in it). None: no such
+    adapter is active."""
+    for module in lora_layers(model):
+        variants = getattr(module, "lora_variant", {})
+        for name in sorted(_applied_by_default(module, set(variants))):
+            if type(variants[name]).__name__ == "ALoraLinearVariant":
+                return f"the aLoRA adapter {name!r} (it turns on at each row's invocation tokens)"
+    return None
 
 
 def check_adapter_names(model: torch.nn.Module, names: Iterable[str | None]) -> None:

@@ -277,8 +277,11 @@ def _adapters_gate(call: GenerateCall) -> str | None:
     if call.adapters_checked:
         return call.adapter_reason
     if (names := call.adapter_names) is None:  # a PeftModel over the patched base may hand its own in
-        hooked = hasattr(call.model, "peft_config") and lora.peft_row_hooks(call.model)
-        return lora.ROW_HOOKS_REASON if hooked else None
+        if not hasattr(call.model, "peft_config"):
+            return None
+        return (
+            lora.ROW_HOOKS_REASON if lora.peft_row_hooks(call.model) else lora.row_offsets_reason(call.model)
+        )
     lora.check_call_adapter_names(call.model, names, call.ids.shape[0])
     return lora.unsupported_reason(call.model, names)
 

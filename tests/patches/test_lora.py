@@ -469,3 +469,52 @@ def test_an_adapter_call_the_engine_cannot_serve_on_a_patched_base_says_to_patch
             hfaccel.generate(base, prompts(2), adapter=["emb", "math"], max_new_tokens=2, progress=False)
     finally:
         hfaccel.unpatch(base)
+
+
+ALORA = "alora_invocation_tokens" in getattr(peft.LoraConfig, "__dataclass_fields__", {})
+
+
+@pytest.mark.skipif(not ALORA, reason="this PEFT has no aLoRA")
+def test_an_active_alora_adapter_goes_to_peft_with_its_reason():
+    """An aLoRA adapter turns on at each row's invocation tokens, offsets PEFT's generate finds per row:
+    a patched PeftModel with one active gave other tokens silently (the engine's steps carry no rows)."""
+    invoke = [77, 78, 79]
+    config = lora_config(4, ["q_proj", "v_proj", "o_proj", "up_proj"], alora_invocation_tokens=invoke)
+    model = peft.get_peft_model(tiny_model(), config).eval()
+    prompts = torch.tensor(
+        [[5, 17, 99, 123, 45, 200, 31, *invoke, 11, 12], [8, 9, 10, 40, 41, 42, 43, *invoke, 13, 14]]
+    )
+    kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        expected = model.generate(input_ids=prompts, **kwargs)
+    hfaccel.patch(model)
+    try:
+        with pytest.warns(UserWarning, match="the aLoRA adapter 'default'"):
+            assert torch.equal(model.generate(input_ids=prompts, **kwargs), expected)
+    finally:
+        hfaccel.unpatch(model)
+
+
+@pytest.mark.skipif(not ALORA, reason="this PEFT has no aLoRA")
+def test_peft_over_a_patched_base_with_alora_goes_to_peft_and_leaves_the_base_usable():
+    """TRL's order (patch the base, then PEFT wraps it): PEFT's generate hands each LoRA layer the rows'
+    aLoRA offsets through a pre-hook, which a packed step broke (an IndexError, and PEFT left its hooks
+    on the layers, so the base failed after)."""
+    invoke = [77, 78, 79]
+    base = tiny_model()
+    prompts = torch.tensor([[5, 17, 99, 123, *invoke, 11, 12], [8, 9, 10, 40, *invoke, 13, 14]])
+    kwargs = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    config = lora_config(4, ["q_proj", "v_proj"], alora_invocation_tokens=invoke)
+    reference = peft.get_peft_model(tiny_model(), config).eval()
+    hfaccel.patch(base)
+    try:
+        model = peft.get_peft_model(base, config).eval()
+        model.load_state_dict(reference.state_dict())
+        with torch.no_grad():
+            expected = reference.generate(input_ids=prompts, **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert torch.equal(model.generate(input_ids=prompts, **kwargs), expected)
+            base.generate(input_ids=prompts, **kwargs)  # still served after
+    finally:
+        hfaccel.unpatch(base)
