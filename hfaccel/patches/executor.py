@@ -38,9 +38,8 @@ class HFExecutor(ExecutorBase):
     def __init__(self, model: Any) -> None:
         register_attention()
         self.model = model
-        self._states: SlotStates | None = (
-            None  # the recurrent state rows its mixers hold (`reserve_state_slots`)
-        )
+        # The recurrent state rows its mixers hold (`reserve_state_slots`).
+        self._states: SlotStates | None = None
         param = next(model.parameters())
         self.device = param.device
         self.dtype = param.dtype
