@@ -36,6 +36,11 @@ IGNORED_KEYWORDS = {"output_router_logits", "cache_position"}
 LLAMA_PARTS = ("embed_tokens", "rotary_emb", "layers", "norm")
 
 
+def _missing_parts(base: Any) -> list[str]:
+    """The Llama-style parts (`LLAMA_PARTS`) decoder `base` lacks."""
+    return [name for name in LLAMA_PARTS if not hasattr(base, name)]
+
+
 def decoder_of(model: Any) -> Any:
     """The module holding `model`'s decoder layers (None: none found)."""
     return model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
@@ -87,8 +92,7 @@ def unsupported_reason(model: Any) -> str | None:
     a forward of four tokens, its layer 0 inputs and final norm output caught by hooks, against
     `AroundLayers`'s embeddings, position embeddings and logits."""
     base = decoder_of(model)
-    missing = [n for n in LLAMA_PARTS if not hasattr(base, n)]
-    if missing:
+    if missing := _missing_parts(base):
         return (
             f"pipeline stages run Llama-style decoders (embed_tokens, rotary_emb, layers, norm); "
             f"{type(model).__name__} lacks {', '.join(missing)}"
@@ -184,8 +188,7 @@ class LeanForward:
         if not isinstance(model, PreTrainedModel):
             return f"{type(model).__name__} is not a transformers model"
         base = decoder_of(model)
-        missing = [n for n in LLAMA_PARTS if not hasattr(base, n)]
-        if missing:
+        if missing := _missing_parts(base):
             return f"its decoder lacks {', '.join(missing)}"
         if _child_name(model, base) is None:
             return "its decoder is not one of its modules' children"

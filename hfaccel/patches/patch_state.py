@@ -202,7 +202,7 @@ class PatchState:
         if engine is not None:  # a background compile stops here and lets the engine go
             engine.runner.close()
         stopped = loop is None or loop.close(LoopClosed(reason))
-        release = getattr(engine, "executor", None) and getattr(engine.executor, "release_state_slots", None)
+        release = None if engine is None else getattr(engine.executor, "release_state_slots", None)
         # Its recurrent state rows go once no step of it runs (one still running keeps them until the next
         # engine's replace them), under the lock, so that no new engine installs its own meanwhile.
         if release is not None and stopped:
