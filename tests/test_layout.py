@@ -33,8 +33,11 @@ MAX_LINES = 600
 # made and undone between admissions left stale KV in the prefix cache).
 # 16 until the eager step ran the layer loop itself (patches/layer_loop.py), not transformers' top-level
 # forward and its wrappers: one file of ours for a dozen functions of theirs a step.
-MAX_DECODE_STEP_FILES = 17
-MAX_WARM_GENERATE_FILES = 25  # 22 until the loop's caller side (engine/submission.py) left loop.py: same code
+# 17 until Llama's layers ran written out (patches/direct_layers.py), not through nn.Module's call and
+# transformers' deprecation wrappers: the same again, a layer deeper.
+MAX_DECODE_STEP_FILES = 18
+# 22 until the loop's caller side (engine/submission.py) left loop.py: same code; 25 until direct_layers.py.
+MAX_WARM_GENERATE_FILES = 26
 
 
 def modules() -> dict[str, Path]:

@@ -250,6 +250,13 @@ def engine_attention(model: torch.nn.Module) -> Iterator[None]:
         _local.configs = previous
 
 
+def serves_config(config: Any) -> bool:
+    """Whether `config` answers "hfaccel" as its ``_attn_implementation`` in this thread now (inside
+    `engine_attention` of a model it belongs to), as the property's getter decides it."""
+    configs = _local.configs
+    return configs is not None and id(config) in configs
+
+
 def restore_attention(model: torch.nn.Module) -> None:
     """Undo what `engine_attention` prepared for `model` (for ``unpatch``).
 

@@ -22,6 +22,7 @@ from torch.nn.modules import module as torch_module
 from transformers import PreTrainedModel
 
 from hfaccel.patches.arguments import CACHE_NAME
+from hfaccel.patches.direct_layers import run_layer, step_layers
 from hfaccel.patches.model_state import marked_packed
 from hfaccel.patches.models import all_modules
 
@@ -236,14 +237,22 @@ class LeanForward:
         """The logits ``[len(logits_indices), vocab]`` of a packed ``[1, T]`` step."""
         hidden = self.stage.embed(input_ids)
         position_embeddings = self.stage.position_embeddings(hidden, positions)
+        llama = step_layers()  # Llama's layers op for op, without Module.__call__ (`direct_layers`)
         for layer in self.base.layers:
-            hidden = layer(
-                hidden,
-                attention_mask=None,  # what the model's mask functions return under the engine's attention
-                position_embeddings=position_embeddings,
-                position_ids=positions,
-                **{CACHE_NAME: None},
-                use_cache=False,
+            direct = (
+                None if llama is None else run_layer(llama, layer, hidden, position_embeddings, positions)
+            )
+            hidden = (
+                direct
+                if direct is not None
+                else layer(
+                    hidden,
+                    attention_mask=None,  # what the model's mask functions return under the engine's attention
+                    position_embeddings=position_embeddings,
+                    position_ids=positions,
+                    **{CACHE_NAME: None},
+                    use_cache=False,
+                )
             )
         hidden = self.base.norm(hidden)
         return self.stage.logits(hidden[:, logits_indices])[0]

@@ -1,0 +1,178 @@
+"""`direct_layers`: Llama's decoder layers written out for the lean forward give the model's own tokens,
+serve its decode steps, and give way, module by module, to whatever a call of the module would run
+beyond its class's forward, also when that changes in the middle of a call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.models.llama import modeling_llama
+
+import hfaccel
+from hfaccel.patches import direct_layers, layer_loop
+from tests.helpers import hf, tiny_model
+
+IDS = torch.tensor([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5], [3, 4, 5, 3, 4]])
+ASK = {"max_new_tokens": 8, "do_sample": False}
+
+
+def _count_direct(monkeypatch) -> list[bool]:
+    """Each layer call of the lean forward: True where `run_layer` wrote it out."""
+    seen: list[bool] = []
+    run = layer_loop.run_layer
+
+    def counted(*args):
+        out = run(*args)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(layer_loop, "run_layer", counted)
+    return seen
+
+
+def test_llama_layers_are_written_out_and_give_the_models_tokens(monkeypatch):
+    model = tiny_model("llama", seed=4)
+    expected = hf(model, input_ids=IDS, **ASK)
+    seen = _count_direct(monkeypatch)
+    hfaccel.patch(model, progress=False)
+    try:
+        assert torch.equal(model.generate(IDS, **ASK), expected)
+        seen.clear()
+        assert torch.equal(model.generate(IDS, **ASK), expected)
+        layers = model.config.num_hidden_layers
+        assert seen and all(seen) and len(seen) == layers * ASK["max_new_tokens"]
+    finally:
+        hfaccel.unpatch(model)
+
+
+def _scale_output(module, args, output):
+    return output * 1.5
+
+
+def _hook_linear(model):
+    handle = model.model.layers[1].self_attn.q_proj.register_forward_hook(_scale_output)
+    return handle.remove
+
+
+def _hook_norm(model):
+    handle = model.model.layers[0].post_attention_layernorm.register_forward_pre_hook(
+        lambda module, args: (args[0] + 1.0,)
+    )
+    return handle.remove
+
+
+def _instance_forward(model):
+    mlp = model.model.layers[1].mlp
+    mlp.forward = lambda x: type(mlp).forward(mlp, x) * -1.0  # as accelerate's hooks replace it
+
+    def undo():
+        del mlp.forward
+
+    return undo
+
+
+def _swap_child(model):
+    class Shifted(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) + 0.5
+
+    attention = model.model.layers[0].self_attn
+    old = attention.o_proj
+    new = Shifted(old.in_features, old.out_features, bias=False)
+    new.load_state_dict(old.state_dict())
+    attention.o_proj = new
+
+    def undo():
+        attention.o_proj = old
+
+    return undo
+
+
+def _class_forward(model):
+    original = modeling_llama.LlamaRMSNorm.forward
+    modeling_llama.LlamaRMSNorm.forward = lambda self, x: original(self, x) * 0.5  # as Liger replaces it
+
+    def undo():
+        modeling_llama.LlamaRMSNorm.forward = original
+
+    return undo
+
+
+def _module_function(model):
+    original = modeling_llama.apply_rotary_pos_emb
+
+    def flipped(q, k, cos, sin, unsqueeze_dim=1):
+        q, k = original(q, k, cos, sin, unsqueeze_dim)
+        return q.flip(-1), k
+
+    modeling_llama.apply_rotary_pos_emb = flipped
+
+    def undo():
+        modeling_llama.apply_rotary_pos_emb = original
+
+    return undo
+
+
+class EditAt(LogitsProcessor):
+    """Makes `edit` once a row holds `at` new tokens' worth of ids (the engine calls a request's processors
+    on its own row): the steps after it run the edited model."""
+
+    def __init__(self, model, edit, at=3):
+        self.model, self.edit, self.length, self.undo = model, edit, IDS.shape[1] + at, None
+
+    def __call__(self, input_ids, scores):
+        if self.undo is None and input_ids.shape[-1] == self.length:
+            self.undo = self.edit(self.model)
+        return scores
+
+
+@pytest.mark.parametrize(
+    "edit", [_hook_linear, _hook_norm, _instance_forward, _swap_child, _class_forward, _module_function]
+)
+def test_a_change_in_the_middle_of_a_call_is_honoured_at_the_next_step(edit, monkeypatch):
+    """The model watch reads hooks and modules at admissions only: a change between two steps of one
+    call is seen by `run_layer`'s own checks, at every module call."""
+    outputs = []
+    for patched in (False, True):
+        model = tiny_model("llama", seed=4)
+        processor = EditAt(model, edit)
+        if patched:
+            hfaccel.patch(model, progress=False)
+            model.generate(IDS, **ASK)  # the lean forward checked, before the edit
+            assert model._hfaccel.get_engine(model).runner.executor._lean.verified is True
+        try:
+            processors = LogitsProcessorList([processor])
+            if patched:
+                outputs.append(model.generate(IDS, logits_processor=processors, **ASK))
+            else:
+                outputs.append(hf(model, input_ids=IDS, logits_processor=processors, **ASK))
+        finally:
+            if processor.undo is not None:
+                processor.undo()
+            if patched:
+                hfaccel.unpatch(model)
+    unedited = hf(tiny_model("llama", seed=4), input_ids=IDS, **ASK)
+    assert not torch.equal(outputs[0], unedited)  # the edit shows in HF's tokens
+    assert torch.equal(outputs[1], outputs[0])
+
+
+def test_llama_code_replaced_before_it_was_first_seen_is_never_written_out(monkeypatch):
+    direct_layers._llama.cache_clear()
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: x)
+    try:
+        assert direct_layers._llama(modeling_llama) is None
+        assert direct_layers.step_layers() is None
+    finally:
+        monkeypatch.undo()
+        direct_layers._llama.cache_clear()
+    assert direct_layers.step_layers() is not None
+
+
+def test_a_global_hook_writes_nothing_out():
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
+    try:
+        assert direct_layers.step_layers() is None
+    finally:
+        handle.remove()
+    assert direct_layers.step_layers() is not None
