@@ -103,7 +103,10 @@ class HFExecutor(ExecutorBase):
         with engine_attention(self.model):
             if token_adapters is None and prompt_embeds is None:
                 if compiled is None and self._lean is not None and self._lean_step():
-                    return self._lean_forward(input_ids, positions, logits_indices)[:wanted]
+                    # The sampled rows strictly increase (`pack_step`): as many as the tokens, unpadded,
+                    # they are every row in order, and the lean forward takes its head's input as it is.
+                    every_row = wanted == logits_indices.shape[0] == input_ids.shape[-1]
+                    return self._lean_forward(input_ids, positions, logits_indices, every_row)[:wanted]
                 return (compiled or self._model_forward)(input_ids, positions, logits_indices)[:wanted]
             if token_adapters is None:
                 return self._model_forward(input_ids, positions, logits_indices, prompt_embeds)[:wanted]
@@ -122,12 +125,12 @@ class HFExecutor(ExecutorBase):
         return self._lean.usable()
 
     def _lean_forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor, every_row: bool
     ) -> torch.Tensor:
-        lean = self._lean
+        lean, rows = self._lean, None if every_row else logits_indices
         if lean.verified:
-            return lean(input_ids, positions, logits_indices)
-        ours = lean.attempt(input_ids, positions, logits_indices)
+            return lean(input_ids, positions, rows)
+        ours = lean.attempt(input_ids, positions, rows)
         logits = self._model_forward(input_ids, positions, logits_indices)  # second: its K/V stay
         lean.judge(ours, logits)
         return logits

@@ -232,9 +232,10 @@ class LeanForward:
         return self.verified is not False
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor | None
     ) -> torch.Tensor:
-        """The logits ``[len(logits_indices), vocab]`` of a packed ``[1, T]`` step."""
+        """The logits ``[len(logits_indices), vocab]`` of a packed ``[1, T]`` step (None: of every token,
+        in order)."""
         hidden = self.stage.embed(input_ids)
         position_embeddings = self.stage.position_embeddings(hidden, positions)
         llama = step_layers()  # Llama's layers op for op, without Module.__call__ (`direct_layers`)
@@ -255,10 +256,10 @@ class LeanForward:
                 )
             )
         hidden = self.base.norm(hidden)
-        return self.stage.logits(hidden[:, logits_indices])[0]
+        return self.stage.logits(hidden if logits_indices is None else hidden[:, logits_indices])[0]
 
     def attempt(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor | None
     ) -> torch.Tensor | None:
         """This forward's logits on a step it is being checked on (None: it raised). Run it before the
         model's forward of the same step: each layer's K/V it stores is then overwritten by the model's,
