@@ -22,7 +22,7 @@ from torch.nn.modules import module as torch_module
 from transformers import PreTrainedModel
 
 from hfaccel.patches.arguments import CACHE_NAME
-from hfaccel.patches.direct_layers import run_layer, step_layers
+from hfaccel.patches.direct_layers import run_layer, step_family
 from hfaccel.patches.model_state import marked_packed
 from hfaccel.patches.models import all_modules
 
@@ -238,25 +238,29 @@ class LeanForward:
         in order)."""
         hidden = self.stage.embed(input_ids)
         position_embeddings = self.stage.position_embeddings(hidden, positions)
-        llama = step_layers()  # Llama's layers op for op, without Module.__call__ (`direct_layers`)
-        for layer in self.base.layers:
-            direct = (
-                None if llama is None else run_layer(llama, layer, hidden, position_embeddings, positions)
-            )
+        layers = self.base.layers
+        # Llama-style layers written out, op for op, without Module.__call__ (`direct_layers`).
+        family = step_family(layers)
+        for layer in layers:
+            out = None if family is None else run_layer(family, layer, hidden, position_embeddings, positions)
             hidden = (
-                direct
-                if direct is not None
-                else layer(
-                    hidden,
-                    attention_mask=None,  # what the model's mask functions return under the engine's attention
-                    position_embeddings=position_embeddings,
-                    position_ids=positions,
-                    **{CACHE_NAME: None},
-                    use_cache=False,
-                )
+                out if out is not None else self._call_layer(layer, hidden, position_embeddings, positions)
             )
         hidden = self.base.norm(hidden)
         return self.stage.logits(hidden if logits_indices is None else hidden[:, logits_indices])[0]
+
+    @staticmethod
+    def _call_layer(
+        layer: Any, hidden: torch.Tensor, position_embeddings: Any, positions: torch.Tensor
+    ) -> Any:
+        return layer(
+            hidden,
+            attention_mask=None,  # what the model's mask functions return under the engine's attention
+            position_embeddings=position_embeddings,
+            position_ids=positions,
+            **{CACHE_NAME: None},
+            use_cache=False,
+        )
 
     def attempt(
         self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor | None

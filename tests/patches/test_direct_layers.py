@@ -4,6 +4,8 @@ beyond its class's forward, also when that changes in the middle of a call."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -11,7 +13,7 @@ from transformers.models.llama import modeling_llama
 
 import hfaccel
 from hfaccel.patches import direct_layers, layer_loop
-from tests.helpers import hf, tiny_model
+from tests.helpers import EOS, FAMILIES, PAD, hf, tiny_model
 
 IDS = torch.tensor([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5], [3, 4, 5, 3, 4]])
 ASK = {"max_new_tokens": 8, "do_sample": False}
@@ -31,8 +33,9 @@ def _count_direct(monkeypatch) -> list[bool]:
     return seen
 
 
-def test_llama_layers_are_written_out_and_give_the_models_tokens(monkeypatch):
-    model = tiny_model("llama", seed=4)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_style_layers_are_written_out_and_give_the_models_tokens(family, monkeypatch):
+    model = tiny_model(family, seed=4)
     expected = hf(model, input_ids=IDS, **ASK)
     seen = _count_direct(monkeypatch)
     hfaccel.patch(model, progress=False)
@@ -114,6 +117,49 @@ def _module_function(model):
     return undo
 
 
+def _module_call(model):
+    original = torch.nn.Module.__call__
+
+    def call(self, *args, **kwargs):  # a library instrumenting every module call
+        out = original(self, *args, **kwargs)
+        return out * 1.5 if isinstance(self, torch.nn.Linear) else out
+
+    torch.nn.Module.__call__ = call
+
+    def undo():
+        torch.nn.Module.__call__ = original
+
+    return undo
+
+
+class ScaledCall(torch.nn.Linear):
+    def __call__(self, x):
+        return super().__call__(x) * 1.5
+
+
+def _class_call(model):
+    up = model.model.layers[0].mlp.up_proj
+    up.__class__ = ScaledCall
+
+    def undo():
+        up.__class__ = torch.nn.Linear
+
+    return undo
+
+
+def _function_child(model):
+    mlp = model.model.layers[0].mlp
+    act = mlp.act_fn
+    del mlp.act_fn
+    mlp.act_fn = torch.nn.functional.gelu  # a plain function now, not a submodule
+
+    def undo():
+        del mlp.act_fn
+        mlp.act_fn = act
+
+    return undo
+
+
 class EditAt(LogitsProcessor):
     """Makes `edit` once a row holds `at` new tokens' worth of ids (the engine calls a request's processors
     on its own row): the steps after it run the edited model."""
@@ -128,7 +174,18 @@ class EditAt(LogitsProcessor):
 
 
 @pytest.mark.parametrize(
-    "edit", [_hook_linear, _hook_norm, _instance_forward, _swap_child, _class_forward, _module_function]
+    "edit",
+    [
+        _hook_linear,
+        _hook_norm,
+        _instance_forward,
+        _swap_child,
+        _class_forward,
+        _module_function,
+        _module_call,
+        _class_call,
+        _function_child,
+    ],
 )
 def test_a_change_in_the_middle_of_a_call_is_honoured_at_the_next_step(edit, monkeypatch):
     """The model watch reads hooks and modules at admissions only: a change between two steps of one
@@ -157,22 +214,83 @@ def test_a_change_in_the_middle_of_a_call_is_honoured_at_the_next_step(edit, mon
     assert torch.equal(outputs[1], outputs[0])
 
 
-def test_llama_code_replaced_before_it_was_first_seen_is_never_written_out(monkeypatch):
-    direct_layers._llama.cache_clear()
-    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: x)
+def _steered(function):
+    @functools.wraps(function)  # names copied from transformers' function: its code is not
+    def steered(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    return steered
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "replacement"),
+    [
+        (modeling_llama.LlamaMLP, "forward", lambda function: lambda self, x: x),
+        (modeling_llama.LlamaMLP, "forward", _steered),
+        (modeling_llama, "apply_rotary_pos_emb", _steered),
+        (torch.nn.Module, "__call__", _steered),
+        (torch.nn.Module, "_call_impl", _steered),
+    ],
+)
+def test_code_replaced_before_it_was_first_seen_is_never_written_out(owner, name, replacement, monkeypatch):
+    """Also by a wrapper that keeps the function's names (a steering vector toggled later, a capture)."""
+    layers = tiny_model("llama").model.layers
+    direct_layers._family.cache_clear()
+    monkeypatch.setattr(owner, name, replacement(getattr(owner, name)))
     try:
-        assert direct_layers._llama(modeling_llama) is None
-        assert direct_layers.step_layers() is None
+        assert direct_layers._family(modeling_llama.__name__) is None
+        assert direct_layers.step_family(layers) is None
     finally:
         monkeypatch.undo()
-        direct_layers._llama.cache_clear()
-    assert direct_layers.step_layers() is not None
+        direct_layers._family.cache_clear()
+    assert direct_layers.step_family(layers) is not None
 
 
-def test_a_global_hook_writes_nothing_out():
+def test_a_global_hook_or_a_family_not_written_out_writes_nothing():
+    layers = tiny_model("llama").model.layers
     handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
     try:
-        assert direct_layers.step_layers() is None
+        assert direct_layers.step_family(layers) is None
     finally:
         handle.remove()
-    assert direct_layers.step_layers() is not None
+    assert direct_layers.step_family(layers) is not None
+    assert direct_layers.step_family(tiny_model("mixtral").model.layers) is None
+
+
+def _windowed(family: str, window: int = 4):
+    """A tiny model whose layers attend to their last `window` positions only."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    sizes = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+    sizes |= {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": window}
+    sizes |= {"bos_token_id": 1, "eos_token_id": EOS, "pad_token_id": PAD}  # as `tiny_model`'s
+    if family == "mistral":
+        config = MistralConfig(**sizes)
+        model_class = MistralForCausalLM
+    else:
+        config = Qwen2Config(**sizes, use_sliding_window=True, max_window_layers=0)
+        model_class = Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.normal_(0.0, 0.08)
+    return model
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_a_written_out_attention_passes_its_sliding_window(family, monkeypatch):
+    model = _windowed(family)
+    ask = {"max_new_tokens": 12, "do_sample": False}
+    expected = hf(model, input_ids=IDS, **ask)
+    assert not torch.equal(hf(_windowed(family, 512), input_ids=IDS, **ask), expected)  # the window shows
+    seen = _count_direct(monkeypatch)
+    hfaccel.patch(model, progress=False)
+    try:
+        assert torch.equal(model.generate(IDS, **ask), expected)
+        seen.clear()
+        assert torch.equal(model.generate(IDS, **ask), expected)
+        assert seen and all(seen)
+    finally:
+        hfaccel.unpatch(model)
