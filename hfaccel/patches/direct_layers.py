@@ -58,6 +58,7 @@ _SPECS = {
 # What calling a module runs, as torch defines it: `run_layer` stands in for these, so it writes nothing
 # out while someone replaced either (a library instrumenting every module call).
 _MODULE_CALL, _CALL_IMPL = torch.nn.Module.__call__, torch.nn.Module._call_impl
+_LINEAR_FORWARD = torch.nn.Linear.forward
 _TORCH_MODULE_FILE = torch_module.__file__
 _TRANSFORMERS_DIR = os.path.dirname(transformers.__file__) + os.sep
 
@@ -79,8 +80,13 @@ def _defined_in(function: Any, file: str, name: str) -> bool:
 
 
 def _torch_calls() -> bool:
-    """Whether a module call still runs torch's own ``__call__`` and ``_call_impl``."""
-    return torch.nn.Module.__call__ is _MODULE_CALL and torch.nn.Module._call_impl is _CALL_IMPL
+    """Whether a module call still runs torch's own ``__call__`` and ``_call_impl``, and a linear layer
+    torch's ``forward``."""
+    return (
+        torch.nn.Module.__call__ is _MODULE_CALL
+        and torch.nn.Module._call_impl is _CALL_IMPL
+        and torch.nn.Linear.forward is _LINEAR_FORWARD
+    )
 
 
 def _plain(module: Any, call: Any = _MODULE_CALL) -> bool:
@@ -97,16 +103,20 @@ def _plain(module: Any, call: Any = _MODULE_CALL) -> bool:
 
 
 def _call(module: Any, *args: Any) -> Any:
-    """``module(*args)``, through its class's ``forward`` where that is all the call would run."""
-    if _plain(module):
-        return type(module).forward(module, *args)
-    return module(*args)
+    """``module(*args)``, through its class's ``forward`` where that is all the call would run (a plain
+    ``nn.Linear``'s: ``F.linear`` of its weight and bias, read without ``Module.__getattr__``)."""
+    if not _plain(module):
+        return module(*args)
+    if type(module) is torch.nn.Linear:
+        return torch.nn.functional.linear(*args, _tensor(module, "weight"), _tensor(module, "bias"))
+    return type(module).forward(module, *args)
 
 
 def _children(module: Any, names: tuple[str, ...]) -> list[Any] | None:
     """`module`'s submodules `names`, read before anything runs (None: one is not a submodule now)."""
-    children = [module._modules.get(name) for name in names]
-    return None if any(child is None for child in children) else children
+    modules = module._modules
+    children = [modules.get(name) for name in names]
+    return None if None in children else children
 
 
 def _tensor(module: Any, name: str) -> Any:
@@ -146,6 +156,7 @@ class Family:
             _torch_calls()
             and _defined_in(_MODULE_CALL, _TORCH_MODULE_FILE, "_wrapped_call_impl")
             and _defined_in(_CALL_IMPL, _TORCH_MODULE_FILE, "_call_impl")
+            and _defined_in(_LINEAR_FORWARD, sys.modules[torch.nn.Linear.__module__].__file__, "forward")
             and layer_call
             and all(_defined_in(forward, file, "forward") for forward in self.forwards.values())
             and _defined_in(self.rotary, file, "apply_rotary_pos_emb")
