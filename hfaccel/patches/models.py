@@ -160,10 +160,7 @@ def weights_and_mode_reason(model: torch.nn.Module) -> str | None:
 
 def _weights_and_mode_reason(model: torch.nn.Module) -> str | None:
     own = vars(model).get("prepare_inputs_for_generation")
-    if own is not None and (
-        getattr(own, "__func__", None) is not getattr(type(model), "prepare_inputs_for_generation", None)
-        or getattr(own, "__self__", None) is not model
-    ):
+    if own is not None and not _prepares_the_models_inputs(model, own):
         # PEFT's prompt learning puts its own there for its generate (its virtual tokens), as may a user;
         # after its call it puts back the class's own, bound to the model: that one is the model's.
         return "prepare_inputs_for_generation replaced on the model (PEFT's prompt learning adds its tokens there)"
@@ -176,6 +173,31 @@ def _weights_and_mode_reason(model: torch.nn.Module) -> str | None:
         or attention_dropout_reason(model, modules)
         or user_hooks_reason(model, modules)
     )
+
+
+def _prepares_the_models_inputs(model: torch.nn.Module, own: Any) -> bool:
+    """Whether `own`, a ``prepare_inputs_for_generation`` set on `model` itself, prepares what the model's
+    own would: its class's, bound to it; the one a PEFT tuner (a patched ``peft_model.base_model``)
+    reaches through its ``__getattr__``, which PEFT's generate puts back there after each call, bound to
+    the wrapped model; or PEFT's own wrapper, put there for the call, for an adapter that adds no tokens
+    (not prompt learning, no task ids: it passes the wrapped model's inputs through)."""
+    function, bound = getattr(own, "__func__", None), getattr(own, "__self__", None)
+    if function is None:
+        return False
+    if bound is model:
+        return function is getattr(type(model), "prepare_inputs_for_generation", None)
+    inner = model._modules.get("model")
+    if bound is inner and inner is not None and type(model).__module__.startswith("peft."):
+        return function is getattr(type(inner), "prepare_inputs_for_generation", None)
+    if type(bound).__module__ == "peft.peft_model" and getattr(bound, "base_model", None) is model:
+        config = getattr(bound, "active_peft_config", None)
+        return (
+            function.__qualname__ == "PeftModelForCausalLM.prepare_inputs_for_generation"
+            and config is not None
+            and not config.is_prompt_learning
+            and getattr(config.peft_type, "value", config.peft_type) != "POLY"
+        )
+    return False
 
 
 def autocast_reason(model: torch.nn.Module) -> str | None:

@@ -518,3 +518,32 @@ def test_peft_over_a_patched_base_with_alora_goes_to_peft_and_leaves_the_base_us
             base.generate(input_ids=prompts, **kwargs)  # still served after
     finally:
         hfaccel.unpatch(base)
+
+
+def test_a_patched_peft_tuner_serves_the_peft_models_calls_and_its_own():
+    """Patching ``peft_model.base_model`` (the LoraModel): PEFT's generate puts its pass-through
+    prepare_inputs_for_generation on it for the call (LoRA adds no tokens) and the wrapped model's back
+    after it; both prepare what the model's own would, so both calls are served, with PEFT's tokens."""
+    model = lora_model()
+    ids, mask = left_padded(prompts(2))
+    kwargs = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "max_new_tokens": 6,
+        "do_sample": False,
+        "pad_token_id": 0,
+    }
+    expected = model.generate(**kwargs)
+    tuner = model.base_model
+    hfaccel.patch(tuner, block_size=16, kv_cache_memory=8_000_000)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback
+            assert torch.equal(model.generate(**kwargs), expected)
+            engine = tuner._hfaccel.get_engine(tuner)
+            steps = engine.num_generated_tokens
+            assert steps > 0
+            assert torch.equal(tuner.generate(**kwargs), expected)
+            assert engine.num_generated_tokens > steps
+    finally:
+        hfaccel.unpatch(tuner)
