@@ -241,10 +241,12 @@ class ModelRunner:
             tokens = self.executor.pad_tokens(packed.layout, tokens)
         input_ids = self._stage("input_ids", packed.input_ids, tokens)
         positions = self._stage("positions", packed.positions, tokens)
-        logits_indices = self._stage(
-            "logits_indices", packed.logits_indices, bucket or max(len(packed.logits_indices), floor)
-        )
+        sampled = len(packed.logits_indices)
+        rows = bucket or max(sampled, floor)
+        logits_indices = self._stage("logits_indices", packed.logits_indices, rows)
         context = self._context(packed.layout, bucket, tokens)
+        # (`pack_step`'s sampled indices strictly increase: as many as the tokens, they are all of them)
+        context.samples_every_token = tokens == len(packed.input_ids) == sampled == rows
         metadata = context.metadata
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()

@@ -41,6 +41,9 @@ class ForwardContext:
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
     layout: Any = None  # StepLayout
     record_attentions: bool = False  # the attention layers return their probabilities (`attention_probs`)
+    # Every packed token's logits are sampled, in order, and nothing is padded: the model's head may take
+    # the final norm's output as it is (set by the runner for the step it stages; False otherwise).
+    samples_every_token: bool = False
     # Layers whose K/V live in a pool of their own (the sliding layers of a model with full ones:
     # `engine/window_blocks.py`), and the step's metadata over that pool's tables.
     window_layers: frozenset[int] = frozenset()

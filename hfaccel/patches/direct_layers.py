@@ -120,9 +120,12 @@ def _children(module: Any, names: tuple[str, ...]) -> list[Any] | None:
 
 
 def _tensor(module: Any, name: str) -> Any:
-    """``module.<name>`` for a parameter, without ``Module.__getattr__`` where it is a registered one."""
+    """``module.<name>`` for a parameter, without ``Module.__getattr__`` where it is a registered one (and
+    no attribute of the instance's own shadows it, as it would the attribute's lookup)."""
     parameters = module._parameters
-    return parameters[name] if name in parameters else getattr(module, name)
+    if name in parameters and name not in module.__dict__:
+        return parameters[name]
+    return getattr(module, name)
 
 
 class Family:

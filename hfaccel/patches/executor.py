@@ -103,9 +103,11 @@ class HFExecutor(ExecutorBase):
         with engine_attention(self.model):
             if token_adapters is None and prompt_embeds is None:
                 if compiled is None and self._lean is not None and self._lean_step():
-                    # The sampled rows strictly increase (`pack_step`): as many as the tokens, unpadded,
-                    # they are every row in order, and the lean forward takes its head's input as it is.
-                    every_row = wanted == logits_indices.shape[0] == input_ids.shape[-1]
+                    # Every token sampled and no row padded (the runner's word, and `LogitRows` padded
+                    # none): the lean forward takes its head's input as it is.
+                    every_row = (
+                        current_forward_context().samples_every_token and logits_indices.shape[0] == wanted
+                    )
                     return self._lean_forward(input_ids, positions, logits_indices, every_row)[:wanted]
                 return (compiled or self._model_forward)(input_ids, positions, logits_indices)[:wanted]
             if token_adapters is None:

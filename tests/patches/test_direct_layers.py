@@ -294,3 +294,18 @@ def test_a_written_out_attention_passes_its_sliding_window(family, monkeypatch):
         assert seen and all(seen)
     finally:
         hfaccel.unpatch(model)
+
+
+def test_an_instance_attribute_shadowing_a_weight_is_the_one_used():
+    """``module.weight`` reads the instance's own attribute before the registered parameter."""
+    model = tiny_model("llama", seed=4)
+    ids = IDS[:1]
+    hfaccel.patch(model, progress=False)
+    try:
+        model.generate(ids, **ASK)  # checked
+        linear = model.model.layers[1].mlp.gate_proj
+        linear.__dict__["weight"] = linear.weight.detach() * 2
+        out = model.generate(ids, **ASK)
+    finally:
+        hfaccel.unpatch(model)
+    assert torch.equal(out, hf(model, input_ids=ids, **ASK))

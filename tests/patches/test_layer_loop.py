@@ -375,3 +375,47 @@ def test_an_edit_the_model_watch_cannot_see_makes_the_next_step_check_again(edit
         assert torch.equal(model.generate(IDS, **KWARGS), expected)
     finally:
         hfaccel.unpatch(model)
+
+
+def _bucketed_engine(model, **config):
+    """An engine whose eager decode steps are padded to a bucket of 4 (what the runner keeps after a CUDA
+    graph capture failed under ``compile="off"``: its buckets, no graphs)."""
+    from hfaccel import EngineConfig
+    from hfaccel.engine.engine import Engine
+
+    engine = Engine(model, EngineConfig(block_size=8, kv_cache_memory=4_000_000, **config))
+    engine.runner.decode_buckets = (4,)
+    return engine
+
+
+def test_a_padded_step_gives_each_request_its_own_row():
+    """A step padded to a bucket, with a one-token prompt chunk that is not sampled ahead of a sampled
+    token: the sampled row is gathered (every row's logits only when every token is sampled, unpadded)."""
+    from hfaccel.engine.request import StoppingParams
+    from tests.helpers import hf_greedy
+
+    model = tiny_model("llama", seed=4)
+    first, second = [5, 6, 7, 8, 9, 10, 11, 12], [20]
+    engine = _bucketed_engine(model, long_prefill_token_threshold=1)
+    stop = StoppingParams(max_new_tokens=4)
+    engine.runner.decode_buckets = ()
+    engine.run([engine.make_request([3, 4, 5], stop)])  # an unpadded step checks the lean forward
+    engine.runner.decode_buckets = (4,)
+    a = engine.make_request(first, stop)
+    engine.add(a)
+    engine.step()
+    engine.step()
+    c = engine.make_request(second, stop)  # packed behind the first one's unsampled one-token chunk
+    engine.add(c)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.executor._lean.verified is True
+    assert [a.output_token_ids, c.output_token_ids] == [hf_greedy(model, p, 4) for p in (first, second)]
+
+
+def test_a_first_check_on_a_padded_step_passes():
+    from hfaccel.engine.request import StoppingParams
+
+    engine = _bucketed_engine(tiny_model("llama", seed=4))
+    engine.run([engine.make_request(p, StoppingParams(max_new_tokens=4)) for p in ([5], [8])])
+    assert engine.executor._lean.verified is True
