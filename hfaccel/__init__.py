@@ -12,24 +12,57 @@ Any number of threads and coroutines may call these at once: one engine loop per
 in shared steps.
 """
 
-from hfaccel.api import (
-    Completion,
-    RequestError,
-    StreamEvent,
-    agenerate,
-    astream,
-    check,
-    generate,
-    group_by_prompt,
-    patch,
-    release,
-    reset_prefix_cache,
-    stream,
-    unpatch,
-)
-from hfaccel.config import EngineConfig
-from hfaccel.engine.loop import LoopClosed
-from hfaccel.notebook import engine_state, plot_cost_model, plot_run
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hfaccel.api import (
+        Completion,
+        RequestError,
+        StreamEvent,
+        agenerate,
+        astream,
+        check,
+        generate,
+        group_by_prompt,
+        patch,
+        release,
+        reset_prefix_cache,
+        stream,
+        unpatch,
+    )
+    from hfaccel.config import EngineConfig
+    from hfaccel.engine.loop import LoopClosed
+    from hfaccel.notebook import engine_state, plot_cost_model, plot_run
+    from hfaccel.server import serve
+
+# Where each public name lives: imported at its first use, so that `import hfaccel` and the command
+# line's `--help` do not wait for torch and transformers (about 3 s).
+_HOMES = {
+    **dict.fromkeys(
+        (
+            "Completion",
+            "RequestError",
+            "StreamEvent",
+            "agenerate",
+            "astream",
+            "check",
+            "generate",
+            "group_by_prompt",
+            "patch",
+            "release",
+            "reset_prefix_cache",
+            "stream",
+            "unpatch",
+        ),
+        "hfaccel.api",
+    ),
+    "EngineConfig": "hfaccel.config",
+    "LoopClosed": "hfaccel.engine.loop",
+    **dict.fromkeys(("engine_state", "plot_cost_model", "plot_run"), "hfaccel.notebook"),
+}
 
 __all__ = [
     "Completion",
@@ -56,6 +89,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is not None:
+        value = getattr(importlib.import_module(home), name)
+        globals()[name] = value  # found directly from now on
+        return value
     # `serve` needs the serve extra (FastAPI, uvicorn, prometheus-client): imported when first used.
     if name == "serve":
         try:
@@ -65,4 +103,13 @@ def __getattr__(name: str) -> object:
                 f"hfaccel.serve needs the serve extra: pip install 'hfaccel[serve]' ({error})"
             ) from error
         return serve
+    try:  # a subpackage, as `import hfaccel` used to import them all (`hfaccel.engine.config`, ...)
+        return importlib.import_module(f"hfaccel.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"hfaccel.{name}":
+            raise
     raise AttributeError(f"module 'hfaccel' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

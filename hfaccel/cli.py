@@ -12,8 +12,10 @@ import argparse
 import contextlib
 import os
 import sys
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from hfaccel.cli_bench import add_bench_parser, run_bench
 from hfaccel.cli_loading import (
@@ -34,6 +36,7 @@ from hfaccel.cli_types import (
     _port,
     _positive_int,
     _seed,
+    dtype_named,
 )
 
 _CleanError = CommandError
@@ -67,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version",
         action="version",
-        version=f"hfaccel {__version__} (torch {torch.__version__}, transformers {_transformers_version()})",
+        version=f"hfaccel {__version__} (torch {_version('torch')}, transformers {_version('transformers')})",
         help="print the versions of hfaccel, torch and transformers, and exit",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -214,10 +217,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _transformers_version() -> str:
-    import transformers
+def _version(package: str) -> str:
+    """An installed package's version, read without importing it (`--version` and `--help` stay quick)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    return transformers.__version__
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -237,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
+    import torch  # (here, not at import: `--help` needs none of it)
+
     if args.command == "doctor":
         from hfaccel.doctor import run_doctor
 
@@ -270,7 +279,7 @@ def _run(args: argparse.Namespace) -> None:
             contextlib.redirect_stdout(sink) if quiet else contextlib.nullcontext(),
         ):
             run_demo(
-                dtype=None if args.dtype == "auto" else DTYPES[args.dtype],
+                dtype=_dtype(args.dtype),
                 num_prompts=args.num_prompts,
                 max_new_tokens=args.max_new_tokens,
                 batch_size=args.batch_size,
@@ -290,7 +299,7 @@ _read_templates = read_templates  # (its old name)
 
 def _dtype(name: str) -> torch.dtype | None:
     """`--dtype`: None for "auto" (the checkpoint's own)."""
-    return None if name == "auto" else DTYPES[name]
+    return None if name == "auto" else dtype_named(name)
 
 
 def run_serve(args: argparse.Namespace) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import importlib
 
-import torch
-
 from hfaccel.cli_types import (
     DTYPES,
     _count,
@@ -16,6 +14,7 @@ from hfaccel.cli_types import (
     _positive_int,
     _positive_ints,
     _positive_numbers,
+    dtype_named,
 )
 
 SUITES = (
@@ -146,6 +145,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_bench(args: argparse.Namespace) -> None:
     """Load SmolLM2 once and run the requested benchmark suites on it."""
+    import torch
+
     from hfaccel.bench.offline import run_offline_benchmark
     from hfaccel.bench.serving import run_serving_benchmarks
     from hfaccel.default_model import load_default_model
@@ -156,7 +157,7 @@ def run_bench(args: argparse.Namespace) -> None:
     unknown = sorted(set(suites) - set(SUITES))
     if unknown or not suites:  # (main turns a ValueError into its one-line error, exit code 2)
         raise ValueError(f"unknown suite(s) {unknown or suites!r}; choose from {', '.join(SUITES)}")
-    dtype = DTYPES[args.dtype]
+    dtype = dtype_named(args.dtype)
     if "coverage" in suites:  # a tiny random model of its own, seconds
         from hfaccel.bench.coverage import run_coverage
 

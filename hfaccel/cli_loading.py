@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 CPU_WEIGHTS = ("int8", "int4")  # quantized linears with CPU kernels only: "auto" keeps them on the CPU
 
@@ -20,6 +21,8 @@ class CommandError(Exception):
 def resolve_device(text: str) -> torch.device:
     """`--device`: "auto" is the first CUDA device when there is one (as `transformers serve` picks),
     else the CPU (always the CPU for int8 / int4 weights); an explicit device must exist here."""
+    import torch
+
     if text == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -91,6 +94,8 @@ def check_model_folder(path: str, option: str = "--model") -> None:
 def _load_folder(
     path: str | None, dtype: torch.dtype | None, trust_remote_code: bool, option: str
 ) -> tuple[object, object]:
+    import torch
+
     if path is None:
         from hfaccel.default_model import load_default_model
 

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-# The dtypes a command's --dtype names (besides "auto": the checkpoint's own).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The dtypes a command's --dtype names (besides "auto": the checkpoint's own). Names only: torch is
+# imported once a command runs, not to print `--help`.
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """The torch dtype one of `DTYPES` names."""
+    import torch
+
+    return getattr(torch, name)
 
 
 def _number(text: str, convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str) -> Any:

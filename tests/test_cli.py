@@ -396,3 +396,23 @@ def test_a_model_folder_without_a_tokenizer_says_so(tmp_path, capsys):
         main(["generate", "--model", str(tmp_path), "hi"])
     assert info.value.code == 2
     assert f"--model {tmp_path}: no tokenizer there (none of tokenizer.json" in capsys.readouterr().err
+
+
+def test_help_and_version_import_neither_torch_nor_transformers():
+    """`hfaccel --help` took 4 s (torch and transformers imported by `import hfaccel` and the parser); the
+    public names are imported at first use now."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, contextlib, io\n"
+        "import hfaccel.cli\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    hfaccel.cli.main(['--version'])\n"
+        "hfaccel.cli.build_parser().format_help()\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+        "import hfaccel\n"
+        "print(hfaccel.patch.__module__, hfaccel.EngineConfig.__name__, hfaccel.engine.loop.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["[]", "hfaccel.api.patching EngineConfig hfaccel.engine.loop"]
