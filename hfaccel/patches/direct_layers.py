@@ -4,21 +4,25 @@ An eager decode step of a small model is mostly Python: each Llama layer calls 1
 ``Module.__call__`` (hook checks, the ``_wrapped_call_impl`` / ``_call_impl`` pair) and two forwards
 through transformers' ``deprecate_kwarg`` wrapper, about 30 us a layer on the two-core CPU of
 docs/benchmarks.md, a tenth of a four-layer model's step. `run_layer` computes a layer as transformers'
-code does, the same torch ops on the same tensors in the same order (so the same bits), and calls what
-it does not write out (the linear layers, the activation) by their class's ``forward``. Four families
-share the code (transformers 5.17 to 5.24; `_SPECS`): Llama (and SmolLM2), Mistral, Qwen2 and Qwen3,
-which differ in the sliding window their attention passes and Qwen3's per-head q/k norms.
+code does, the same torch ops on the same tensors in the same order (so the same bits): a plain
+``nn.Linear`` as ``F.linear`` of its registered weight and bias, the activation by its class's
+``forward``. Four families share the code (transformers 5.17 to 5.24; `_SPECS`): Llama (and SmolLM2),
+Mistral, Qwen2 and Qwen3, which differ in the sliding window their attention passes and Qwen3's per-head
+q/k norms.
 
-It writes out a module only where calling it would run nothing else: the module is exactly the
-family's class, whose ``forward`` is still transformers' own (not replaced on the class, as Liger or
-the kernels hub do, nor on the instance, as accelerate's hooks do), with no forward hooks and not
-compiled in place; the attention's config is one the engine's attention serves in this thread, and
-transformers' module still looks up the same rotary and attention functions. Each is checked at every
-call, module by module: a hook added to one linear layer sends only that layer through
-``Module.__call__``, and a module of another class (a LoRA layer, a quantized linear) is called as the
-model would call it. The lean forward that calls this is itself checked once against the model's own
-forward, bit for bit (`layer_loop.LeanForward`). Backward hooks are not looked at: an engine step runs
-without gradients, where they change nothing.
+It writes out a module only where calling it would run nothing else, checked at every call, module by
+module: the module is exactly the family's class, whose ``forward`` and ``__call__`` are still
+transformers' and torch's own (judged by their code's file along the ``__wrapped__`` chain: a
+``functools.wraps`` wrapper copies names, not code; not replaced on the class, as Liger or the kernels
+hub do, nor on the instance, as accelerate's hooks do), with no forward hooks, not compiled in place, its
+children still submodules; the attention's config is one the engine's attention serves in this thread;
+the family's module still looks up the same rotary and attention functions, and torch's module call and
+``Linear.forward`` are torch's. A hook added to one linear layer sends only that layer through
+``Module.__call__``, also when it comes between two steps of one call (which the model watch sees only
+at the next admission), and a module of another class (a LoRA layer, a quantized linear) is called as
+the model would call it. The lean forward that calls this is itself checked once against the model's
+own forward, bit for bit (`layer_loop.LeanForward`). Backward hooks are not looked at: an engine step
+runs without gradients, where they change nothing.
 """
 
 from __future__ import annotations

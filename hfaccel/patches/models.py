@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -189,11 +190,14 @@ def _prepares_the_models_inputs(model: torch.nn.Module, own: Any) -> bool:
     inner = model._modules.get("model")
     if bound is inner and inner is not None and type(model).__module__.startswith("peft."):
         return function is getattr(type(inner), "prepare_inputs_for_generation", None)
-    if type(bound).__module__ == "peft.peft_model" and getattr(bound, "base_model", None) is model:
+    peft_model = sys.modules.get("peft.peft_model")
+    wrapper = getattr(
+        getattr(peft_model, "PeftModelForCausalLM", None), "prepare_inputs_for_generation", None
+    )
+    if wrapper is not None and function is wrapper and getattr(bound, "base_model", None) is model:
         config = getattr(bound, "active_peft_config", None)
         return (
-            function.__qualname__ == "PeftModelForCausalLM.prepare_inputs_for_generation"
-            and config is not None
+            config is not None
             and not config.is_prompt_learning
             and getattr(config.peft_type, "value", config.peft_type) != "POLY"
         )
