@@ -1,13 +1,15 @@
 """The narrow interface through which the engine runs a model, whatever framework the model is from.
 
 The engine never imports the Hugging Face adapter: `patches/` registers a factory here
-(`register_executor_factory`) when hfaccel is imported, and `make_executor` turns a model object into
-an executor with it. An object that already is a `ModelExecutor` is used as it is (subclass
-`ExecutorBase` for the defaults of the optional parts: one process, no adapters, no pipeline).
+(`register_executor_factory`) when it is imported (by `make_executor` itself, by name, if nothing
+registered one before), and `make_executor` turns a model object into an executor with it. An object
+that already is a `ModelExecutor` is used as it is (subclass `ExecutorBase` for the defaults of the
+optional parts: one process, no adapters, no pipeline).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol, runtime_checkable
 
@@ -145,10 +147,18 @@ def register_executor_factory(factory: Callable[[Any], ModelExecutor]) -> None:
     _factory = factory
 
 
+# The adapter that registers itself when imported: transformers' models (`hfaccel/patches`). Named, not
+# imported: the engine imports nothing of transformers, and `import hfaccel` imports it at first use.
+DEFAULT_ADAPTER = "hfaccel.patches.executors"
+
+
 def make_executor(model: Any) -> ModelExecutor:
-    """`model` as a `ModelExecutor` (itself if it already is one)."""
+    """`model` as a `ModelExecutor` (itself if it already is one; else through the registered adapter,
+    the default one imported if none is)."""
     if isinstance(model, ModelExecutor):
         return model
     if _factory is None:
-        raise RuntimeError("no model adapter is registered: import hfaccel (not only hfaccel.engine)")
+        importlib.import_module(DEFAULT_ADAPTER)
+    if _factory is None:
+        raise RuntimeError(f"no model adapter is registered (importing {DEFAULT_ADAPTER} registered none)")
     return _factory(model)

@@ -355,3 +355,22 @@ def test_max_num_seqs_beyond_the_blocks_is_capped_at_them(model, caplog):
     assert "at most" in caplog.text and "sequences run at once" in caplog.text
     requests = run(engine, [[5, 6, 7], [8, 9]], max_new=3)
     assert all(len(r.output_token_ids) == 3 for r in requests)
+
+
+def test_an_engine_over_a_transformers_model_needs_no_import_of_the_adapter():
+    """`import hfaccel` imports its parts at first use: an engine built from `hfaccel.engine` alone finds
+    the transformers adapter by itself (the fault-injection tests, run alone, could not build one)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "from hfaccel.engine.engine import Engine\n"
+        "from hfaccel.config import EngineConfig\n"
+        "model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,\n"
+        "    num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).eval()\n"
+        "print(type(Engine(model, EngineConfig(kv_cache_memory=1_000_000)).executor).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["HFExecutor"]
