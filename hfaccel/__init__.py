@@ -88,6 +88,12 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+# The parts a name of the package reaches (never `__main__`: importing it runs the command line).
+_SUBPACKAGES = frozenset(
+    {"api", "bench", "config", "distributed", "engine", "kernels", "notebook", "patches", "server"}
+)
+
+
 def __getattr__(name: str) -> object:
     home = _HOMES.get(name)
     if home is not None:
@@ -103,11 +109,9 @@ def __getattr__(name: str) -> object:
                 f"hfaccel.serve needs the serve extra: pip install 'hfaccel[serve]' ({error})"
             ) from error
         return serve
-    try:  # a subpackage, as `import hfaccel` used to import them all (`hfaccel.engine.config`, ...)
+    if name in _SUBPACKAGES:  # what `import hfaccel` used to import, first (`hfaccel.engine.loop`, ...)
+        importlib.import_module("hfaccel.api")
         return importlib.import_module(f"hfaccel.{name}")
-    except ModuleNotFoundError as error:
-        if error.name != f"hfaccel.{name}":
-            raise
     raise AttributeError(f"module 'hfaccel' has no attribute {name!r}")
 
 

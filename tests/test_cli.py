@@ -412,7 +412,8 @@ def test_help_and_version_import_neither_torch_nor_transformers():
         "hfaccel.cli.build_parser().format_help()\n"
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
         "import hfaccel\n"
+        "print(hasattr(hfaccel, '__main__'), hasattr(hfaccel, 'a.b'))\n"  # (importing __main__ runs the CLI)
         "print(hfaccel.patch.__module__, hfaccel.EngineConfig.__name__, hfaccel.engine.loop.__name__)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == ["[]", "hfaccel.api.patching EngineConfig hfaccel.engine.loop"]
+    assert out.splitlines() == ["[]", "False False", "hfaccel.api.patching EngineConfig hfaccel.engine.loop"]

@@ -188,7 +188,14 @@ def _prepares_the_models_inputs(model: torch.nn.Module, own: Any) -> bool:
     if bound is model:
         return function is getattr(type(model), "prepare_inputs_for_generation", None)
     inner = model._modules.get("model")
-    if bound is inner and inner is not None and type(model).__module__.startswith("peft."):
+    if inner is None or not type(model).__module__.startswith("peft."):
+        return False
+    # A tuner's generate is the wrapped model's, which calls the wrapped model's own method: that one must
+    # be its class's too (a user's there is what PEFT's generate runs, whatever PEFT set on the tuner).
+    inner_own = vars(inner).get("prepare_inputs_for_generation")
+    if inner_own is not None and not _prepares_the_models_inputs(inner, inner_own):
+        return False
+    if bound is inner:
         return function is getattr(type(inner), "prepare_inputs_for_generation", None)
     peft_model = sys.modules.get("peft.peft_model")
     wrapper = getattr(

@@ -547,3 +547,34 @@ def test_a_patched_peft_tuner_serves_the_peft_models_calls_and_its_own():
             assert engine.num_generated_tokens > steps
     finally:
         hfaccel.unpatch(tuner)
+
+
+def test_a_users_prepare_inputs_on_the_model_a_patched_tuner_wraps_falls_back():
+    """PEFT's generate on a tuner runs the wrapped model's generate, which calls the wrapped model's own
+    ``prepare_inputs_for_generation``: a user's there is honoured (the call goes to transformers)."""
+    import types
+
+    def first_token_only(self, input_ids, **kwargs):
+        inputs = type(self).prepare_inputs_for_generation(self, input_ids, **kwargs)
+        inputs["input_ids"] = inputs["input_ids"][:, :1].expand_as(inputs["input_ids"]).contiguous()
+        return inputs
+
+    model = lora_model()
+    inner = model.base_model.model
+    inner.prepare_inputs_for_generation = types.MethodType(first_token_only, inner)
+    ids, mask = left_padded(prompts(2))
+    kwargs = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "max_new_tokens": 6,
+        "do_sample": False,
+        "pad_token_id": 0,
+    }
+    expected = model.generate(**kwargs)
+    tuner = model.base_model
+    hfaccel.patch(tuner, block_size=16, kv_cache_memory=8_000_000)
+    try:
+        with pytest.warns(UserWarning, match="prepare_inputs_for_generation replaced"):
+            assert torch.equal(model.generate(**kwargs), expected)
+    finally:
+        hfaccel.unpatch(tuner)
