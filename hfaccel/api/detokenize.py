@@ -160,12 +160,19 @@ def _literal_tokens(tokenizer: Any) -> frozenset[int]:
 
 
 def _per_tokenizer(cache: weakref.WeakKeyDictionary, tokenizer: Any, read: Any) -> Any:
-    """`read(tokenizer)`, kept in `cache` per tokenizer object (read every time for one that cannot be)."""
+    """`read(tokenizer)`, kept in `cache` per tokenizer object (read every time for one that cannot be),
+    and read again once its vocabulary's size changed (``add_tokens`` in a notebook that fine-tunes)."""
+    try:
+        size = len(tokenizer)
+    except TypeError:
+        size = None
     with contextlib.suppress(KeyError, TypeError):
-        return cache[tokenizer]
+        held, found = cache[tokenizer]
+        if held == size:
+            return found
     found = read(tokenizer)
     with contextlib.suppress(TypeError):
-        cache[tokenizer] = found
+        cache[tokenizer] = (size, found)
     return found
 
 
@@ -196,6 +203,6 @@ def special_tokens(tokenizer: Any) -> frozenset[int]:
 
 
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
-_BYTES: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
-_BYTE_LEVEL: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-_LITERAL: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+_BYTES: weakref.WeakKeyDictionary[Any, tuple[int | None, frozenset[int]]] = weakref.WeakKeyDictionary()
+_BYTE_LEVEL: weakref.WeakKeyDictionary[Any, tuple[int | None, bool]] = weakref.WeakKeyDictionary()
+_LITERAL: weakref.WeakKeyDictionary[Any, tuple[int | None, frozenset[int]]] = weakref.WeakKeyDictionary()
