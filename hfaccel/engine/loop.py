@@ -94,9 +94,7 @@ class EngineLoop:
         `raise_errors=False`: a request that fails finishes as an error, the others go on.
         """
         self._refuse_reentry()
-        submission = Submission(self, requests, stream, raise_errors=raise_errors)
-        self._post("submit", submission)
-        return submission
+        return self._submitted(lambda: Submission(self, requests, stream, raise_errors=raise_errors))
 
     def reentry_reason(self) -> str | None:
         """Why a call submitted from this thread would wait forever, or None (`patches/planner.py`)."""
@@ -132,8 +130,19 @@ class EngineLoop:
     ) -> Submission:
         """`submit` for the running event loop: consume with ``Submission.aupdates``."""
         self._refuse_reentry()
-        submission = Submission(self, requests, stream, asyncio.get_running_loop(), raise_errors)
-        self._post("submit", submission)
+        return self._submitted(
+            lambda: Submission(self, requests, stream, asyncio.get_running_loop(), raise_errors)
+        )
+
+    def _submitted(self, make: Callable[[], Submission]) -> Submission:
+        """Post the submission `make` builds; if either raises (a closed loop), the wait `_refuse_reentry`
+        noted ends here: no submission will end it, and a stale wait refuses later calls as a cycle."""
+        try:
+            submission = make()
+            self._post("submit", submission)
+        except BaseException:
+            self._wait_ended()
+            raise
         return submission
 
     def run(self, requests: Sequence[Request], progress: bool = False, raise_errors: bool = True) -> None:

@@ -567,3 +567,22 @@ def test_a_prefix_cache_reset_never_runs_beside_a_step_and_never_waits(monkeypat
         thread.join(30)
         assert not thread.is_alive() and done["out"].shape == (1, prompt.shape[1] + 3), asynchronous
     hfaccel.unpatch(model)
+
+
+def test_a_submit_refused_inside_another_loops_step_leaves_no_wait_behind(model):
+    """A call from inside a step of loop A to a closed loop B raises; the wait on B noted for cycle
+    detection goes with it (a stale one would refuse a later call from inside B's step to A as a cycle)."""
+    from hfaccel.engine import loop as loop_module
+    from hfaccel.engine.submission import this_thread
+
+    stepping, closed = make_loop(model), make_loop(model)
+    closed.close(LoopClosed("closed for the test"))
+    this_thread.loop = stepping  # as inside `stepping`'s step
+    try:
+        with pytest.raises(LoopClosed):
+            closed.submit(requests_for(closed, [[3, 4]], max_new=2))
+        assert id(stepping) not in loop_module._waits
+        this_thread.loop = closed  # inside `closed`'s step: calling `stepping` is no cycle
+        assert stepping.reentry_reason() is None
+    finally:
+        this_thread.loop = None
