@@ -168,4 +168,10 @@ def cap_to_blocks(config: Any, num_blocks: int, max_model_len: int) -> Any:
     )  # fmt: skip
     slots = num_blocks * config.block_size
     budget = min(config.max_num_batched_tokens, max(slots, max_model_len))
-    return config.with_overrides(max_num_seqs=num_blocks, max_num_batched_tokens=budget)
+    changes = {"max_num_seqs": num_blocks, "max_num_batched_tokens": budget}
+    sizes = config.cuda_graph_sizes
+    if sizes is not None and max(sizes) > num_blocks:  # batch sizes that cannot occur: not compiled
+        kept = tuple(size for size in sizes if size <= num_blocks)
+        logger.warning("hfaccel: cuda_graph_sizes %s above %d are left out", tuple(sizes), num_blocks)
+        changes["cuda_graph_sizes"] = kept or None
+    return config.with_overrides(**changes)

@@ -357,6 +357,20 @@ def test_max_num_seqs_beyond_the_blocks_is_capped_at_them(model, caplog):
     assert all(len(r.output_token_ids) == 3 for r in requests)
 
 
+def test_decode_buckets_above_the_capped_max_num_seqs_are_left_out(model, caplog):
+    """A `cuda_graph_sizes` that fits the asked `max_num_seqs` but not the KV cache's blocks: the sizes that
+    cannot occur are left out with a warning (the config refused them, naming a max_num_seqs the caller
+    never set)."""
+    blocks = Engine(model, EngineConfig(kv_cache_memory=200_000)).num_blocks
+    engine = Engine(
+        model,
+        EngineConfig(kv_cache_memory=200_000, max_num_seqs=blocks + 8, cuda_graph_sizes=(1, blocks + 8)),
+    )
+    assert engine.config.max_num_seqs == blocks
+    assert engine.config.cuda_graph_sizes == (1,)
+    assert "are left out" in caplog.text
+
+
 def test_an_engine_over_a_transformers_model_needs_no_import_of_the_adapter():
     """`import hfaccel` imports its parts at first use: an engine built from `hfaccel.engine` alone finds
     the transformers adapter by itself (the fault-injection tests, run alone, could not build one)."""
