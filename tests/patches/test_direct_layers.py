@@ -33,20 +33,26 @@ def _count_direct(monkeypatch) -> list[bool]:
     return seen
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_llama_style_layers_are_written_out_and_give_the_models_tokens(family, monkeypatch):
-    model = tiny_model(family, seed=4)
-    expected = hf(model, input_ids=IDS, **ASK)
+def _layer_calls_of_a_checked_call(model, ask, monkeypatch) -> list[bool]:
+    """The lean forward's layer calls in a patched `generate` after the first (which checks it), each
+    True where `run_layer` wrote it out; both calls give HF's tokens."""
+    expected = hf(model, input_ids=IDS, **ask)
     seen = _count_direct(monkeypatch)
     hfaccel.patch(model, progress=False)
     try:
-        assert torch.equal(model.generate(IDS, **ASK), expected)
+        assert torch.equal(model.generate(IDS, **ask), expected)
         seen.clear()
-        assert torch.equal(model.generate(IDS, **ASK), expected)
-        layers = model.config.num_hidden_layers
-        assert seen and all(seen) and len(seen) == layers * ASK["max_new_tokens"]
+        assert torch.equal(model.generate(IDS, **ask), expected)
     finally:
         hfaccel.unpatch(model)
+    return seen
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_llama_style_layers_are_written_out_and_give_the_models_tokens(family, monkeypatch):
+    model = tiny_model(family, seed=4)
+    seen = _layer_calls_of_a_checked_call(model, ASK, monkeypatch)
+    assert seen and all(seen) and len(seen) == model.config.num_hidden_layers * ASK["max_new_tokens"]
 
 
 def _scale_output(module, args, output):
@@ -283,17 +289,10 @@ def _windowed(family: str, window: int = 4):
 def test_a_written_out_attention_passes_its_sliding_window(family, monkeypatch):
     model = _windowed(family)
     ask = {"max_new_tokens": 12, "do_sample": False}
-    expected = hf(model, input_ids=IDS, **ask)
-    assert not torch.equal(hf(_windowed(family, 512), input_ids=IDS, **ask), expected)  # the window shows
-    seen = _count_direct(monkeypatch)
-    hfaccel.patch(model, progress=False)
-    try:
-        assert torch.equal(model.generate(IDS, **ask), expected)
-        seen.clear()
-        assert torch.equal(model.generate(IDS, **ask), expected)
-        assert seen and all(seen)
-    finally:
-        hfaccel.unpatch(model)
+    windowless = hf(_windowed(family, 512), input_ids=IDS, **ask)
+    assert not torch.equal(windowless, hf(model, input_ids=IDS, **ask))  # the window shows
+    seen = _layer_calls_of_a_checked_call(model, ask, monkeypatch)
+    assert seen and all(seen)
 
 
 def test_an_instance_attribute_shadowing_a_weight_is_the_one_used():

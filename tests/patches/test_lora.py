@@ -89,6 +89,18 @@ def patched_mixed(model, ps: list[list[int]], names: list[str]) -> list[list[int
     return [row[ids.shape[1] :].tolist() for row in out]
 
 
+def two_prompts_greedy() -> dict:
+    """`generate` keywords: two left-padded prompts, 6 greedy tokens."""
+    ids, mask = left_padded(prompts(2))
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "max_new_tokens": 6,
+        "do_sample": False,
+        "pad_token_id": 0,
+    }
+
+
 def patch_strict(model):
     return hfaccel.patch(model, strict=True, block_size=16, kv_cache_memory=8_000_000)
 
@@ -399,14 +411,7 @@ def test_prompt_learning_is_refused_at_patch_and_goes_to_peft_over_a_patched_bas
     hfaccel.patch(base)
     model = peft.get_peft_model(base, config).eval()
     model.load_state_dict(reference.state_dict())
-    ids, mask = left_padded(prompts(2))
-    kwargs = {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "max_new_tokens": 6,
-        "do_sample": False,
-        "pad_token_id": 0,
-    }
+    kwargs = two_prompts_greedy()
     with pytest.warns(UserWarning, match="prepare_inputs_for_generation replaced on the model"):
         out = model.generate(**kwargs)
     expected = reference.generate(**kwargs)
@@ -525,14 +530,7 @@ def test_a_patched_peft_tuner_serves_the_peft_models_calls_and_its_own():
     prepare_inputs_for_generation on it for the call (LoRA adds no tokens) and the wrapped model's back
     after it; both prepare what the model's own would, so both calls are served, with PEFT's tokens."""
     model = lora_model()
-    ids, mask = left_padded(prompts(2))
-    kwargs = {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "max_new_tokens": 6,
-        "do_sample": False,
-        "pad_token_id": 0,
-    }
+    kwargs = two_prompts_greedy()
     expected = model.generate(**kwargs)
     tuner = model.base_model
     hfaccel.patch(tuner, block_size=16, kv_cache_memory=8_000_000)
@@ -562,14 +560,7 @@ def test_a_users_prepare_inputs_on_the_model_a_patched_tuner_wraps_falls_back():
     model = lora_model()
     inner = model.base_model.model
     inner.prepare_inputs_for_generation = types.MethodType(first_token_only, inner)
-    ids, mask = left_padded(prompts(2))
-    kwargs = {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "max_new_tokens": 6,
-        "do_sample": False,
-        "pad_token_id": 0,
-    }
+    kwargs = two_prompts_greedy()
     expected = model.generate(**kwargs)
     tuner = model.base_model
     hfaccel.patch(tuner, block_size=16, kv_cache_memory=8_000_000)
