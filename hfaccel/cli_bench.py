@@ -20,7 +20,7 @@ from hfaccel.cli_types import (
 SUITES = (
     "offline", "prefix", "chunked", "batching", "concurrency", "speculative", "rollouts", "step", "start",
     "kernels", "tp", "goodput", "host", "coverage", "serve", "quant", "burst", "kvcache", "compile",
-    "threads", "windows",
+    "threads", "windows", "floor",
 )  # fmt: skip
 
 
@@ -48,7 +48,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "of a step vs HF's eager step, a tiny model's grid), serve (hfaccel serve vs transformers serve over HTTP), "
         "quant (weight formats vs llama.cpp), burst (40 requests under a TPOT target), kvcache (KV-cache "
         "dtypes), compile (compile modes: first answer and throughput), threads (steps stepped by another "
-        "thread, OpenMP pools kept vs given back)",
+        "thread, OpenMP pools kept vs given back), windows (sliding layers' own block pool), floor (the demo's "
+        "workload against the matmul floor, with the defaults)",
     )
     bench.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="model dtype (default bfloat16)")
     bench.add_argument("--num-requests", type=_positive_int, default=32, help="offline: number of requests")
@@ -182,6 +183,7 @@ def run_bench(args: argparse.Namespace) -> None:
         "compile": ("compile_wait", "run_compile_wait_benchmark"),  # a process per compile mode
         "start": ("step", "run_start_benchmark"),
         "windows": ("windows", "run_windows_benchmark"),  # a tiny Gemma 3 of its own, 4,000-token runs
+        "floor": ("workload_floor", "run_floor_benchmark"),  # SmolLM2 float32, the demo's workload
     }
     for suite in [s for s in suites if s in standalone]:
         module, function = standalone[suite]
