@@ -19,6 +19,7 @@ untouched), and a plain ``model(...)`` in any other thread takes exactly the pat
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Iterator
@@ -27,7 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, PreTrainedConfig
+import transformers
+from transformers import AttentionInterface, PreTrainedConfig, modeling_utils
 
 import hfaccel.kernels.op  # noqa: F401  (registers torch.ops.hfaccel.paged_attention_v2)
 from hfaccel.kernels.attention_probs import attention_probs
@@ -231,10 +233,11 @@ class _ThreadState(threading.local):
 _local = _ThreadState()
 _install_lock = threading.Lock()
 _WRAPPED = "__hfaccel_thread_local__"
-# model -> (its config, ids of every config object its modules read): found once per model.
-_model_configs: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, frozenset[int]]] = (
+# model -> (its config, every config object its modules read, by id): found once per model.
+_model_configs: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, dict[int, PreTrainedConfig]]] = (
     weakref.WeakKeyDictionary()
 )
+_TRANSFORMERS_DIR = os.path.dirname(transformers.__file__) + os.sep
 
 
 @contextmanager
@@ -268,6 +271,10 @@ def restore_attention(model: torch.nn.Module) -> None:
 
 
 def _configs_of(model: torch.nn.Module) -> frozenset[int]:
+    return frozenset(_config_objects(model))
+
+
+def _config_objects(model: torch.nn.Module) -> dict[int, PreTrainedConfig]:
     root = model.config
     cached = _model_configs.get(model)
     if cached is not None and cached[0] is root:
@@ -286,9 +293,49 @@ def _configs_of(model: torch.nn.Module) -> frozenset[int]:
         visit(getattr(module, "config", None))
     for config in found.values():
         _install(type(config))
-    ids = frozenset(found)
-    _model_configs[model] = (root, ids)
-    return ids
+    _model_configs[model] = (root, found)
+    return found
+
+
+def stored_implementation(config: Any) -> Any:
+    """`config`'s ``_attn_implementation`` as a forward outside an engine step reads it (the stored one)."""
+    owner = next(c for c in type(config).__mro__ if "_attn_implementation" in c.__dict__)
+    getter = owner.__dict__["_attn_implementation"].fget
+    stored = getter.__wrapped__ if getattr(getter, _WRAPPED, False) else getter  # (not this thread's view)
+    return stored(config)
+
+
+def _transformers_code(function: Any) -> bool:
+    """Whether `function` and every function it wraps (``__wrapped__``) has its code in transformers."""
+    while function is not None:
+        code = getattr(function, "__code__", None)
+        if code is None or not code.co_filename.startswith(_TRANSFORMERS_DIR):
+            return False
+        function = getattr(function, "__wrapped__", None)
+    return True
+
+
+def implementation_reason(model: torch.nn.Module) -> str | None:
+    """Why the engine's attention would not compute what `model`'s own attention does (None: it would).
+
+    In an engine step the paged "hfaccel" function stands in for the attention function the model's
+    configs name. That computes what transformers' own functions compute (eager, sdpa, flash, flex,
+    paged: standard attention), and what the kernels hub's do (an "org/repo" name, flash attention from
+    the hub); not a function someone registered (``AttentionInterface.register`` or an item set on
+    ``ALL_ATTENTION_FUNCTIONS``, a transformers name included), which may compute anything."""
+    functions = modeling_utils.ALL_ATTENTION_FUNCTIONS  # the mapping the model files look names up in
+    for config in _config_objects(model).values():
+        name = stored_implementation(config)
+        if not isinstance(name, str) or name in ("eager", ATTENTION_NAME) or "/" in name:
+            continue
+        function = functions.get(name)
+        if function is not None and not _transformers_code(function):
+            where = f"{getattr(function, '__module__', None)}.{getattr(function, '__qualname__', function)}"
+            return (
+                f"the model's attention implementation {name!r} is a function registered outside transformers "
+                f"({where}), which the engine's paged attention would replace with standard attention"
+            )
+    return None
 
 
 def _install(config_class: type) -> None:

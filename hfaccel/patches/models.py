@@ -16,6 +16,7 @@ from hfaccel.config import is_draft_model
 from hfaccel.distributed.layout import parallel_layout
 from hfaccel.engine.limits import COUNTED_TOKENS
 from hfaccel.kernels import kv_quant
+from hfaccel.patches.attention import implementation_reason
 from hfaccel.patches.layer_support import (
     attention_needs,
     attention_shape,
@@ -78,6 +79,10 @@ def model_reason(model: torch.nn.Module) -> str | None:
         return (
             f"{type(model).__name__} does not route attention through transformers' AttentionInterface, "
             "so hfaccel cannot serve it"
+        )
+    if (reason := implementation_reason(model)) is not None:
+        return (
+            f"hfaccel cannot serve {type(model).__name__}: {reason}; set one of transformers' own to serve it"
         )
     offloaded = next((name for name, p in model.named_parameters() if p.device.type == "meta"), None)
     if offloaded is not None:
@@ -149,8 +154,9 @@ def _holding(entry: tuple[torch.nn.Module, Any] | None) -> Iterator[None]:
 
 def weights_and_mode_reason(model: torch.nn.Module) -> str | None:
     """Why a call on `model` goes to transformers, as the model and the calling thread are now: a replaced
-    ``prepare_inputs_for_generation``, ``torch.autocast`` around the call, activations quantized on the
-    fly, attention dropout in train mode, or a user's forward hooks."""
+    ``prepare_inputs_for_generation``, ``torch.autocast`` around the call, an attention function
+    registered outside transformers (set after `patch`), activations quantized on the fly, attention
+    dropout in train mode, or a user's forward hooks."""
     entry = getattr(_held, "entry", None)
     if entry is None or entry[0] is not model:
         return _weights_and_mode_reason(model)
@@ -165,7 +171,7 @@ def _weights_and_mode_reason(model: torch.nn.Module) -> str | None:
         # PEFT's prompt learning puts its own there for its generate (its virtual tokens), as may a user;
         # after its call it puts back the class's own, bound to the model: that one is the model's.
         return "prepare_inputs_for_generation replaced on the model (PEFT's prompt learning adds its tokens there)"
-    reason = autocast_reason(model)
+    reason = autocast_reason(model) or implementation_reason(model)
     if reason is not None:
         return reason
     modules = all_modules(model)
