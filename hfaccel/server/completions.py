@@ -202,14 +202,13 @@ class CompletionCall:
         return [p for p in self.prompts for _ in range(self.body.n)]
 
     @property
-    def seed(self) -> int | list[int] | None:
-        """The request's seed in the engine's range (OpenAI's seed is any int64, negative ones included);
-        in a batch, one per choice, so that each prompt's choices sample as that prompt's alone do."""
+    def seed(self) -> list[int] | None:
+        """The request's seed in the engine's range (OpenAI's seed is any int64, negative ones included),
+        one per choice: choice j of every prompt draws from seed + j, so that each prompt's choices sample
+        as that prompt's alone do (also where seed + j passes the range's end)."""
         if self.body.seed is None:
             return None
-        seed = self.body.seed % 2**63
-        if len(self.prompts) == 1:
-            return seed  # choice j draws from seed + j
+        seed = self.body.seed % 2**63  # (each choice's wrapped alike, one prompt or many)
         return [(seed + j) % 2**63 for _ in self.prompts for j in range(self.body.n)]
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool = False) -> dict[str, Any]:

@@ -247,7 +247,8 @@ def error_body(message: str, kind: str, param: str | None, code: int) -> dict[st
 
 
 def message_text(message: ChatMessage, index: int) -> str | None:
-    """A message's content as text: a string, or the text parts of a list (other parts are refused)."""
+    """A message's content as text: a string, or the text parts of a list joined by a space, as
+    transformers serve joins them for a text model (other parts are refused)."""
     if message.content is None or isinstance(message.content, str):
         return message.content
     texts = []
@@ -260,4 +261,4 @@ def message_text(message: ChatMessage, index: int) -> str | None:
                 400, f"a text part needs a string 'text', got {part.get('text')!r}", f"{where}.text"
             )
         texts.append(part["text"])
-    return "".join(texts)
+    return " ".join(texts)

@@ -52,6 +52,8 @@ def generate_kwargs(
         )
     room = max_model_len - prompt_tokens
     name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
+    if request.min_tokens and max_tokens is not None and request.min_tokens > max_tokens:  # vLLM's 400 too
+        raise APIError(400, f"min_tokens={request.min_tokens} is above {name}={max_tokens}", "min_tokens")
     if max_tokens is None:
         max_tokens = min(room, limits.max_tokens)
     elif max_tokens > limits.max_tokens:

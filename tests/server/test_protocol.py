@@ -25,6 +25,7 @@ pytest.importorskip("fastapi")
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
         # the tiny chat template never renders tools: the request would silently ignore them
         ({"tools": [{"type": "function", "function": {"name": "lookup"}}]}, "tools"),
+        ({"max_tokens": 3, "min_tokens": 5}, "min_tokens"),  # vLLM refuses it; it was cut to 3
     ],
 )
 def test_a_request_that_would_be_misread_or_ignored_is_refused(served, body, param):
@@ -240,8 +241,9 @@ def test_a_tool_calling_conversation_goes_back_to_the_template_as_templates_read
     assert code == 400 and answer["error"]["param"] == "messages[1].tool_calls[0].function.arguments", answer
 
 
-def test_each_prompt_of_a_seeded_batch_samples_as_it_does_alone(client):
-    ask = dict(model=MODEL, max_tokens=6, temperature=1.0, seed=1234, n=2)
+@pytest.mark.parametrize("seed", [1234, -1, 2**63 - 1])  # choice 1 of -1 passes the engine's range's end
+def test_each_prompt_of_a_seeded_batch_samples_as_it_does_alone(client, seed):
+    ask = dict(model=MODEL, max_tokens=6, temperature=1.0, seed=seed, n=2)
     prompts = ["Hello", "World wide"]
     alone = [[c.text for c in client.completions.create(prompt=p, **ask).choices] for p in prompts]
     batch = [c.text for c in client.completions.create(prompt=prompts, **ask).choices]
@@ -296,3 +298,21 @@ def test_sampling_fields_as_generate_arguments(top_k, temperature, expected):
     kwargs = generate_kwargs(request, 4, 10, 512, Limits(), 256)
     assert kwargs.get("top_k") == expected
     assert kwargs["do_sample"] is (temperature >= 1e-5)
+
+
+def test_a_messages_text_parts_are_joined_by_a_space_as_transformers_serve_joins_them(served):
+    """Parts glued together merged the words at their edges ("morning" + "Hello")."""
+
+    def ask(content):
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": 4,
+            "temperature": 0,
+        }
+        code, _, answer = post(served[0], "/v1/chat/completions", body)
+        assert code == 200, answer
+        return answer["usage"]["prompt_tokens"], answer["choices"][0]["message"]["content"]
+
+    parts = [{"type": "text", "text": "Good morning"}, {"type": "text", "text": "Hello"}]
+    assert ask(parts) == ask("Good morning Hello") != ask("Good morningHello")

@@ -317,3 +317,10 @@ def test_parallel_tool_calls_false_gives_one_function_call_item(client, scripted
         assert [item.type for item in answer.output] == ["reasoning", "message", "function_call"], stream
         assert json.loads(answer.output[2].arguments) == {"a": 2, "b": 3}
         assert answer.parallel_tool_calls is False
+
+
+def test_a_message_items_text_parts_are_joined_by_a_space():
+    """As chat's parts are, and as transformers serve joins them (glued, "morning" + "Hello" merged)."""
+    parts = [{"type": "input_text", "text": "Good morning"}, {"type": "input_text", "text": "Hello"}]
+    body = ResponsesRequest(model=MODEL, input=[{"type": "message", "role": "user", "content": parts}])
+    assert _messages(body) == [ChatMessage(role="user", content="Good morning Hello")]
