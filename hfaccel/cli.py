@@ -103,8 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--dtype",
         choices=("auto", *DTYPES),
-        default="float32",
-        help="weights dtype (default float32; auto: the checkpoint's own, as from_pretrained's dtype='auto')",
+        default="auto",
+        help="weights dtype (default auto: a folder's checkpoint in its own, as transformers' from_pretrained "
+        "and serve load it; the embedded SmolLM2 in float32)",
     )
     gen.add_argument("--no-chat-template", action="store_true", help="send prompts as plain text")
     _add_device_and_weights(gen)
@@ -144,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--dtype",
         choices=("auto", *DTYPES),
-        default="float32",
-        help="weights dtype (default float32; auto: the checkpoint's own, as from_pretrained's dtype='auto')",
+        default="auto",
+        help="weights dtype (default auto: a folder's checkpoint in its own, as transformers' from_pretrained "
+        "and serve load it; the embedded SmolLM2 in float32)",
     )
     _add_device_and_weights(srv)
     srv.add_argument("--max-num-seqs", type=_positive_int, default=None, help="most sequences in one step")

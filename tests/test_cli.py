@@ -210,11 +210,12 @@ def test_a_file_or_an_adapter_folder_is_named_for_what_it_is(tmp_path, capsys):
         assert f"--model {path}: {message}" in capsys.readouterr().err
 
 
-def test_kv_cache_memory_in_bytes_reaches_the_engine_as_an_int_and_dtype_auto_keeps_the_checkpoints(
+def test_kv_cache_memory_in_bytes_reaches_the_engine_as_an_int_and_the_checkpoints_dtype_is_kept(
     tmp_path, monkeypatch
 ):
-    """An integer is bytes (it was read as a float, then refused as a fraction); --dtype auto loads a
-    bfloat16 checkpoint in bfloat16, as transformers' from_pretrained(dtype="auto")."""
+    """An integer is bytes (it was read as a float, then refused as a fraction); by default a bfloat16
+    checkpoint loads in bfloat16, as transformers' from_pretrained and `transformers serve` load it (it
+    was float32 unless --dtype auto: twice the memory, and not the tokens transformers serve gives)."""
     pytest.importorskip("fastapi")
     import hfaccel.server.server as server
 
@@ -224,7 +225,7 @@ def test_kv_cache_memory_in_bytes_reaches_the_engine_as_an_int_and_dtype_auto_ke
     tiny_tokenizer().save_pretrained(tmp_path)
     cli.run_serve(
         cli.build_parser().parse_args(
-            ["serve", str(tmp_path), "--kv-cache-memory", "100000000", "--dtype", "auto"]
+            ["serve", str(tmp_path), "--kv-cache-memory", "100000000"]
             + ["--allowed-origins", "http://a.example, https://b.example:8443"]
         )
     )
@@ -232,6 +233,10 @@ def test_kv_cache_memory_in_bytes_reaches_the_engine_as_an_int_and_dtype_auto_ke
     assert options["kv_cache_memory"] == 100_000_000 and isinstance(options["kv_cache_memory"], int)
     assert options["allowed_origins"] == ("http://a.example", "https://b.example:8443")
     assert next(model.parameters()).dtype == torch.bfloat16
+    cli.run_serve(cli.build_parser().parse_args(["serve", str(tmp_path), "--dtype", "float32"]))
+    assert next(seen.pop()[0][0].parameters()).dtype == torch.float32
+    cli.run_serve(cli.build_parser().parse_args(["serve"]))  # the embedded SmolLM2: float32, exact
+    assert next(seen.pop()[0][0].parameters()).dtype == torch.float32
 
 
 def test_no_prompts_on_stdin(model_folder, capsys, monkeypatch):
