@@ -27,7 +27,6 @@ runs without gradients, where they change nothing.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -184,14 +183,22 @@ class Family:
         )
 
 
-@functools.cache
+_families: dict[str, Family] = {}  # a family's classes and functions as first seen to be transformers' own
+
+
 def _family(name: str) -> Family | None:
-    """`name`'s family, where it is one written out here and its code is transformers' own (None: not)."""
+    """`name`'s family, where it is one written out here and its code is transformers' own (None: not).
+    Only a yes is kept: code replaced when first asked and put back later is written out from then on."""
+    family = _families.get(name)
+    if family is not None:
+        return family
     spec, module = _SPECS.get(name), sys.modules.get(name)
     if spec is None or module is None:
         return None
     family = Family(module, spec)
-    return family if family.own_code() else None
+    if not family.own_code():
+        return None
+    return _families.setdefault(name, family)
 
 
 def step_family(layers: Any) -> Family | None:

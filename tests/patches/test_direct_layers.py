@@ -239,16 +239,15 @@ def _steered(function):
     ],
 )
 def test_code_replaced_before_it_was_first_seen_is_never_written_out(owner, name, replacement, monkeypatch):
-    """Also by a wrapper that keeps the function's names (a steering vector toggled later, a capture)."""
+    """Also by a wrapper that keeps the function's names (a steering vector toggled later, a capture); once
+    put back, the layers are written out again (the first answer was kept for good before)."""
     layers = tiny_model("llama").model.layers
-    direct_layers._family.cache_clear()
-    monkeypatch.setattr(owner, name, replacement(getattr(owner, name)))
-    try:
-        assert direct_layers._family(modeling_llama.__name__) is None
-        assert direct_layers.step_family(layers) is None
-    finally:
-        monkeypatch.undo()
-        direct_layers._family.cache_clear()
+    monkeypatch.setattr(direct_layers, "_families", {})  # never asked before
+    original = getattr(owner, name)
+    monkeypatch.setattr(owner, name, replacement(original))
+    assert direct_layers._family(modeling_llama.__name__) is None
+    assert direct_layers.step_family(layers) is None
+    setattr(owner, name, original)  # put back (the families asked meanwhile still this test's)
     assert direct_layers.step_family(layers) is not None
 
 
