@@ -15,11 +15,19 @@ when the config is one of the configs of the model the current thread is running
 (a thread-local set of config ids), and the stored value otherwise. Nothing is written to the config,
 the config keeps its class (``type``, ``==``, pickling, ``save_pretrained`` and the Auto classes are
 untouched), and a plain ``model(...)`` in any other thread takes exactly the path it took before.
+
+Which functions it may stand in for (`implementation_reason`): standard attention only. Transformers' own
+(eager, sdpa, flash, flex and their paged variants) and a kernels-hub flash kernel compute it; a function
+someone registered (``AttentionInterface.register``, an item set on ``ALL_ATTENTION_FUNCTIONS`` or on a
+modeling file's own ``AttentionInterface()``, under a new name or one of transformers') may compute
+anything, so such a model is refused at `patch` and a call after ``set_attn_implementation`` falls
+back. A function is judged by the module its code belongs to (``__globals__``, which ``functools.wraps``
+does not copy) along its ``__wrapped__`` chain.
 """
 
 from __future__ import annotations
 
-import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -28,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import transformers
 from transformers import AttentionInterface, PreTrainedConfig, modeling_utils
 
 import hfaccel.kernels.op  # noqa: F401  (registers torch.ops.hfaccel.paged_attention_v2)
@@ -237,7 +244,6 @@ _WRAPPED = "__hfaccel_thread_local__"
 _model_configs: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, dict[int, PreTrainedConfig]]] = (
     weakref.WeakKeyDictionary()
 )
-_TRANSFORMERS_DIR = os.path.dirname(transformers.__file__) + os.sep
 
 
 @contextmanager
@@ -271,10 +277,11 @@ def restore_attention(model: torch.nn.Module) -> None:
 
 
 def _configs_of(model: torch.nn.Module) -> frozenset[int]:
-    return frozenset(_config_objects(model))
+    return frozenset(config_objects(model))
 
 
-def _config_objects(model: torch.nn.Module) -> dict[int, PreTrainedConfig]:
+def config_objects(model: torch.nn.Module) -> dict[int, PreTrainedConfig]:
+    """Every config object `model` and its modules read, by id (found once per model)."""
     root = model.config
     cached = _model_configs.get(model)
     if cached is not None and cached[0] is root:
@@ -305,36 +312,96 @@ def stored_implementation(config: Any) -> Any:
     return stored(config)
 
 
-def _transformers_code(function: Any) -> bool:
-    """Whether `function` and every function it wraps (``__wrapped__``) has its code in transformers."""
-    while function is not None:
-        code = getattr(function, "__code__", None)
-        if code is None or not code.co_filename.startswith(_TRANSFORMERS_DIR):
+# The transformers modules whose attention functions compute standard attention (transformers 5.17 to
+# 5.24). Another module's function of transformers (a block-sparse hub wrapper, `msa_attention`) is not
+# taken for standard attention: a call falls back rather than be served different.
+STANDARD_MODULES = frozenset(
+    {
+        "transformers.integrations.sdpa_attention",
+        "transformers.integrations.flash_attention",
+        "transformers.integrations.flex_attention",
+        "transformers.integrations.sdpa_paged",
+        "transformers.integrations.flash_paged",
+        "transformers.integrations.eager_paged",
+        "transformers.integrations.npu_flash_attention",
+        "transformers.modeling_flash_attention_utils",
+    }
+)
+_PAGED = "paged|"
+
+# model -> (its config, the attention mappings its modules' files look names up in)
+_mappings: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, tuple[Any, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _module_of(function: Any) -> str:
+    globals_ = getattr(function, "__globals__", None)
+    return globals_.get("__name__", "") if isinstance(globals_, dict) else ""
+
+
+def _standard(function: Any) -> bool:
+    """Whether `function` computes standard attention: transformers' own of `STANDARD_MODULES` (through
+    any wrapper of transformers' own), or a hub kernel's ``flash_attn_forward`` (transformers registers
+    it for a kernel that says ``supports_flash_attn``)."""
+    if getattr(function, "__name__", None) == "flash_attn_forward":
+        kernel = sys.modules.get(getattr(function, "__module__", "") or "")
+        if kernel is not None and getattr(kernel, "supports_flash_attn", False):
+            return True
+    while True:
+        module = _module_of(function)
+        inner = getattr(function, "__wrapped__", None)
+        if inner is None:
+            return module in STANDARD_MODULES
+        if not module.startswith("transformers."):
             return False
-        function = getattr(function, "__wrapped__", None)
-    return True
+        function = inner
+
+
+def _where(function: Any) -> str:
+    """Where `function`'s own code is (a wrapper copies the wrapped function's names, not its code)."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return repr(function)
+    return f"{code.co_name} in {code.co_filename}:{code.co_firstlineno}"
+
+
+def _attention_mappings(model: torch.nn.Module) -> tuple[Any, ...]:
+    """transformers' mapping and every modeling file's own one that `model`'s modules come from."""
+    root = model.config
+    cached = _mappings.get(model)
+    if cached is not None and cached[0] is root:
+        return cached[1]
+    found = {id(modeling_utils.ALL_ATTENTION_FUNCTIONS): modeling_utils.ALL_ATTENTION_FUNCTIONS}
+    for name in {type(module).__module__ for module in model.modules()}:
+        mapping = getattr(sys.modules.get(name), "ALL_ATTENTION_FUNCTIONS", None)
+        if mapping is not None and hasattr(mapping, "get"):
+            found.setdefault(id(mapping), mapping)
+    mappings = tuple(found.values())
+    _mappings[model] = (root, mappings)
+    return mappings
 
 
 def implementation_reason(model: torch.nn.Module) -> str | None:
-    """Why the engine's attention would not compute what `model`'s own attention does (None: it would).
-
-    In an engine step the paged "hfaccel" function stands in for the attention function the model's
-    configs name. That computes what transformers' own functions compute (eager, sdpa, flash, flex,
-    paged: standard attention), and what the kernels hub's do (an "org/repo" name, flash attention from
-    the hub); not a function someone registered (``AttentionInterface.register`` or an item set on
-    ``ALL_ATTENTION_FUNCTIONS``, a transformers name included), which may compute anything."""
-    functions = modeling_utils.ALL_ATTENTION_FUNCTIONS  # the mapping the model files look names up in
-    for config in _config_objects(model).values():
+    """Why the engine's attention would not compute what `model`'s own attention does: a config names a
+    function that is not standard attention (None: every config's is). Read as a plain forward reads it:
+    the stored name, looked up in the mappings the model's files use (with transformers 5.24's reading
+    of a ``paged|`` name as the name after it); "eager" with nothing registered under it is the modeling
+    file's own eager attention."""
+    mappings = _attention_mappings(model)
+    for config in config_objects(model).values():
         name = stored_implementation(config)
-        if not isinstance(name, str) or name in ("eager", ATTENTION_NAME) or "/" in name:
+        if not isinstance(name, str) or name == ATTENTION_NAME:
             continue
-        function = functions.get(name)
-        if function is not None and not _transformers_code(function):
-            where = f"{getattr(function, '__module__', None)}.{getattr(function, '__qualname__', function)}"
-            return (
-                f"the model's attention implementation {name!r} is a function registered outside transformers "
-                f"({where}), which the engine's paged attention would replace with standard attention"
-            )
+        for mapping in mappings:
+            for key in dict.fromkeys((name, name.removeprefix(_PAGED))):
+                function = mapping.get(key)
+                if function is not None and not _standard(function):
+                    return (
+                        f"the model's attention implementation {name!r} is {_where(function)}, not one of "
+                        "transformers' standard attention functions: the engine's paged attention would "
+                        "replace it with standard attention"
+                    )
     return None
 
 

@@ -131,7 +131,7 @@ def _messages(body: ResponsesRequest) -> list[ChatMessage]:
         if kind in _TOOL_ITEMS:
             _fields(item, where, _TOOL_ITEMS[kind])
         if kind == "reasoning":
-            reasoning = " ".join(_texts(item.get("content") or item.get("summary") or [], f"{where}.content"))
+            reasoning = "".join(_texts(item.get("content") or item.get("summary") or [], f"{where}.content"))
         elif kind == "function_call":
             parse_arguments(
                 item["arguments"], f"{where}.arguments"

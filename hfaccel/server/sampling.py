@@ -52,8 +52,7 @@ def generate_kwargs(
         )
     room = max_model_len - prompt_tokens
     name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
-    if request.min_tokens and max_tokens is not None and request.min_tokens > max_tokens:  # vLLM's 400 too
-        raise APIError(400, f"min_tokens={request.min_tokens} is above {name}={max_tokens}", "min_tokens")
+    given = max_tokens is not None
     if max_tokens is None:
         max_tokens = min(room, limits.max_tokens)
     elif max_tokens > limits.max_tokens:
@@ -65,6 +64,9 @@ def generate_kwargs(
             f"{max_model_len} tokens",
             name,
         )
+    if request.min_tokens and request.min_tokens > max_tokens:  # vLLM's 400 too (it was cut to max_tokens)
+        most = f"{name}={max_tokens}" if given else f"the {max_tokens} tokens this prompt may have"
+        raise APIError(400, f"min_tokens={request.min_tokens} is above {most}", "min_tokens")
     if request.n > limits.max_n:
         raise APIError(400, f"n={request.n} is above this server's limit of {limits.max_n}", "n")
     kwargs: dict[str, Any] = {"max_new_tokens": max_tokens}

@@ -26,6 +26,7 @@ pytest.importorskip("fastapi")
         # the tiny chat template never renders tools: the request would silently ignore them
         ({"tools": [{"type": "function", "function": {"name": "lookup"}}]}, "tools"),
         ({"max_tokens": 3, "min_tokens": 5}, "min_tokens"),  # vLLM refuses it; it was cut to 3
+        ({"min_tokens": 100_000}, "min_tokens"),  # above what the context leaves: cut silently too
     ],
 )
 def test_a_request_that_would_be_misread_or_ignored_is_refused(served, body, param):
