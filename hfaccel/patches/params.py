@@ -142,7 +142,9 @@ def validate_values(config: GenerationConfig) -> None:
             # HF compares lengths with it (``max_new_tokens=4.0`` generates 4): the same int, served.
             value = int(value)
             setattr(config, name, value)
-        elif _integer_scalar(value):  # numpy's int64, a 0-d integer tensor: HF takes them as ints
+        elif _integer_scalar(value) or isinstance(value, bool):
+            # numpy's int64, a 0-d integer tensor, a bool: HF computes with them as the ints they are
+            # (``num_return_sequences=True`` gives one; as a bool it reached torch's repeat_interleave)
             value = int(value)
             setattr(config, name, value)
         if value is not None and not isinstance(value, (numbers.Integral, torch.Tensor)):

@@ -952,3 +952,20 @@ def test_integer_scalars_of_numpy_and_torch_are_served_as_ints(as_given):
     one = torch.tensor([REPEATS])  # prompt lookup's integers too (it fell back: "transformers refuses it")
     lookup = dict(max_new_tokens=6, prompt_lookup_num_tokens=as_given(2), max_matching_ngram_size=as_given(2))
     assert torch.equal(model.generate(one, **lookup), hf(model, inputs=one, **lookup))
+
+
+def test_a_bool_for_an_integer_is_the_int_it_is_for_transformers():
+    """``num_return_sequences=True`` gives HF one sequence (it reached torch's repeat_interleave as a
+    bool: a TypeError)."""
+    model = tiny_model("llama")
+    ids, mask = left_padded(PROMPTS[:2])
+    kwargs = dict(
+        input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=4, num_return_sequences=True
+    )
+    reference = hf(model, **kwargs)
+    patch(model, strict=True)
+    assert torch.equal(model.generate(**kwargs), reference)
+    results = hfaccel.generate(
+        model, PROMPTS[:1], max_new_tokens=3, num_return_sequences=True, progress=False
+    )
+    assert len(results) == 1 and len(results[0].token_ids) == 3
