@@ -378,14 +378,21 @@ def run_generate(args: argparse.Namespace) -> None:
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
         progress=sys.stderr.isatty(),
+        errors="return",  # a refused prompt is named beside the answers of the others
         **sampling,
     )
-    for prompt, completion in zip(prompts, completions):
+    refused = []
+    for index, (prompt, completion) in enumerate(zip(prompts, completions)):
         if len(prompts) > 1:
             print(f"> {prompt}")
-        print(completion.text.strip())
+        if completion.finish_reason == "error":
+            refused.append(f"prompt {index + 1} ({prompt!r}) refused: {completion.error}")
+        else:
+            print(completion.text.strip())
         if len(prompts) > 1:
             print()
+    if refused:
+        raise _CleanError("; ".join(refused))
 
 
 if __name__ == "__main__":

@@ -246,6 +246,28 @@ def test_no_prompts_on_stdin(model_folder, capsys, monkeypatch):
     assert "no prompts on stdin (one per line)" in capsys.readouterr().err
 
 
+def test_a_refused_prompt_is_named_and_the_others_are_answered(model_folder, capsys):
+    """It was one line pointing at `.completions` (an attribute a command line cannot reach), naming the
+    tensor an empty prompt became."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "generate",
+                "--model",
+                str(model_folder),
+                "--no-chat-template",
+                "--max-new-tokens",
+                "3",
+                "",
+                "hi",
+            ]
+        )
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert "prompt 1 ('') refused: the prompt is empty: its text encodes to no token" in err
+    assert ".completions" not in err and "> hi\n" in out and out.split("> hi\n")[1].strip()
+
+
 def test_serve_answers_over_http_and_stops_cleanly_on_sigterm(model_folder):
     """`python -m hfaccel serve MODEL_DIR`: the folder's model under its folder name, on 127.0.0.1, a chat
     answer equal to hfaccel.generate's; SIGTERM shuts it down gracefully (uvicorn then re-raises the

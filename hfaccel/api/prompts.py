@@ -134,7 +134,10 @@ def encode_prompt(prompt: Prompt, tokenizer: Any) -> list[int]:
             raise ValueError("a string prompt needs tokenizer= to encode it")
         if not callable(tokenizer):
             raise TypeError(f"tokenizer must be a transformers tokenizer, got {type(tokenizer).__name__}")
-        return list(tokenizer(prompt)["input_ids"])
+        ids = list(tokenizer(prompt)["input_ids"])
+        if not ids:  # (the planner would name the tensor it became)
+            raise ValueError("the prompt is empty: its text encodes to no token")
+        return ids
     if isinstance(prompt, Mapping):
         raise ValueError(f"a prompt is a dict (a tokenizer's output?): {DICT_PROMPT}")
     if _is_array(prompt) and prompt.dtype.kind in "iu":
