@@ -263,6 +263,14 @@ class BlockManager:
             return None
         return self._key(_root(request), tokens, 0)
 
+    def next_block_key(self, request: Request) -> tuple[int, tuple[int, ...]] | None:
+        """The cache key of the first block `request` computes, after `match_prefix` shared what was
+        cached, if that block could ever be shared (a full block before its last token)."""
+        tokens, index = request.all_token_ids, request.num_hashed_blocks
+        if not self.enable_prefix_caching or index >= (len(tokens) - 1) // self.block_size:
+            return None
+        return self._key(request.prefix_hash, tokens, index)
+
     def prefix_keys(self, request: Request) -> list[tuple[int, tuple[int, ...]]]:
         """The cache keys of `request`'s leading full blocks that `match_prefix` may share (a pure
         function of its tokens: callers may keep it)."""

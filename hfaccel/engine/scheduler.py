@@ -384,7 +384,7 @@ class Scheduler:
 
     def _admit(self, budget: int, chosen: list[tuple[Request, int]], draining: bool) -> None:
         queue = self._admission_queue(draining)
-        computing: set = set()  # first blocks of prompts admitted uncached in this step
+        computing: set = set()  # the first block each prompt admitted in this step computes
         timed, adaptive = self._time, self._adaptive_admission()
         batch = self.latency.batch_check() if adaptive else None
         prefix_aware = (
@@ -408,12 +408,16 @@ class Scheduler:
             if batch is not None and not batch.admits(request, len(self.running)):
                 break  # the decode batch it would join is predicted to miss a TPOT target
             cached = self.block_manager.match_prefix(request)
-            first = self.block_manager.first_block_key(request) if cached == 0 else None
+            first = self.block_manager.next_block_key(request)
             if first is not None and first in computing:
-                # Its prefix is being computed right now: admitted next step, it shares those blocks
-                # (copies of one prompt, num_return_sequences) instead of computing them again.
-                if prefix_aware and request.passed_over < self.config.max_passed_over:
-                    self.block_manager.free(request)
+                # What it would compute next is being computed right now (copies of one prompt,
+                # num_return_sequences, also after a shared instruction already cached): admitted next
+                # step, it shares those blocks instead of computing them again.
+                # Those behind it go on (another prompt's copies are not held back by these), but not
+                # past a preempted request, nor one passed over too often (prefix-aware admission).
+                self.block_manager.free(request)  # the matched prefix back: shared again next step
+                passed = prefix_aware and request.passed_over >= self.config.max_passed_over
+                if request.num_preemptions == 0 and not passed:
                     index += 1
                     continue
                 break

@@ -52,10 +52,10 @@ CONFIG = EngineConfig(
     long_prefill_token_threshold=6,
 )
 STEPS = {
-    1: "admit with a prefix hit, chunked prompts",
-    6: "preempt",
-    9: "finish three",
-    10: "admit, prefix hits",
+    0: "admit four, chunked prompts (two copies of a prefix being computed wait)",
+    7: "preempt, finish one",
+    9: "admit with prefix hits, a chunked prompt",
+    16: "finish two",
 }
 STRIDE = 1 if FULL else 61  # about 40 of the ~2,400 line events by default
 
@@ -110,10 +110,10 @@ def test_reference_workload_covers_the_cases_it_claims():
     while engine.has_unfinished_requests():
         finished = engine.step(draining=True)
         stats.append((engine.step_stats[-1], len(finished)))
-    assert stats[1][0].prefix_hit_tokens > 0 and stats[1][0].num_prefill_tokens > 0
-    assert stats[6][0].num_preemptions > 0
-    assert stats[9][1] == 3
-    assert stats[10][0].prefix_hit_tokens > 0
+    assert stats[0][0].num_seqs == 4 and stats[0][0].num_prefill_tokens > 0
+    assert stats[7][0].num_preemptions > 0 and stats[7][1] == 1
+    assert stats[9][0].prefix_hit_tokens > 0 and stats[9][0].num_prefill_tokens > 0
+    assert stats[16][1] == 2
     for prompt, request in zip(PROMPTS, requests):
         assert_same_or_near_tie(MODEL, prompt, request.output_token_ids, hf_reference(tuple(prompt)))
 

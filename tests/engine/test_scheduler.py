@@ -177,6 +177,38 @@ def test_prefix_cache_is_shared_at_admission_and_kept_after_free():
     assert third.num_cached_prompt_tokens == 8 and dict(zip(step.requests, step.num_tokens))[third] == 4
 
 
+def test_copies_after_a_cached_instruction_wait_a_step_and_share_their_own_blocks():
+    """GRPO's shape: prompts behind a cached instruction, each repeated. The first copy of each prompt
+    computes its own blocks; the others wait one step and share them (they computed the same blocks
+    side by side before: only a copy whose first block was being computed waited), and another prompt's
+    first copy is not held back behind them (before, it waited a step too)."""
+    sched = scheduler(prefix=True, max_num_batched_tokens=64)
+    instruction = list(range(10, 18))  # two full blocks of 4
+    simulate(sched, [Request("warm", instruction + [1], StoppingParams(max_new_tokens=1))])
+    prompts = {
+        name: instruction + suffix
+        for name, suffix in (("p", [20, 21, 22, 23, 24]), ("q", [30, 31, 32, 33, 34]))
+    }
+    copies = [
+        Request(f"{name}{i}", tokens, StoppingParams(max_new_tokens=2))
+        for name, tokens in prompts.items()
+        for i in range(3)
+    ]
+    for request in copies:
+        sched.add(request)
+    hits = sched.block_manager.stats.hit_tokens
+    first = run_step(sched)
+    assert [r.request_id for r in first.requests] == ["p0", "q0"]  # each computes its third block once
+    assert sched.block_manager.stats.hit_tokens - hits == 2 * 8
+    second = run_step(sched)
+    assert {r.request_id for r in second.requests} == {"p0", "q0", "p1", "p2", "q1", "q2"}
+    assert all(r.num_cached_prompt_tokens == 12 for r in copies if r.request_id[1] != "0")
+    assert sched.block_manager.stats.hit_tokens - hits == 2 * 8 + 4 * 12
+    while sched.has_unfinished():
+        run_step(sched)
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
 def test_request_larger_than_the_cache_is_refused_with_the_need():
     sched = scheduler(num_blocks=2)
     with pytest.raises(
