@@ -408,12 +408,9 @@ class Scheduler:
             if batch is not None and not batch.admits(request, len(self.running)):
                 break  # the decode batch it would join is predicted to miss a TPOT target
             cached = self.block_manager.match_prefix(request)
-            first = self.block_manager.next_block_key(request)
-            if first is not None and first in computing:
-                # What it would compute next is being computed right now (copies of one prompt,
-                # num_return_sequences, also after a shared instruction already cached): admitted next
-                # step, it shares those blocks instead of computing them again.
-                # Those behind it go on (another prompt's copies are not held back by these), but not
+            if (first := self.block_manager.next_block_key(request)) is not None and first in computing:
+                # What it would compute next is being computed now (copies of a prompt, also past a
+                # cached instruction): next step it shares those blocks. Those behind it go on, but not
                 # past a preempted request, nor one passed over too often (prefix-aware admission).
                 self.block_manager.free(request)  # the matched prefix back: shared again next step
                 passed = prefix_aware and request.passed_over >= self.config.max_passed_over
