@@ -271,6 +271,15 @@ class BlockManager:
             return None
         return self._key(request.prefix_hash, tokens, index)
 
+    def chunk_keys(self, request: Request, count: int) -> list[tuple[int, tuple[int, ...]]]:
+        """The cache keys of the shareable blocks that `count` tokens of `request` from its computed ones
+        write this step (the last one maybe in part): a request admitted beside it that would compute
+        one of them waits a step and shares it."""
+        start, size = request.num_computed_tokens, self.block_size
+        if not self.enable_prefix_caching or count < 2 or start >= len(request.prompt_token_ids):
+            return []  # (decode rows write no block another prompt may share)
+        return self.prefix_keys(request)[start // size : -(-(start + count) // size)]
+
     def prefix_keys(self, request: Request) -> list[tuple[int, tuple[int, ...]]]:
         """The cache keys of `request`'s leading full blocks that `match_prefix` may share (a pure
         function of its tokens: callers may keep it)."""

@@ -2,7 +2,7 @@
 
 Each microbatch passes through the model on its own: its own tokens, positions, sampled rows and
 attention layout. A sequence's tokens of a step never straddle two microbatches, so its KV writes stay
-in its microbatch, and no microbatch reads KV another one writes in the same step (a prompt whose first
+in its microbatch, and no microbatch reads KV another one writes in the same step (a prompt whose next
 block is being computed in a step is never admitted beside it: the scheduler defers it). Pipeline
 parallelism streams these microbatches through its stages; on one process they simply run in turn.
 """

@@ -384,7 +384,7 @@ class Scheduler:
 
     def _admit(self, budget: int, chosen: list[tuple[Request, int]], draining: bool) -> None:
         queue = self._admission_queue(draining)
-        computing: set = set()  # the first block each prompt admitted in this step computes
+        computing = {key for r, n in chosen for key in self.block_manager.chunk_keys(r, n)}  # grows below
         timed, adaptive = self._time, self._adaptive_admission()
         batch = self.latency.batch_check() if adaptive else None
         prefix_aware = (
@@ -392,7 +392,7 @@ class Scheduler:
         )
         shared = self.admission_order.running_prefill_keys() if prefix_aware else []
         admitted: list[Request] = []
-        index = 0  # stays 0 unless a request is held back for a prefix being computed (prefix-aware)
+        index = 0  # past the requests held back this step (a block they need is being computed)
         # A beam request (one sequence until its prompt is computed) holds seats for all its beams.
         seats = len(self.running) + sum(_seats(r) - 1 for r in self.running if r.beam_group is not None)
         while index < len(queue) and budget > 0 and seats < self.max_num_seqs:
@@ -415,7 +415,7 @@ class Scheduler:
                 self.block_manager.free(request)  # the matched prefix back: shared again next step
                 passed = prefix_aware and request.passed_over >= self.config.max_passed_over
                 if request.num_preemptions == 0 and not passed:
-                    index += 1
+                    index, seats = index + 1, seats + _seats(request)  # its seat kept for next step
                     continue
                 break
             # Imported K/V (engine/prompt_inputs.py) counts as computed; the engine writes it this step.

@@ -42,20 +42,20 @@ PROMPTS = [
     list(range(80, 87)),
 ]
 NEXT_PROMPT = SHARED + [90, 91]  # after the fault: shares cached blocks with the requests before it
-# 14 blocks of 4 tokens, chunks of at most 6 tokens: the reference run admits with prefix hits, chunks
+# 12 blocks of 4 tokens, chunks of at most 6 tokens: the reference run admits with prefix hits, chunks
 # prompts, preempts, and finishes requests; these are its steps that do each (see `test_reference`).
 CONFIG = EngineConfig(
     block_size=4,
     max_num_seqs=4,
     max_num_batched_tokens=16,
-    kv_cache_memory=14 * 1024,
+    kv_cache_memory=12 * 1024,
     long_prefill_token_threshold=6,
 )
 STEPS = {
-    0: "admit four, chunked prompts (two copies of a prefix being computed wait)",
-    7: "preempt, finish one",
-    9: "admit with prefix hits, a chunked prompt",
-    16: "finish two",
+    1: "chunked prompts; two copies of a prefix being computed wait (matched, then given back)",
+    2: "admit with a prefix hit",
+    6: "preempt",
+    9: "admit with prefix hits, finish one",
 }
 STRIDE = 1 if FULL else 61  # about 40 of the ~2,400 line events by default
 
@@ -110,10 +110,10 @@ def test_reference_workload_covers_the_cases_it_claims():
     while engine.has_unfinished_requests():
         finished = engine.step(draining=True)
         stats.append((engine.step_stats[-1], len(finished)))
-    assert stats[0][0].num_seqs == 4 and stats[0][0].num_prefill_tokens > 0
-    assert stats[7][0].num_preemptions > 0 and stats[7][1] == 1
-    assert stats[9][0].prefix_hit_tokens > 0 and stats[9][0].num_prefill_tokens > 0
-    assert stats[16][1] == 2
+    assert stats[1][0].num_prefill_tokens > 0 and stats[1][0].num_seqs == 3  # two copies wait
+    assert stats[2][0].prefix_hit_tokens > 0 and stats[2][0].num_prefill_tokens > 0
+    assert stats[6][0].num_preemptions > 0
+    assert stats[9][0].prefix_hit_tokens > 0 and stats[9][1] == 1
     for prompt, request in zip(PROMPTS, requests):
         assert_same_or_near_tie(MODEL, prompt, request.output_token_ids, hf_reference(tuple(prompt)))
 

@@ -209,6 +209,33 @@ def test_copies_after_a_cached_instruction_wait_a_step_and_share_their_own_block
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
 
+def test_a_waiting_copy_keeps_its_seat_for_the_next_step():
+    """Found by a review: the seat a waiting copy left was taken by a later request, and the copy then
+    waited for a whole generation (a priority-0 copy behind a priority-5 request, FCFS broken)."""
+    sched = scheduler(prefix=True, max_num_seqs=2)
+    a0, a1 = (Request(f"a{i}", list(range(10, 22)), StoppingParams(max_new_tokens=30)) for i in range(2))
+    later = Request("later", list(range(40, 52)), StoppingParams(max_new_tokens=30))
+    for request in (a0, a1, later):
+        sched.add(request)
+    assert [r.request_id for r in run_step(sched).requests] == ["a0"]
+    assert [r.request_id for r in run_step(sched).requests] == ["a0", "a1"]
+    assert a1.num_cached_prompt_tokens == 8 and later in sched.waiting
+
+
+def test_a_prompt_chunked_over_steps_is_shared_by_a_request_admitted_meanwhile():
+    """Found by a review: a request admitted while another still computed their common prefix chunk by
+    chunk took what was cached so far, then computed the rest beside it."""
+    sched = scheduler(prefix=True, long_prefill_token_threshold=8)
+    shared = list(range(10, 34))  # 6 full blocks, computed 8 tokens a step
+    first = Request("first", shared + [1, 2], StoppingParams(max_new_tokens=2))
+    second = Request("second", shared + [3, 4], StoppingParams(max_new_tokens=2))
+    sched.add(first)
+    run_step(sched)
+    sched.add(second)
+    simulate(sched, [])
+    assert second.num_cached_prompt_tokens == 24
+
+
 def test_request_larger_than_the_cache_is_refused_with_the_need():
     sched = scheduler(num_blocks=2)
     with pytest.raises(
