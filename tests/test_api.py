@@ -1,5 +1,6 @@
 """The public API: patch / unpatch / generate."""
 
+import importlib
 import warnings
 
 import pytest
@@ -34,6 +35,11 @@ def test_public_names():
         "unpatch",
     ]
     assert callable(hfaccel.serve) and hfaccel.serve.__module__ == "hfaccel.server.server"  # loaded when used
+    for name in hfaccel.__all__:  # each lazy name is its home's object (the names are listed once there)
+        home = hfaccel._HOMES.get(name, "hfaccel.server")
+        assert getattr(hfaccel, name) is getattr(importlib.import_module(home), name), name
+    api = importlib.import_module("hfaccel.api")
+    assert {n for n, home in hfaccel._HOMES.items() if home == "hfaccel.api"} <= set(api.__all__)
 
 
 def test_patch_is_idempotent_and_unpatch_restores_exactly():

@@ -61,11 +61,21 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def matmul_floor(model: Any, batch_size: int) -> Callable[[], None]:
-    """A function that applies every Linear of `model` once to ``[batch_size, in_features]``."""
+def matmul_floor(model: Any, batch_size: int, head_rows: int | None = None) -> Callable[[], None]:
+    """A function that applies every Linear of `model` once to ``[batch_size, in_features]`` (the LM head
+    to ``[head_rows, in_features]`` where given: a step's head sees only its sampled rows)."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings()
     param = next(model.parameters())
-    inputs = [torch.randn(batch_size, m.in_features, dtype=param.dtype, device=param.device) for m in linears]
+    inputs = [
+        torch.randn(
+            head_rows if head_rows is not None and m is head else batch_size,
+            m.in_features,
+            dtype=param.dtype,
+            device=param.device,
+        )
+        for m in linears
+    ]
 
     @torch.inference_mode()
     def run() -> None:

@@ -24,36 +24,24 @@ from typing import Any
 import torch
 
 from hfaccel.bench.machine import cpu_description
-
-
-def _linears(model: Any) -> tuple[list[torch.nn.Linear], torch.nn.Linear]:
-    """The model's Linear layers: every one but the LM head, and the LM head."""
-    head = model.get_output_embeddings()
-    body = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
-    return body, head
+from hfaccel.bench.step import matmul_floor
 
 
 class FloorTimer:
     """Times the matmul floor of a step shape (computed tokens, sampled rows), once per shape a round."""
 
     def __init__(self, model: Any, repeats: int = 3) -> None:
-        self.body, self.head = _linears(model)
-        self.dtype = self.head.weight.dtype
-        self.repeats = repeats
+        self.model, self.repeats = model, repeats
         self.seconds: dict[tuple[int, int], float] = {}
 
-    @torch.inference_mode()
     def _time(self, tokens: int, rows: int) -> float:
-        inputs = [torch.randn(tokens, m.in_features, dtype=self.dtype) for m in self.body]
-        head_input = torch.randn(rows, self.head.in_features, dtype=self.dtype)
+        run = matmul_floor(self.model, tokens, head_rows=rows)  # (runs once: the allocator and caches warm)
         runs = []
-        for _ in range(self.repeats + 1):  # the first run warms the allocator and the caches
+        for _ in range(self.repeats):
             start = time.perf_counter()
-            for module, x in zip(self.body, inputs):
-                module(x)
-            self.head(head_input)
+            run()
             runs.append(time.perf_counter() - start)
-        return statistics.median(runs[1:])
+        return statistics.median(runs)
 
     def measure(self, shapes: set[tuple[int, int]]) -> None:
         """(Re)time the floor of every shape given, replacing earlier times."""

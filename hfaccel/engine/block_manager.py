@@ -256,13 +256,6 @@ class BlockManager:
         """Whether every one of `keys` names a cached block."""
         return all(key in self._cached for key in keys)
 
-    def first_block_key(self, request: Request) -> tuple[int, tuple[int, ...]] | None:
-        """The cache key of `request`'s first block, if that block could ever be shared."""
-        tokens = request.all_token_ids
-        if not self.enable_prefix_caching or (len(tokens) - 1) // self.block_size < 1:
-            return None
-        return self._key(_root(request), tokens, 0)
-
     def next_block_key(self, request: Request) -> tuple[int, tuple[int, ...]] | None:
         """The cache key of the first block `request` computes, after `match_prefix` shared what was
         cached, if that block could ever be shared (a full block before its last token)."""
@@ -278,7 +271,15 @@ class BlockManager:
         start, size = request.num_computed_tokens, self.block_size
         if not self.enable_prefix_caching or count < 2 or start >= len(request.prompt_token_ids):
             return []  # (decode rows write no block another prompt may share)
-        return self.prefix_keys(request)[start // size : -(-(start + count) // size)]
+        tokens, keys = request.all_token_ids, []
+        end = min(-(-(start + count) // size), (len(tokens) - 1) // size)
+        parent = request.prefix_hash if request.num_hashed_blocks else _root(request)
+        for index in range(request.num_hashed_blocks, end):  # the chain from where the request got to
+            key = self._key(parent, tokens, index)
+            parent = hash(key)
+            if index >= start // size:
+                keys.append(key)
+        return keys
 
     def prefix_keys(self, request: Request) -> list[tuple[int, tuple[int, ...]]]:
         """The cache keys of `request`'s leading full blocks that `match_prefix` may share (a pure

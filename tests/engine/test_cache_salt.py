@@ -27,7 +27,7 @@ def test_equal_salts_share_and_different_salts_do_not():
         again = admit(manager, salt, request_id=1)
         assert again.num_cached_prompt_tokens == 12
         assert again.block_ids[:3] == earlier.block_ids[:3]
-    keys = {salt: manager.first_block_key(r) for salt, r in first.items()}
+    keys = {salt: manager.prefix_keys(r)[0] for salt, r in first.items()}
     assert len(set(keys.values())) == 3 and keys[None][0] == 0, "an unsalted request keeps the plain key"
 
 

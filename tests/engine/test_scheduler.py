@@ -231,6 +231,8 @@ def test_a_prompt_chunked_over_steps_is_shared_by_a_request_admitted_meanwhile()
     second = Request("second", shared + [3, 4], StoppingParams(max_new_tokens=2))
     sched.add(first)
     run_step(sched)
+    manager = sched.block_manager  # what its next chunk computes: blocks 2 and 3, chained from its own
+    assert manager.chunk_keys(first, 8) == manager.prefix_keys(first)[2:4]
     sched.add(second)
     simulate(sched, [])
     assert second.num_cached_prompt_tokens == 24
